@@ -1,0 +1,23 @@
+"""gpurt: NCCL-class collectives for Python on NumPy (and soon CuPy/PyTorch GPU) arrays,
+moved by pluggable transports, with MPI (mpi4py) as the control plane.
+
+    import gpurt
+    comm = gpurt.init()
+    y = comm.allreduce(x)            # in place, op=gpurt.SUM
+"""
+
+from __future__ import annotations
+
+from ._version import __version__
+from .comm import Communicator, init
+from .errors import (CollectiveMismatchError, CollectiveTimeout, CommunicatorClosed, GpurtError,
+                     PeerFailure, ResourceError, TransportError)
+from .executor import Request
+from .ops import AVG, BAND, BOR, BXOR, MAX, MIN, PROD, SUM, Op
+
+__all__ = [
+    "__version__", "init", "Communicator", "Request", "Op",
+    "SUM", "PROD", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR",
+    "GpurtError", "CollectiveTimeout", "PeerFailure", "CollectiveMismatchError",
+    "TransportError", "ResourceError", "CommunicatorClosed",
+]

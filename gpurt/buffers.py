@@ -1,0 +1,147 @@
+"""Any array -> ``Buf``: pointer, bytes, dtype, count, memory kind, device.
+
+Nothing below ``gpurt.comm`` sees user objects: they are resolved here once per call.
+Recognised, in this order:
+
+1. ``__cuda_array_interface__`` (CuPy, Numba, PyTorch CUDA tensors): kind ``"cuda"``;
+2. ``__dlpack__`` with ``__dlpack_device__``: CPU -> a NumPy view (PyTorch CPU tensors),
+   CUDA -> kind ``"cuda"``;
+3. ``numpy.ndarray`` and anything with the buffer protocol (``array.array``,
+   ``memoryview``, ``bytearray``): kind ``"host"``.
+
+Host buffers carry ``array``: a flat, C-contiguous NumPy view of the user's memory
+(no copy).  Device buffers are described (pointer, dtype, count, device) and rejected
+by the communicator until a device transport is installed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .ops import BFLOAT16, check_dtype
+
+_DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13
+
+# __cuda_array_interface__ typestr -> dtype (bfloat16 has no NumPy typestr of its own)
+_CAI_BF16 = ("<V2", "|V2")
+
+
+@dataclass(frozen=True, eq=False)
+class Buf:
+    kind: str              # "host" or "cuda"
+    ptr: int
+    nbytes: int
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    readonly: bool
+    owner: Any             # the user's object, kept alive while the Buf lives
+    array: np.ndarray | None = None   # host: flat typed view of the same memory
+    device: int = -1
+    stream: int | None = None
+
+    @property
+    def count(self) -> int:
+        return self.nbytes // self.dtype.itemsize if self.dtype.itemsize else 0
+
+    def describe(self) -> str:
+        return f"{self.kind} {self.dtype}[{self.count}]"
+
+
+def _host(arr: np.ndarray, owner: Any, what: str) -> Buf:
+    if not arr.flags.c_contiguous:
+        raise ValueError(f"{what} is not C-contiguous (strides {arr.strides} for shape "
+                         f"{arr.shape}); pass a contiguous array, e.g. numpy.ascontiguousarray()")
+    dtype = check_dtype(arr.dtype)
+    flat = arr.reshape(-1)
+    ptr = arr.__array_interface__["data"][0]
+    return Buf("host", ptr, arr.nbytes, dtype, tuple(arr.shape), not arr.flags.writeable,
+               owner, flat)
+
+
+def _cuda(cai: dict, owner: Any, what: str) -> Buf:
+    typestr = cai["typestr"]
+    if typestr in _CAI_BF16 and BFLOAT16 is not None:
+        dtype = BFLOAT16
+    else:
+        dtype = check_dtype(np.dtype(typestr))
+    shape = tuple(cai["shape"])
+    strides = cai.get("strides")
+    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    if strides is not None and count > 1:
+        expect, acc = [], dtype.itemsize
+        for dim in reversed(shape):
+            expect.append(acc)
+            acc *= dim
+        if tuple(reversed(expect)) != tuple(strides) and not any(s == 1 for s in shape):
+            raise ValueError(f"{what} is not C-contiguous (strides {strides} for shape {shape})")
+    ptr, ro = cai["data"]
+    return Buf("cuda", int(ptr), count * dtype.itemsize, dtype, shape, bool(ro), owner,
+               None, -1, cai.get("stream"))
+
+
+def as_buf(x: Any, what: str = "x") -> Buf:
+    """Resolve ``x`` (``what`` names the argument in error messages) to a ``Buf``."""
+    if isinstance(x, Buf):
+        return x
+    if isinstance(x, np.ndarray):
+        return _host(x, x, what)
+    cai = getattr(x, "__cuda_array_interface__", None)
+    if cai is not None:
+        return _cuda(cai, x, what)
+    if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
+        dev_type, dev_id = x.__dlpack_device__()
+        if int(dev_type) in (_DL_CPU, _DL_CUDA_HOST):
+            try:
+                arr = np.from_dlpack(x)
+            except (BufferError, TypeError, RuntimeError) as e:
+                raise TypeError(f"{what}: cannot view {type(x).__name__} through DLPack: {e}") from e
+            return _host(arr, x, what)
+        if int(dev_type) in (_DL_CUDA, _DL_CUDA_MANAGED):
+            raise TypeError(f"{what}: a CUDA DLPack tensor without __cuda_array_interface__ "
+                            f"({type(x).__name__}); device buffers need the cuda_ipc transport")
+        raise TypeError(f"{what}: DLPack device type {dev_type} is not supported")
+    try:
+        mv = memoryview(x)
+    except TypeError:
+        raise TypeError(f"{what}: {type(x).__name__} is not an array (it has neither the "
+                        f"buffer protocol, __dlpack__ nor __cuda_array_interface__)") from None
+    try:
+        arr = np.asarray(mv)
+    except (ValueError, TypeError) as e:
+        raise TypeError(f"{what}: buffer format {mv.format!r} is not understood: {e}") from None
+    return _host(arr, x, what)
+
+
+def check_writable(b: Buf, what: str) -> None:
+    if b.readonly:
+        raise ValueError(f"{what} is read-only; the result must be written into it "
+                         f"(pass a writable array)")
+
+
+def empty_like(b: Buf, count: int, shape: tuple[int, ...] | None = None) -> tuple[Any, Buf]:
+    """A new array of the same kind and dtype as ``b`` with ``count`` elements
+    (``shape`` if given): a PyTorch tensor for a PyTorch input (``new_empty``),
+    else a NumPy array."""
+    if b.kind != "host":
+        raise TypeError(f"cannot allocate {b.kind} memory yet")
+    shape = shape if shape is not None else (count,)
+    new_empty = getattr(b.owner, "new_empty", None)
+    if new_empty is not None and not isinstance(b.owner, np.ndarray):
+        obj = new_empty(shape)
+        return obj, as_buf(obj, "out")
+    arr = np.empty(shape, dtype=b.dtype)
+    return arr, _host(arr, arr, "out")
+
+
+def overlaps(a: Buf, b: Buf) -> bool:
+    """Do two buffers share any byte?"""
+    if a.kind != b.kind or a.nbytes == 0 or b.nbytes == 0:
+        return False
+    return a.ptr < b.ptr + b.nbytes and b.ptr < a.ptr + a.nbytes
+
+
+def same(a: Buf, b: Buf) -> bool:
+    return a.kind == b.kind and a.ptr == b.ptr and a.nbytes == b.nbytes

@@ -1,0 +1,588 @@
+"""The public communicator: argument checks, then one funnel (``_submit``) into the engine.
+
+Semantics shared by every collective
+------------------------------------
+* Buffers: NumPy arrays, anything with the buffer protocol, DLPack CPU tensors (PyTorch),
+  C-contiguous.  Results are written into ``out``; with ``out=None`` an in-place
+  collective (allreduce, broadcast, reduce on the root) writes into ``x``, and the others
+  allocate a new array of the same kind as ``x`` and return it.
+* Every blocking call takes ``timeout=`` (seconds, default ``GPURT_TIMEOUT``); the
+  ``i``-variants return a ``Request`` (``wait(timeout)``, ``test()``).
+* Collectives on one communicator run in call order, one at a time; every rank must
+  call the same collectives in the same order with matching arguments.  A message whose
+  call number, kind, dtype, size, op or root differs from what the receiver posted is a
+  ``CollectiveMismatchError``.
+* Not thread-safe: use one communicator per thread (``dup``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import socket
+import weakref
+import zlib
+from typing import Any
+
+import numpy as np
+
+from . import config
+from .buffers import Buf, as_buf, check_writable, empty_like, overlaps, same
+from .errors import CollectiveTimeout, CommunicatorClosed, GpurtError, TransportError
+from .executor import Engine, Request, _Run
+from .ops import Op, as_op, check_op, host_finalize, reducer
+from .schedule import Recv, Schedule, Send, Slice
+from .topology import Topology
+from .tuner import Tuner, transport_cost
+
+_LIVE: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
+_WORLD: "Communicator | None" = None
+
+
+def _mpi():
+    from mpi4py import MPI
+    return MPI
+
+
+class Communicator:
+    """A group of ranks that run collectives together; wraps an mpi4py intracommunicator.
+
+    Construction is collective over ``mpi_comm``: it duplicates it (gpurt's control-plane
+    traffic never mixes with the application's), finds the nodes, and connects a transport
+    to every peer (``shm`` inside a node).
+    """
+
+    def __init__(self, mpi_comm: Any = None, *, _owned: bool = False):
+        MPI = _mpi()
+        if mpi_comm is None:
+            mpi_comm = MPI.COMM_WORLD
+        if not isinstance(mpi_comm, MPI.Comm) or mpi_comm == MPI.COMM_NULL:
+            raise TypeError(f"gpurt.Communicator needs an mpi4py intracommunicator, "
+                            f"got {mpi_comm!r}")
+        if mpi_comm.Is_inter():
+            raise TypeError("gpurt.Communicator needs an intracommunicator (got an "
+                            "intercommunicator; Merge() it first)")
+        self._closed = False
+        self._transports: list = []
+        self.mpi = mpi_comm if _owned else mpi_comm.Dup()
+        self.rank: int = self.mpi.Get_rank()
+        self.size: int = self.mpi.Get_size()
+        self.node_comm = self.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        leader = self.node_comm.bcast(self.rank, 0)
+        info = self.mpi.allgather((leader, socket.gethostname(), os.getpid()))
+        self.topo = Topology.from_ids([i[0] for i in info], [i[1] for i in info])
+        self.pids = tuple(i[2] for i in info)
+        self.node: int = self.topo.node_of[self.rank]
+        self.nnodes: int = self.topo.nnodes
+        self.local_rank: int = self.topo.local_rank(self.rank)
+        self.local_size: int = len(self.topo.local_ranks[self.node])
+        self._seq = 0
+        self._scratch = np.empty(0, np.uint8)
+        try:
+            self._connect()
+            self.engine = Engine(self.rank, lambda: float(config.get("GPURT_TIMEOUT")),
+                                 self._check_peers)
+            self.tuner = Tuner(self.size, self.rank, tuple(range(self.size)), self._cost())
+        except BaseException:
+            self._release()
+            raise
+        _LIVE.add(self)
+
+    # -- set-up ----------------------------------------------------------------
+    def _connect(self) -> None:
+        from gpurt.transports import selected
+
+        classes = selected()
+        self.transport_of: dict[int, str] = {}
+        chosen: dict[str, list[int]] = {name: [] for name, _ in classes}
+        instances = {name: cls() for name, cls in classes}
+        missing = []
+        for peer in range(self.size):
+            if peer == self.rank:
+                continue
+            for name, _ in classes:
+                if instances[name].can_connect(self.topo, self.rank, peer):
+                    chosen[name].append(peer)
+                    self.transport_of[peer] = name
+                    break
+            else:
+                missing.append(peer)
+        # every rank calls every transport's connect: each is collective in its own scope
+        self.endpoints: dict[int, Any] = {}
+        errors = []
+        for name, _ in classes:
+            try:
+                self.endpoints.update(instances[name].connect(chosen[name], self))
+                self._transports.append(instances[name])
+            except GpurtError as e:
+                errors.append(str(e))
+        errors = [e for errs in self.mpi.allgather(errors) for e in errs]
+        if missing:
+            errors.append(self._unreachable(missing, [n for n, _ in classes]))
+        errors = [e for errs in self.mpi.allgather(errors if missing else []) for e in errs] \
+            if not errors or missing else errors
+        if errors:
+            raise TransportError("; ".join(dict.fromkeys(errors)))
+
+    def _unreachable(self, missing: list[int], names: list[str]) -> str:
+        from gpurt.transports import PLANNED
+
+        peer = missing[0]
+        why = [f"{n}: not on the same node" if n == "shm" else f"{n}: cannot connect" for n in names]
+        why += [f"{n}: {r}" for n, r in PLANNED.items() if n in ("tcp", "verbs")]
+        return (f"rank {self.rank} (node {self.node}) has no transport to rank {peer} "
+                f"(node {self.topo.node_of[peer]})" +
+                (f" and {len(missing) - 1} more" if len(missing) > 1 else "") +
+                " [" + "; ".join(why) + "]")
+
+    def _cost(self):
+        used = set(self.transport_of.values()) or {"self"}
+        costs = [transport_cost(n) for n in used]
+        return max(costs, key=lambda c: (c.alpha, c.beta))
+
+    def _check_peers(self, peers: list[int]) -> None:
+        for p in peers:
+            ep = self.endpoints.get(p)
+            if ep is not None:
+                ep.check()
+
+    # -- properties --------------------------------------------------------------
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{self.nnodes} node(s)"
+        return f"<gpurt.Communicator rank {self.rank}/{self.size}, {state}>"
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # -- the funnel ----------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CommunicatorClosed(f"rank {self.rank}: communicator is closed")
+        self.engine.raise_if_poisoned()
+
+    def _root(self, root: int) -> int:
+        if not isinstance(root, (int, np.integer)) or not 0 <= root < self.size:
+            raise ValueError(f"rank {self.rank}: root {root!r} is not a rank of this "
+                             f"communicator (size {self.size})")
+        return int(root)
+
+    def _scratch_view(self, nbytes: int) -> np.ndarray:
+        if self._scratch.nbytes < nbytes:
+            self._scratch = np.empty(1 << max(12, (nbytes - 1).bit_length()), np.uint8)
+        return self._scratch[:nbytes]
+
+    def _submit(self, coll: str, xb: Buf | None, ob: Buf | None, n: int, dtype: np.dtype,
+                op: Op | None, root: int, result: Any, algo: str | None = None,
+                finish_root_only: bool = False) -> Request:
+        self._seq += 1
+        seq = self._seq
+        sig = zlib.crc32(f"{coll}|{dtype.str}|{n}|{op.name if op else ''}|{root}".encode())
+        alias = xb is not None and ob is not None and same(xb, ob)
+        red = reducer(op) if op is not None else None
+        if self.size == 1 and coll == "barrier":
+            alg, sched = None, Schedule()
+        else:
+            alg, sched = self.tuner.plan(coll, n, dtype.itemsize, root, algo)
+        empty = np.empty(0, dtype)
+
+        def start() -> _Run | None:
+            if not sched.steps:
+                return None
+            bufs = {"in": xb.array.view(dtype) if xb is not None else empty,
+                    "out": ob.array.view(dtype) if ob is not None else empty}
+            if alias:
+                bufs["in"] = bufs["out"]
+            bufs["tmp"] = self._scratch_view(sched.tmp * dtype.itemsize).view(dtype) \
+                if sched.tmp else empty
+            return _Run(sched, bufs, alias, red, self.endpoints, 0, seq, sig)
+
+        def finish() -> Any:
+            if op is Op.AVG and ob is not None and (not finish_root_only or self.rank == root):
+                host_finalize(op, ob.array, self.size)
+            return result
+
+        req = Request(self.engine, coll, seq, start, finish)
+        req.algorithm = alg.name if alg else "none"
+        return self.engine.submit(req)
+
+    def _blocking(self, req: Request, timeout: float | None) -> Any:
+        try:
+            return req.wait(timeout)
+        except CollectiveTimeout as e:
+            self.engine.poison(e)
+            raise
+
+    # -- argument preparation ---------------------------------------------------------
+    def _host(self, b: Buf, what: str) -> Buf:
+        if b.kind != "host":
+            raise TypeError(f"rank {self.rank}: {what} is a {b.kind} device buffer "
+                            f"({type(b.owner).__name__}); device memory needs the cuda_ipc "
+                            f"transport, which this build does not include yet — pass host "
+                            f"memory (see `gpurt info`)")
+        return b
+
+    def _in(self, x: Any, what: str = "x") -> Buf:
+        try:
+            return self._host(as_buf(x, what), what)
+        except (ValueError, TypeError) as e:
+            raise type(e)(_prefix(self.rank, e)) from None
+
+    def _out(self, out: Any, x: Buf, count: int, what: str = "out", dtype_from: Buf | None = None
+             ) -> Buf:
+        try:
+            ob = self._host(as_buf(out, what), what)
+            check_writable(ob, what)
+        except (ValueError, TypeError) as e:
+            raise type(e)(_prefix(self.rank, e)) from None
+        if ob.dtype != x.dtype:
+            raise TypeError(f"rank {self.rank}: {what} has dtype {ob.dtype}, x has {x.dtype}")
+        if ob.count != count:
+            raise ValueError(f"rank {self.rank}: {what} has {ob.count} elements, "
+                             f"{count} expected")
+        return ob
+
+    def _op(self, op: Any, dtype: np.dtype) -> Op:
+        try:
+            o = as_op(op)
+            check_op(o, dtype)
+        except (ValueError, TypeError) as e:
+            raise type(e)(_prefix(self.rank, e)) from None
+        return o
+
+    def _distinct(self, xb: Buf, ob: Buf, coll: str) -> None:
+        if overlaps(xb, ob):
+            raise ValueError(f"rank {self.rank}: {coll}: out overlaps x; {coll} is not in "
+                             f"place — pass a separate out (or out=None to allocate one)")
+
+    @staticmethod
+    def _blocked_shape(b: Buf, size: int) -> tuple[int, ...]:
+        """Shape of one of ``size`` blocks of ``b``: drop a leading axis of length size."""
+        if len(b.shape) >= 1 and b.shape[0] == size:
+            return tuple(b.shape[1:])
+        return (b.count // size,)
+
+    # -- collectives (i-variants first; the blocking ones wait on them) -----------------
+    def iallreduce(self, x: Any, out: Any = None, op: Any = Op.SUM, *, algo: str | None = None
+                   ) -> Request:
+        """Element-wise reduction of ``x`` over all ranks, result on every rank.
+        ``out=None``: in place into ``x``."""
+        self._check_open()
+        xb = self._in(x)
+        o = self._op(op, xb.dtype)
+        if out is None:
+            ob, result = self._in_place(xb, x), x
+        else:
+            ob = self._out(out, xb, xb.count)
+            if overlaps(xb, ob) and not same(xb, ob):
+                raise ValueError(f"rank {self.rank}: allreduce: out partly overlaps x "
+                                 f"(use out=None or out=x for in place)")
+            result = out
+        return self._submit("allreduce", xb, ob, xb.count, xb.dtype, o, 0, result, algo)
+
+    def allreduce(self, x: Any, out: Any = None, op: Any = Op.SUM, *,
+                  timeout: float | None = None, algo: str | None = None) -> Any:
+        return self._blocking(self.iallreduce(x, out, op, algo=algo), timeout)
+
+    def _in_place(self, xb: Buf, x: Any) -> Buf:
+        try:
+            check_writable(xb, "x")
+        except ValueError as e:
+            raise ValueError(_prefix(self.rank, e) + " (out=None means in place)") from None
+        return xb
+
+    def ibroadcast(self, x: Any, root: int = 0, *, algo: str | None = None) -> Request:
+        """Copy ``x`` of ``root`` into ``x`` on every rank (in place)."""
+        self._check_open()
+        root = self._root(root)
+        xb = self._in(x)
+        if self.rank != root:
+            self._in_place(xb, x)
+        return self._submit("broadcast", xb, xb, xb.count, xb.dtype, None, root, x, algo)
+
+    def broadcast(self, x: Any, root: int = 0, *, timeout: float | None = None,
+                  algo: str | None = None) -> Any:
+        return self._blocking(self.ibroadcast(x, root, algo=algo), timeout)
+
+    bcast = broadcast
+
+    def ireduce(self, x: Any, out: Any = None, op: Any = Op.SUM, root: int = 0, *,
+                algo: str | None = None) -> Request:
+        """Reduction of ``x`` over all ranks into ``out`` on ``root`` (``out=None``: into
+        ``x`` on the root).  Other ranks' ``x`` and ``out`` are left untouched."""
+        self._check_open()
+        root = self._root(root)
+        xb = self._in(x)
+        o = self._op(op, xb.dtype)
+        if out is None or self.rank != root:
+            ob = xb if out is None else self._in(out, "out")
+            if self.rank == root:
+                self._in_place(xb, x)
+            result = x if out is None else out
+        else:
+            ob = self._out(out, xb, xb.count)
+            if overlaps(xb, ob) and not same(xb, ob):
+                raise ValueError(f"rank {self.rank}: reduce: out partly overlaps x")
+            result = out
+        if self.rank != root:
+            ob = xb  # never written off the root
+        return self._submit("reduce", xb, ob, xb.count, xb.dtype, o, root, result, algo,
+                            finish_root_only=True)
+
+    def reduce(self, x: Any, out: Any = None, op: Any = Op.SUM, root: int = 0, *,
+               timeout: float | None = None, algo: str | None = None) -> Any:
+        return self._blocking(self.ireduce(x, out, op, root, algo=algo), timeout)
+
+    def iallgather(self, x: Any, out: Any = None, *, algo: str | None = None) -> Request:
+        """Concatenate every rank's ``x`` in rank order: ``out`` has ``size * x.size``
+        elements (allocated with shape ``(size, *x.shape)`` when ``out=None``)."""
+        self._check_open()
+        xb = self._in(x)
+        if out is None:
+            out, ob = empty_like(xb, self.size * xb.count, (self.size,) + xb.shape)
+        else:
+            ob = self._out(out, xb, self.size * xb.count)
+            self._distinct(xb, ob, "allgather")
+        return self._submit("allgather", xb, ob, xb.count, xb.dtype, None, 0, out, algo)
+
+    def allgather(self, x: Any, out: Any = None, *, timeout: float | None = None,
+                  algo: str | None = None) -> Any:
+        return self._blocking(self.iallgather(x, out, algo=algo), timeout)
+
+    def ireduce_scatter(self, x: Any, out: Any = None, op: Any = Op.SUM, *,
+                        algo: str | None = None) -> Request:
+        """Reduce ``x`` (``size`` equal blocks) over all ranks; rank r gets block r."""
+        self._check_open()
+        xb = self._in(x)
+        o = self._op(op, xb.dtype)
+        n = self._blocks(xb, "reduce_scatter")
+        if out is None:
+            out, ob = empty_like(xb, n, self._blocked_shape(xb, self.size))
+        else:
+            ob = self._out(out, xb, n)
+            self._distinct(xb, ob, "reduce_scatter")
+        return self._submit("reduce_scatter", xb, ob, n, xb.dtype, o, 0, out, algo)
+
+    def reduce_scatter(self, x: Any, out: Any = None, op: Any = Op.SUM, *,
+                       timeout: float | None = None, algo: str | None = None) -> Any:
+        return self._blocking(self.ireduce_scatter(x, out, op, algo=algo), timeout)
+
+    def _blocks(self, xb: Buf, coll: str) -> int:
+        if xb.count % self.size:
+            raise ValueError(f"rank {self.rank}: {coll}: x has {xb.count} elements, not a "
+                             f"multiple of the communicator size {self.size}")
+        return xb.count // self.size
+
+    def ialltoall(self, x: Any, out: Any = None, *, algo: str | None = None) -> Request:
+        """Block i of ``x`` goes to rank i; block j of ``out`` came from rank j."""
+        self._check_open()
+        xb = self._in(x)
+        n = self._blocks(xb, "alltoall")
+        if out is None:
+            out, ob = empty_like(xb, xb.count, xb.shape)
+        else:
+            ob = self._out(out, xb, xb.count)
+            self._distinct(xb, ob, "alltoall")
+        return self._submit("alltoall", xb, ob, n, xb.dtype, None, 0, out, algo)
+
+    def alltoall(self, x: Any, out: Any = None, *, timeout: float | None = None,
+                 algo: str | None = None) -> Any:
+        return self._blocking(self.ialltoall(x, out, algo=algo), timeout)
+
+    def igather(self, x: Any, out: Any = None, root: int = 0, *, algo: str | None = None
+                ) -> Request:
+        """Every rank's ``x`` into ``out`` on ``root``, in rank order (``size * x.size``
+        elements; allocated with shape ``(size, *x.shape)`` when ``out=None``).  Returns
+        ``None`` on the other ranks."""
+        self._check_open()
+        root = self._root(root)
+        xb = self._in(x)
+        ob, result = None, None
+        if self.rank == root:
+            if out is None:
+                out, ob = empty_like(xb, self.size * xb.count, (self.size,) + xb.shape)
+            else:
+                ob = self._out(out, xb, self.size * xb.count)
+                self._distinct(xb, ob, "gather")
+            result = out
+        return self._submit("gather", xb, ob, xb.count, xb.dtype, None, root, result, algo)
+
+    def gather(self, x: Any, out: Any = None, root: int = 0, *, timeout: float | None = None,
+               algo: str | None = None) -> Any:
+        return self._blocking(self.igather(x, out, root, algo=algo), timeout)
+
+    def iscatter(self, x: Any, out: Any = None, root: int = 0, *, algo: str | None = None
+                 ) -> Request:
+        """Block r of ``x`` on ``root`` goes to rank r.  ``x`` has ``size`` equal blocks;
+        off the root it may be ``None`` if ``out`` is given (otherwise it only tells the
+        shape and dtype of the block to allocate)."""
+        self._check_open()
+        root = self._root(root)
+        xb = self._in(x) if x is not None else None
+        if self.rank == root and xb is None:
+            raise ValueError(f"rank {self.rank}: scatter: the root needs x")
+        if out is None:
+            if xb is None:
+                raise ValueError(f"rank {self.rank}: scatter: pass out= (or x with the full "
+                                 f"shape, to allocate out) on every rank that is not the root")
+            n = self._blocks(xb, "scatter")
+            out, ob = empty_like(xb, n, self._blocked_shape(xb, self.size))
+        else:
+            try:
+                ob = self._host(as_buf(out, "out"), "out")
+                check_writable(ob, "out")
+            except (ValueError, TypeError) as e:
+                raise type(e)(_prefix(self.rank, e)) from None
+            n = ob.count
+            if xb is not None:
+                if xb.dtype != ob.dtype:
+                    raise TypeError(f"rank {self.rank}: out has dtype {ob.dtype}, x has {xb.dtype}")
+                if self.rank == root and xb.count != self.size * n:
+                    raise ValueError(f"rank {self.rank}: scatter: x has {xb.count} elements, "
+                                     f"size * out.size = {self.size * n} expected")
+                self._distinct(xb, ob, "scatter")
+        if self.rank != root:
+            xb = None
+        return self._submit("scatter", xb, ob, n, ob.dtype, None, root, out, algo)
+
+    def scatter(self, x: Any, out: Any = None, root: int = 0, *, timeout: float | None = None,
+                algo: str | None = None) -> Any:
+        return self._blocking(self.iscatter(x, out, root, algo=algo), timeout)
+
+    def ibarrier(self, *, algo: str | None = None) -> Request:
+        """Completes once every rank has entered the barrier."""
+        self._check_open()
+        return self._submit("barrier", None, None, 0, np.dtype(np.uint8), None, 0, None, algo)
+
+    def barrier(self, *, timeout: float | None = None, algo: str | None = None) -> None:
+        self._blocking(self.ibarrier(algo=algo), timeout)
+
+    # -- point to point -------------------------------------------------------------
+    def _peer(self, peer: Any, what: str) -> int:
+        if not isinstance(peer, (int, np.integer)) or not 0 <= peer < self.size:
+            raise ValueError(f"rank {self.rank}: {what} peer {peer!r} is not a rank of this "
+                             f"communicator (size {self.size})")
+        if peer == self.rank:
+            raise ValueError(f"rank {self.rank}: {what} to itself is not supported (copy instead)")
+        return int(peer)
+
+    def _p2p(self, kind: str, b: Buf, peer: int, tag: int) -> Request:
+        if not isinstance(tag, (int, np.integer)) or tag < 0:
+            raise ValueError(f"rank {self.rank}: tag must be a non-negative int, got {tag!r}")
+        sig = zlib.crc32(f"p2p|{b.dtype.str}".encode())
+        sl = Slice("in" if kind == "send" else "out", 0, b.count)
+        sched = Schedule(((Send(peer, sl) if kind == "send" else Recv(peer, sl),),))
+        arr = b.array.view(b.dtype)
+        empty = np.empty(0, b.dtype)
+        bufs = {"in": arr, "out": empty, "tmp": empty} if kind == "send" else \
+               {"in": empty, "out": arr, "tmp": empty}
+        from gpurt.transports import LANE_P2P
+
+        def start() -> _Run:
+            return _Run(sched, bufs, False, None, self.endpoints, LANE_P2P, int(tag), sig)
+
+        req = Request(self.engine, f"{kind} {'to' if kind == 'send' else 'from'} rank {peer}",
+                      int(tag), start, lambda: b.owner, p2p=True)
+        return self.engine.submit(req)
+
+    def isend(self, x: Any, peer: int, tag: int = 0) -> Request:
+        """Send ``x`` to ``peer``.  Messages between two ranks are matched in order; the
+        tag, dtype and size are checked against the receive, not used to reorder."""
+        self._check_open()
+        return self._p2p("send", self._in(x), self._peer(peer, "send"), tag)
+
+    def send(self, x: Any, peer: int, tag: int = 0, *, timeout: float | None = None) -> None:
+        self._blocking(self.isend(x, peer, tag), timeout)
+
+    def irecv(self, out: Any, peer: int, tag: int = 0) -> Request:
+        """Receive the next message from ``peer`` into ``out`` (same size and dtype)."""
+        self._check_open()
+        try:
+            ob = self._host(as_buf(out, "out"), "out")
+            check_writable(ob, "out")
+        except (ValueError, TypeError) as e:
+            raise type(e)(_prefix(self.rank, e)) from None
+        return self._p2p("recv", ob, self._peer(peer, "recv"), tag)
+
+    def recv(self, out: Any, peer: int, tag: int = 0, *, timeout: float | None = None) -> Any:
+        return self._blocking(self.irecv(out, peer, tag), timeout)
+
+    # -- communicators ------------------------------------------------------------
+    def split(self, color: int | None, key: int = 0) -> "Communicator | None":
+        """Ranks with the same ``color`` form a new communicator, ordered by ``key`` then
+        rank.  ``color=None`` opts out (returns ``None``).  Collective."""
+        self._check_open()
+        MPI = _mpi()
+        new = self.mpi.Split(MPI.UNDEFINED if color is None else int(color), int(key))
+        if new == MPI.COMM_NULL:
+            return None
+        return Communicator(new, _owned=True)
+
+    def dup(self) -> "Communicator":
+        """A new communicator over the same ranks, with its own transports.  Collective."""
+        self._check_open()
+        return Communicator(self.mpi)
+
+    def explain(self, collective: str, nbytes: int) -> str:
+        """The tuner's candidates for ``collective`` at ``nbytes``, predicted times, choice."""
+        return self.tuner.explain(collective, int(nbytes))
+
+    def abort(self, reason: str = "aborted by the application") -> None:
+        """Fail every request in flight and poison the communicator (local, immediate)."""
+        if not self._closed:
+            self.engine.poison(CommunicatorClosed(f"rank {self.rank}: {reason}"))
+
+    def close(self) -> None:
+        """Release transports and the duplicated MPI communicator.  Requests still in
+        flight fail with ``CommunicatorClosed``.  Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if hasattr(self, "engine"):
+            self.engine.poison(CommunicatorClosed(f"rank {self.rank}: communicator closed"))
+        self._release()
+
+    def _release(self) -> None:
+        for t in self._transports:
+            try:
+                t.close()
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                pass
+        self._transports = []
+        self.endpoints = {}
+        MPI = _mpi()
+        if not MPI.Is_finalized():
+            for c in ("node_comm", "mpi"):
+                comm = getattr(self, c, None)
+                if comm is not None and comm != MPI.COMM_NULL:
+                    try:
+                        comm.Free()
+                    except Exception:  # noqa: BLE001
+                        pass
+        _LIVE.discard(self)
+
+
+def _prefix(rank: int, e: BaseException) -> str:
+    msg = str(e)
+    return msg if msg.startswith("rank ") else f"rank {rank}: {msg}"
+
+
+def init() -> Communicator:
+    """The communicator over ``MPI.COMM_WORLD`` (initialising MPI if needed).  Idempotent:
+    later calls return the same object while it is open."""
+    global _WORLD
+    if _WORLD is None or _WORLD.closed:
+        _WORLD = Communicator(_mpi().COMM_WORLD)
+    return _WORLD
+
+
+@atexit.register
+def _close_all() -> None:  # runs before mpi4py's own finalisation (registered earlier)
+    for c in list(_LIVE):
+        c.close()

@@ -1,0 +1,99 @@
+"""Every GPURT_* environment variable, typed and documented, in one place.
+
+Read once per process (``settings()``); ``reload()`` re-reads (tests use it).
+The README's table is generated from ``VARIABLES`` by ``gpurt info --env``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Var:
+    name: str
+    default: str
+    parse: Callable[[str], object]
+    doc: str
+
+
+def _bytes(s: str) -> int:
+    s = s.strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    if s and s[-1] in mult:
+        return int(float(s[:-1]) * mult[s[-1]])
+    return int(s)
+
+
+def _list(s: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in s.split(",") if x.strip())
+
+
+def _algo(s: str) -> dict[str, str]:
+    """``allreduce:ring,broadcast:tree`` -> {"allreduce": "ring", "broadcast": "tree"}."""
+    out: dict[str, str] = {}
+    for item in _list(s):
+        if ":" not in item:
+            raise ValueError(f"GPURT_ALGO entry {item!r} is not COLLECTIVE:ALGORITHM")
+        coll, name = item.split(":", 1)
+        out[coll.strip()] = name.strip()
+    return out
+
+
+def _cost(s: str) -> dict[str, tuple[float, float, float]]:
+    """``shm=2e-6/3e9/2e9`` -> α seconds, then bandwidths in bytes/s for β and γ."""
+    out = {}
+    for item in _list(s):
+        name, vals = item.split("=", 1)
+        a, b, g = (float(v) for v in vals.split("/"))
+        out[name.strip()] = (a, 1.0 / b, 1.0 / g)
+    return out
+
+
+VARIABLES: tuple[Var, ...] = (
+    Var("GPURT_TIMEOUT", "300", float,
+        "Default deadline in seconds for every blocking call and wait (per call: timeout=)."),
+    Var("GPURT_ALGO", "", _algo,
+        "Force algorithms, e.g. 'allreduce:ring,broadcast:tree'. Names: see `gpurt info`."),
+    Var("GPURT_TRANSPORTS", "", _list,
+        "Order and filter the transport registry, e.g. 'shm,tcp'. Empty: all, default order."),
+    Var("GPURT_SHM_SLOT", "256K", _bytes,
+        "shm: bytes per ring slot (a message larger than a slot streams through the ring)."),
+    Var("GPURT_SHM_SLOTS", "8", int, "shm: slots per ring (per ordered pair of ranks and lane)."),
+    Var("GPURT_SHM_DIR", "/dev/shm", str, "shm: where segments are created (then unlinked)."),
+    Var("GPURT_SPIN_US", "50", float,
+        "Waits poll this many microseconds before yielding the CPU, then back off to sleeps."),
+    Var("GPURT_COST", "", _cost,
+        "Override the tuner's cost constants: 'shm=ALPHA_S/BW_Bps/REDUCE_Bps', e.g. "
+        "'shm=3e-6/4e9/2e9'."),
+    Var("GPURT_EXCEPTHOOK", "1", lambda s: s.strip() not in ("0", "false", "no", ""),
+        "Install a sys.excepthook that closes communicators on an unhandled exception."),
+    Var("GPURT_LOG", "warning", str, "Log level of the 'gpurt' logger (debug, info, warning)."),
+)
+
+_BY_NAME = {v.name: v for v in VARIABLES}
+
+
+@lru_cache(maxsize=None)
+def _read(name: str, raw: str | None) -> object:
+    var = _BY_NAME[name]
+    text = raw if raw else var.default
+    try:
+        return var.parse(text)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{name}={raw!r} is not valid: {e}. {var.doc}") from None
+
+
+def get(name: str) -> object:
+    """The typed value of ``name`` from the environment, or its default."""
+    if name not in _BY_NAME:
+        raise KeyError(f"{name} is not a gpurt variable")
+    return _read(name, os.environ.get(name))
+
+
+def table() -> list[tuple[str, str, str, str]]:
+    """(name, default, current raw value or '', doc) for every variable."""
+    return [(v.name, v.default, os.environ.get(v.name, ""), v.doc) for v in VARIABLES]

@@ -1,0 +1,45 @@
+"""The exception hierarchy.  Messages name this rank, the peer, the transport and the call."""
+
+from __future__ import annotations
+
+
+class GpurtError(RuntimeError):
+    """Base class of every error gpurt raises on purpose (besides ValueError/TypeError
+    for bad arguments, which are raised as themselves)."""
+
+
+class CollectiveTimeout(GpurtError, TimeoutError):
+    """A call did not complete within its deadline.
+
+    ``collective``, ``seq`` (the communicator's call number) and ``missing`` (the ranks
+    this rank was still waiting for) say where it stopped.
+    """
+
+    def __init__(self, msg: str, *, collective: str = "", seq: int = -1,
+                 missing: tuple[int, ...] = ()) -> None:
+        super().__init__(msg)
+        self.collective, self.seq, self.missing = collective, seq, tuple(missing)
+
+
+class PeerFailure(GpurtError):
+    """A peer died, froze past the bound, or raised; ``rank`` is that peer."""
+
+    def __init__(self, msg: str, *, rank: int = -1) -> None:
+        super().__init__(msg)
+        self.rank = rank
+
+
+class CollectiveMismatchError(GpurtError):
+    """Ranks called different collectives, or the same one with different arguments."""
+
+
+class TransportError(GpurtError):
+    """A transport failed (a segment could not be mapped, a message was malformed...)."""
+
+
+class ResourceError(GpurtError):
+    """Out of a resource: shared memory, file descriptors, registrations."""
+
+
+class CommunicatorClosed(GpurtError):
+    """The communicator was closed (or poisoned by an earlier failure)."""

@@ -1,0 +1,295 @@
+"""Runs schedules on real buffers through endpoints; requests, progress and deadlines.
+
+The executor is a single-threaded progress engine per communicator: nothing moves
+unless a gpurt call (a blocking collective, ``Request.wait`` or ``Request.test``) drives
+it, and every drive advances *all* outstanding work of the communicator, so a rank that
+waits on one request keeps feeding the peers of the others.
+
+Collectives run one at a time per communicator, in call order (on lane 0), so every rank
+posts their messages in the same order; point-to-point requests (lane 1) run beside them.
+A step of a schedule is started by running its local ops, then posting its sends and
+receives; it ends when they have all completed (see ``gpurt.schedule``).
+
+A failure inside a transfer (a mismatched message, a dead peer) leaves the rings in an
+unknown state, so it *poisons* the engine: the request raises, and every later call on
+the communicator raises at once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Callable
+
+import numpy as np
+
+from .errors import CollectiveTimeout, CommunicatorClosed, GpurtError, PeerFailure, TransportError
+from .schedule import Copy, Recv, RecvReduce, Reduce, Schedule, Send, Slice
+from .wait import Backoff
+
+_U8 = np.dtype(np.uint8)
+
+
+class _Run:
+    """One schedule executing on bound buffers."""
+
+    __slots__ = ("steps", "k", "pending", "bufs", "alias", "red", "eps", "lane", "tag", "sig",
+                 "isz", "dtype")
+
+    def __init__(self, sched: Schedule, bufs: dict[str, np.ndarray], alias: bool,
+                 red: Callable | None, eps: dict, lane: int, tag: int, sig: int):
+        self.steps, self.k, self.pending = sched.steps, 0, []
+        self.bufs, self.alias, self.red, self.eps = bufs, alias, red, eps
+        self.lane, self.tag, self.sig = lane, tag, sig
+        arr = next(iter(bufs.values()))
+        self.dtype = arr.dtype
+        self.isz = arr.dtype.itemsize
+
+    def view(self, s: Slice) -> np.ndarray:
+        return self.bufs[s.buf][s.off:s.off + s.n]
+
+    def _ep(self, peer: int):
+        try:
+            return self.eps[peer]
+        except KeyError:
+            raise TransportError(f"no endpoint to rank {peer}") from None
+
+    def _sink(self, op) -> Callable[[int, np.ndarray], None]:
+        dst = self.view(op.dst)
+        if isinstance(op, Recv):
+            d8 = dst.view(_U8)
+
+            def copy(off: int, chunk: np.ndarray) -> None:
+                d8[off:off + chunk.nbytes] = chunk
+
+            return copy
+        acc = self.view(op.acc) if op.acc is not None else dst
+        red, isz, dt = self.red, self.isz, self.dtype
+
+        def reduce(off: int, chunk: np.ndarray) -> None:
+            e0 = off // isz
+            e1 = e0 + chunk.nbytes // isz
+            red(acc[e0:e1], chunk.view(dt), dst[e0:e1])
+
+        return reduce
+
+    def _start_step(self) -> None:
+        step = self.steps[self.k]
+        self.k += 1
+        for op in step:
+            if isinstance(op, Copy):
+                if self.alias and op.src.off == op.dst.off and {op.src.buf, op.dst.buf} == {"in", "out"}:
+                    continue  # in place: in and out are the same memory
+                np.copyto(self.view(op.dst), self.view(op.src))
+            elif isinstance(op, Reduce):
+                dst = self.view(op.dst)
+                self.red(self.view(op.acc) if op.acc is not None else dst, self.view(op.src), dst)
+        pend = self.pending
+        for op in step:
+            if isinstance(op, Send):
+                pend.append(self._ep(op.peer).send(self.view(op.src).view(_U8), self.lane,
+                                                   self.tag, self.sig))
+            elif isinstance(op, (Recv, RecvReduce)):
+                pend.append(self._ep(op.peer).recv(op.dst.n * self.isz, self._sink(op),
+                                                   self.lane, self.tag, self.sig))
+
+    def advance(self) -> bool:
+        """Move as far as possible without blocking; True if anything happened."""
+        moved = False
+        while True:
+            if self.pending:
+                self.pending = [c for c in self.pending if not c.test()]
+                if self.pending:
+                    return moved
+                moved = True
+            if self.k >= len(self.steps):
+                return moved
+            self._start_step()
+            moved = True
+
+    @property
+    def done(self) -> bool:
+        return self.k >= len(self.steps) and not self.pending
+
+    def waiting_on(self) -> list[int]:
+        return sorted({c.peer for c in self.pending})
+
+
+class Request:
+    """A collective or point-to-point operation in flight.
+
+    ``wait(timeout=None)`` blocks until it completes and returns its result;
+    ``test()`` advances it without blocking and says whether it has completed.  A
+    ``wait`` that times out raises ``CollectiveTimeout`` and leaves the request in
+    flight (wait again, or ``comm.abort()``); a blocking collective that times out
+    poisons its communicator, since its messages are half sent.
+    """
+
+    def __init__(self, engine: "Engine", name: str, seq: int, start: Callable[[], _Run | None],
+                 finish: Callable[[], object] | None = None, p2p: bool = False):
+        self.engine, self.name, self.seq = engine, name, seq
+        self._start, self._finish, self.p2p = start, finish, p2p
+        self.run: _Run | None = None
+        self.done = False
+        self.result: object = None
+        self.error: BaseException | None = None
+
+    def _begin(self) -> None:
+        self.run = self._start()
+        self._start = None
+        if self.run is None or self.run.done:
+            self._complete()
+
+    def _complete(self) -> None:
+        if self._finish is not None:
+            self.result = self._finish()
+        self.done, self.run, self._finish = True, None, None
+
+    def test(self) -> bool:
+        if not self.done:
+            self.engine.progress()
+        if self.error is not None:
+            raise self.error
+        return self.done
+
+    def wait(self, timeout: float | None = None):
+        self.engine.wait(self, timeout)
+        return self.result
+
+    def __repr__(self) -> str:
+        state = "done" if self.done else "in flight"
+        return f"<gpurt.Request {self.name} #{self.seq} {state}>"
+
+
+class Engine:
+    """Progress for one communicator: a queue of collectives and a set of p2p requests."""
+
+    def __init__(self, rank: int, default_timeout: Callable[[], float],
+                 check_peers: Callable[[list[int]], None]):
+        self.rank = rank
+        self.colls: deque[Request] = deque()
+        self.p2p: list[Request] = []
+        self.poisoned: BaseException | None = None
+        self._timeout = default_timeout
+        self._check_peers = check_peers
+
+    def submit(self, req: Request) -> Request:
+        self.raise_if_poisoned()
+        if req.p2p:
+            req._begin()
+            if not req.done:
+                self.p2p.append(req)
+        else:
+            self.colls.append(req)
+            if len(self.colls) == 1:
+                self._begin_head()
+        return req
+
+    def _begin_head(self) -> None:
+        while self.colls:
+            head = self.colls[0]
+            if head.run is None and not head.done:
+                head._begin()
+            if not head.done:
+                return
+            self.colls.popleft()
+
+    def raise_if_poisoned(self) -> None:
+        if self.poisoned is not None:
+            raise CommunicatorClosed(f"rank {self.rank}: communicator unusable after an earlier "
+                                     f"failure: {self.poisoned}") from self.poisoned
+
+    def poison(self, exc: BaseException) -> None:
+        if self.poisoned is None:
+            self.poisoned = exc
+        for r in list(self.colls) + self.p2p:
+            if not r.done and r.error is None:
+                r.error = exc
+        self.colls.clear()
+        self.p2p = []
+
+    def progress(self) -> bool:
+        """Advance every outstanding request; True if anything moved."""
+        if self.poisoned is not None:
+            return False
+        moved = False
+        try:
+            while self.colls:
+                head = self.colls[0]
+                if head.run is not None and head.run.advance():
+                    moved = True
+                if head.run is not None and head.run.done:
+                    head._complete()
+                if not head.done:
+                    break
+                self.colls.popleft()
+                self._begin_head()
+                moved = True
+            if self.p2p:
+                for r in self.p2p:
+                    if r.run is not None and r.run.advance():
+                        moved = True
+                    if r.run is not None and r.run.done:
+                        r._complete()
+                self.p2p = [r for r in self.p2p if not r.done]
+        except GpurtError as e:
+            self._annotate(e)
+            self.poison(e)
+            raise
+        return moved
+
+    def _annotate(self, e: BaseException) -> None:
+        prefix = f"rank {self.rank}: "
+        if e.args and isinstance(e.args[0], str) and not e.args[0].startswith(prefix):
+            where = ""
+            if self.colls:
+                h = self.colls[0]
+                where = f"in {h.name} (call #{h.seq}): "
+            e.args = (prefix + where + e.args[0],) + e.args[1:]
+
+    def pending_peers(self) -> list[int]:
+        peers: set[int] = set()
+        for r in ([self.colls[0]] if self.colls else []) + self.p2p:
+            if r.run is not None:
+                peers.update(r.run.waiting_on())
+        return sorted(peers)
+
+    def wait(self, req: Request, timeout: float | None) -> None:
+        if req.error is not None:
+            raise req.error
+        if req.done:
+            return
+        self.raise_if_poisoned()
+        timeout = self._timeout() if timeout is None else float(timeout)
+        start = time.monotonic()
+        deadline = start + timeout
+        next_check = start + min(0.2, timeout)
+        backoff = Backoff()
+        while not req.done:
+            if self.progress():
+                backoff.reset()
+            elif req.error is not None:
+                break
+            else:
+                backoff.pause()
+            if req.done or req.error is not None:
+                break
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = min(now + 0.2, deadline)
+                try:
+                    self._check_peers(self.pending_peers())
+                except PeerFailure as e:
+                    self._annotate(e)
+                    self.poison(e)
+                    raise
+                if now >= deadline:
+                    missing = self.pending_peers()
+                    raise CollectiveTimeout(
+                        f"rank {self.rank}: {req.name} (call #{req.seq}) did not complete within "
+                        f"{timeout:g} s; still waiting for rank(s) {missing}"
+                        + ("" if req.p2p or not self.colls or self.colls[0] is req else
+                           f" in the earlier {self.colls[0].name} (call #{self.colls[0].seq})"),
+                        collective=req.name, seq=req.seq, missing=tuple(missing))
+        if req.error is not None:
+            raise req.error

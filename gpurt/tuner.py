@@ -1,0 +1,90 @@
+"""Picks an algorithm per (collective, size, group) from an α-β-γ cost model.
+
+Each transport brings cost constants (α seconds per message, β seconds per byte moved,
+γ seconds per byte reduced); a group's constants are those of the slowest transport its
+ranks use (``GPURT_COST`` overrides them).  For a call, every registered algorithm of the
+collective is costed with its formula (``gpurt.algorithms``) and the cheapest wins;
+``GPURT_ALGO`` forces a choice.  Plans — the algorithm and the built, relabelled
+schedule — are cached per (collective, algorithm, count, root).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from . import config
+from .algorithms import REGISTRY, Algorithm, Cost, lookup
+from .schedule import SPECS, Schedule
+
+# defaults per transport, from measurements on 2-vCPU VMs (FIELD-NOTES.md): a message
+# costs a few µs of Python; copies stream at ~4 GB/s; a NumPy add at ~2 GB/s.
+DEFAULT_COSTS: dict[str, Cost] = {
+    "shm": Cost(alpha=4e-6, beta=1 / 4e9, gamma=1 / 2e9),
+    "tcp": Cost(alpha=30e-6, beta=1 / 1e9, gamma=1 / 2e9),
+    "self": Cost(alpha=1e-6, beta=1 / 8e9, gamma=1 / 2e9),
+}
+
+
+def transport_cost(name: str) -> Cost:
+    over = config.get("GPURT_COST")
+    if name in over:
+        a, b, g = over[name]
+        return Cost(a, b, g)
+    return DEFAULT_COSTS.get(name, DEFAULT_COSTS["tcp"])
+
+
+def collective_bytes(coll: str, p: int, n: int, itemsize: int) -> int:
+    """S as nccl-tests counts it (the whole p-block buffer for the gathering kinds)."""
+    if coll in ("allgather", "reduce_scatter", "alltoall", "gather", "scatter"):
+        return p * n * itemsize
+    return n * itemsize
+
+
+class Tuner:
+    def __init__(self, p: int, rank_index: int, group: tuple[int, ...], cost: Cost):
+        self.p, self.r, self.group, self.cost = p, rank_index, group, cost
+        self.forced: dict[str, str] = {}
+        for coll, name in config.get("GPURT_ALGO").items():
+            if coll not in SPECS:
+                raise ValueError(f"GPURT_ALGO names unknown collective {coll!r} "
+                                 f"(known: {', '.join(SPECS)})")
+            self.forced[coll] = lookup(coll, name).name  # raises on unknown names
+        self._plan = lru_cache(maxsize=512)(self._plan_uncached)
+
+    def candidates(self, coll: str, nbytes: float) -> list[tuple[float, Algorithm]]:
+        algs = REGISTRY[coll].values()
+        return sorted(((a.cost(self.p, nbytes, self.cost), a) for a in algs),
+                      key=lambda t: (t[0], t[1].name))
+
+    def choose(self, coll: str, n: int, itemsize: int, algo: str | None = None) -> Algorithm:
+        name = algo or self.forced.get(coll)
+        if name:
+            return lookup(coll, name)
+        return self.candidates(coll, collective_bytes(coll, self.p, n, itemsize))[0][1]
+
+    def plan(self, coll: str, n: int, itemsize: int, root: int = 0,
+             algo: str | None = None) -> tuple[Algorithm, Schedule]:
+        alg = self.choose(coll, n, itemsize, algo)
+        return alg, self._plan(coll, alg.name, n, root)
+
+    def _plan_uncached(self, coll: str, name: str, n: int, root: int) -> Schedule:
+        alg = REGISTRY[coll][name]
+        return alg.build(self.p, self.r, n, root).relabel(self.group)
+
+    def explain(self, coll: str, nbytes: int) -> str:
+        """The candidates for ``coll`` at size ``nbytes`` (S, as ``gpurt bench`` and
+        nccl-tests count it), their predicted times, and the choice."""
+        if coll not in REGISTRY:
+            raise ValueError(f"unknown collective {coll!r} (known: {', '.join(REGISTRY)})")
+        cands = self.candidates(coll, nbytes)
+        forced = self.forced.get(coll)
+        chosen = forced or cands[0][1].name
+        c = self.cost
+        lines = [f"{coll} of {nbytes} bytes on {self.p} ranks "
+                 f"(α={c.alpha * 1e6:.2f} µs, β={1 / c.beta / 1e9:.2f} GB/s, "
+                 f"γ={1 / c.gamma / 1e9:.2f} GB/s)",
+                 f"  {'algorithm':<20} {'predicted':>12}"]
+        for t, a in cands:
+            mark = ("  <- chosen" + (" (GPURT_ALGO)" if forced else "")) if a.name == chosen else ""
+            lines.append(f"  {a.name:<20} {t * 1e6:>9.1f} µs{mark}")
+        return "\n".join(lines)

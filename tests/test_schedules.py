@@ -1,0 +1,203 @@
+"""Every registered algorithm, proven by the symbolic simulator for p = 1..17.
+
+For each (collective, algorithm, p) all p schedules are built and ``simulate``d for
+several counts (0, 1, p-1, p, p+1, 2p+3 and the prime 37: empty, tiny, uneven and
+n < p cases) and, for rooted collectives, roots 0, p//2 and p-1.  ``simulate`` checks
+matching, deadlock freedom, hazards, the input staying read-only, double reductions and
+the postcondition, in place and out of place where the collective allows both.  The
+negative tests at the end make sure the simulator really catches each kind of error.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+
+import pytest
+
+from gpurt.schedule import (SPECS, Copy, Recv, RecvReduce, Reduce, Schedule, ScheduleError,
+                            Send, Slice, simulate)
+
+importlib.import_module("gpurt.algorithms")  # registers every module the package lists
+for _mod in ("recursive", "tree", "exchange"):  # and these, even if the list lacks them
+    importlib.import_module(f"gpurt.algorithms.{_mod}")
+from gpurt.algorithms.base import REGISTRY, Cost  # noqa: E402
+
+PS = range(1, 18)
+CASES = sorted((coll, name) for coll, algs in REGISTRY.items() for name in algs)
+
+
+def _counts(p: int) -> list[int]:
+    return sorted({0, 1, p - 1, p, p + 1, 2 * p + 3, 37})
+
+
+def _roots(coll: str, p: int) -> list[int]:
+    return sorted({0, p // 2, p - 1}) if SPECS[coll].root else [0]
+
+
+@pytest.mark.parametrize("p", PS)
+@pytest.mark.parametrize("coll,name", CASES, ids=[f"{c}:{a}" for c, a in CASES])
+def test_algorithm_proven(coll: str, name: str, p: int) -> None:
+    build = REGISTRY[coll][name].build
+    for n in _counts(p):
+        for root in _roots(coll, p):
+            scheds = [build(p, r, n, root) for r in range(p)]
+            simulate(coll, p, n, scheds, root)
+
+
+def test_registry_covers_this_work() -> None:
+    want = {
+        "allreduce": {"recursive_doubling", "rabenseifner"},
+        "reduce_scatter": {"recursive_halving"},
+        "allgather": {"recursive_doubling", "bruck"},
+        "broadcast": {"binomial", "scatter_allgather"},
+        "reduce": {"binomial"},
+        "gather": {"binomial"},
+        "scatter": {"binomial"},
+        "alltoall": {"pairwise"},
+        "barrier": {"dissemination"},
+    }
+    for coll, names in want.items():
+        assert names <= set(REGISTRY.get(coll, {})), coll
+
+
+@pytest.mark.parametrize("coll,name", CASES, ids=[f"{c}:{a}" for c, a in CASES])
+def test_cost_is_sane(coll: str, name: str) -> None:
+    cost = REGISTRY[coll][name].cost
+    c = Cost(alpha=1e-6, beta=1e-9, gamma=1e-9)
+    for p in PS:
+        for S in (0.0, 8.0, float(1 << 20)):
+            t = cost(p, S, c)
+            assert math.isfinite(t) and t >= 0, (p, S, t)
+        if p > 1 and coll != "barrier":
+            assert cost(p, float(1 << 20), c) > cost(p, 8.0, c)
+
+
+def test_latency_rounds() -> None:
+    """The log-round algorithms really take ⌈lg p⌉-ish messages per rank."""
+    ar_rd = REGISTRY["allreduce"]["recursive_doubling"].build
+    ar_rab = REGISTRY["allreduce"]["rabenseifner"].build
+    bruck = REGISTRY["allgather"]["bruck"].build
+    bar = REGISTRY["barrier"]["dissemination"].build
+    for p in (2, 4, 8, 16):
+        lgp = p.bit_length() - 1
+        for r in range(p):
+            assert ar_rd(p, r, 10, 0).nmessages == lgp
+            assert ar_rab(p, r, 10, 0).nmessages == 2 * lgp
+            assert len(bruck(p, r, 10, 0).steps) == lgp
+    for p in PS:
+        assert all(len(bar(p, r, 0, 0).steps) == math.ceil(math.log2(p)) for r in range(p))
+        assert all(len(bruck(p, r, 3, 0).steps) == max(1, math.ceil(math.log2(p)))
+                   for r in range(p))
+
+
+# ---------------------------------------------------------------------------
+# negative tests: the simulator must catch each kind of error
+# ---------------------------------------------------------------------------
+
+N = 4
+
+
+def _s(b: str, off: int = 0, n: int = N) -> Slice:
+    return Slice(b, off, n)
+
+
+def _good_pair() -> list[Schedule]:
+    """A correct 2-rank allreduce: swap into scratch, reduce."""
+    return [Schedule.build([[Send(1 - r, _s("in")), Recv(1 - r, _s("tmp"))],
+                            [Reduce(_s("tmp"), _s("out"), acc=_s("in"))]], tmp=N)
+            for r in range(2)]
+
+
+def test_negative_control_is_correct() -> None:
+    simulate("allreduce", 2, N, _good_pair())
+
+
+def test_catches_deadlock() -> None:
+    # both ranks receive first (rendezvous: nobody ever sends)
+    sc = [Schedule.build([[Recv(1 - r, _s("tmp"))], [Send(1 - r, _s("in"))],
+                          [Reduce(_s("tmp"), _s("out"), acc=_s("in"))]], tmp=N)
+          for r in range(2)]
+    with pytest.raises(ScheduleError, match="deadlock"):
+        simulate("allreduce", 2, N, sc)
+
+
+def test_catches_crossed_order_deadlock() -> None:
+    # three ranks in a cycle, each sending before it receives, one step each: rendezvous
+    # sends block until the matching receive is posted -> a cycle of waits
+    sc = [Schedule.build([[Send((r + 1) % 3, Slice("tmp", 0, 0))],
+                          [Recv((r - 1) % 3, Slice("tmp", 0, 0))]]) for r in range(3)]
+    with pytest.raises(ScheduleError, match="deadlock"):
+        simulate("barrier", 3, 0, sc)
+
+
+def test_catches_size_mismatch() -> None:
+    sc = _good_pair()
+    sc[1] = Schedule.build([[Send(0, _s("in")), Recv(0, _s("tmp", 0, N - 1))],
+                            [Reduce(_s("tmp"), _s("out"), acc=_s("in"))]], tmp=N)
+    with pytest.raises(ScheduleError, match="expects"):
+        simulate("allreduce", 2, N, sc)
+
+
+def test_catches_unmatched_message() -> None:
+    sc = _good_pair()
+    sc[0] = Schedule(sc[0].steps + ((Send(1, _s("out")),),), N)
+    with pytest.raises(ScheduleError, match="sends but"):
+        simulate("allreduce", 2, N, sc)
+
+
+def test_catches_hazard() -> None:
+    # the received vector overwrites what the same step sends
+    sc = [Schedule.build([[Copy(_s("in"), _s("out")),
+                           Send(1 - r, _s("out")), RecvReduce(1 - r, _s("out"))]])
+          for r in range(2)]
+    with pytest.raises(ScheduleError, match="hazard"):
+        simulate("allreduce", 2, N, sc)
+
+
+def test_catches_inplace_only_hazard() -> None:
+    # fine with separate buffers, but in place "in" *is* "out"
+    sc = [Schedule.build([[Send(1 - r, _s("in")), RecvReduce(1 - r, _s("out", 0, N),
+                                                             acc=_s("in", 0, N))]])
+          for r in range(2)]
+    simulate("allreduce", 2, N, sc, inplace=False)
+    with pytest.raises(ScheduleError, match="hazard"):
+        simulate("allreduce", 2, N, sc, inplace=True)
+
+
+def test_catches_input_write() -> None:
+    sc = [Schedule.build([[Send(1 - r, _s("in")), Recv(1 - r, _s("tmp"))],
+                          [Reduce(_s("tmp"), _s("in"))], [Copy(_s("in"), _s("out"))]], tmp=N)
+          for r in range(2)]
+    with pytest.raises(ScheduleError, match="input"):
+        simulate("allreduce", 2, N, sc, inplace=False)
+
+
+def test_catches_double_reduction() -> None:
+    # rank 1 folds rank 0's vector in twice
+    s0 = Schedule.build([[Send(1, _s("in"))], [Send(1, _s("in"))], [Recv(1, _s("out"))]])
+    s1 = Schedule.build([[RecvReduce(0, _s("out"), acc=_s("in"))], [RecvReduce(0, _s("out"))],
+                         [Send(0, _s("out"))]])
+    with pytest.raises(ScheduleError, match="twice"):
+        simulate("allreduce", 2, N, [s0, s1])
+
+
+def test_catches_wrong_postcondition() -> None:
+    # allgather that forgets to exchange: only the own block is filled
+    sc = [Schedule.build([[Copy(_s("in"), _s("out", r * N))]]) for r in range(2)]
+    with pytest.raises(ScheduleError, match="expected"):
+        simulate("allgather", 2, N, sc)
+    # reduce where a non-root rank scribbles on its output
+    s0 = Schedule.build([[RecvReduce(1, _s("out"), acc=_s("in"))]])
+    s1 = Schedule.build([[Copy(_s("in"), _s("out"))], [Send(0, _s("in"))]])
+    with pytest.raises(ScheduleError, match="untouched"):
+        simulate("reduce", 2, N, [s0, s1], root=0, inplace=False)
+
+
+def test_catches_lonely_barrier() -> None:
+    # a "barrier" where rank 2 never hears from anyone
+    sc = [Schedule.build([[Send(1, Slice("tmp", 0, 0))]]),
+          Schedule.build([[Recv(0, Slice("tmp", 0, 0))]]),
+          Schedule.build([])]
+    with pytest.raises(ScheduleError, match="without hearing"):
+        simulate("barrier", 3, 0, sc)

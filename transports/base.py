@@ -1,0 +1,79 @@
+"""The plug points every transport implements, and the ordered transport registry.
+
+Vocabulary (after gloo): a *transport* knows how to reach a class of peers (same node,
+other nodes, GPU memory); ``connect`` gives one *endpoint* per peer; an endpoint moves
+*messages*, each of which completes through a *completion* that never blocks.
+
+Messages travel on *lanes*: lane 0 carries collectives (one at a time per communicator,
+so their order is the same on every rank), lane 1 point-to-point traffic.  Every message
+carries a ``tag`` and a signature hash ``sig`` that the receiver checks: a mismatch is a
+``CollectiveMismatchError``, never a silent wrong answer.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol, runtime_checkable
+
+import numpy as np
+
+LANE_COLL = 0
+LANE_P2P = 1
+LANES = 2
+LANE_NAMES = ("collective", "point-to-point")
+
+# sink(offset_in_bytes, chunk_bytes_view): consumes one arriving chunk (copy or reduce)
+Sink = Callable[[int, np.ndarray], None]
+
+
+@runtime_checkable
+class Completion(Protocol):
+    peer: int
+
+    def test(self) -> bool:
+        """Advance the transfer as far as possible without blocking; True once complete."""
+
+
+class Endpoint(Protocol):
+    peer: int
+    transport: str
+
+    def send(self, src: np.ndarray, lane: int, tag: int, sig: int) -> Completion:
+        """Queue ``src`` (a uint8 view) for the peer; the completion tests True once the
+        bytes have left ``src`` (the caller may then reuse it)."""
+
+    def recv(self, nbytes: int, sink: Sink, lane: int, tag: int, sig: int) -> Completion:
+        """Receive the next message of ``lane`` from the peer; it must be ``nbytes`` long
+        and carry ``tag`` and ``sig``.  ``sink`` is called once per arriving chunk."""
+
+    def check(self) -> None:
+        """Raise ``PeerFailure`` if the peer is known to be gone (cheap; called while
+        waiting)."""
+
+
+class Transport(Protocol):
+    name: str
+
+    @classmethod
+    def probe(cls) -> tuple[bool, str]:
+        """(available on this machine, why or why not) — for ``gpurt info``."""
+
+    def can_connect(self, topo, me: int, peer: int) -> bool:
+        """Can this transport reach ``peer`` from ``me``?  The first yes in the registry wins."""
+
+    def connect(self, peers: list[int], comm) -> dict[int, Endpoint]:
+        """Collective over the communicator's control plane: endpoints to ``peers``."""
+
+    def close(self) -> None:
+        """Release everything; safe to call twice and from an exception path."""
+
+
+_REGISTRY: list[tuple[str, Callable[[], type]]] = []
+
+
+def register(name: str, loader: Callable[[], type]) -> None:
+    """Append a transport to the registry (order = preference)."""
+    _REGISTRY.append((name, loader))
+
+
+def registered() -> list[tuple[str, Callable[[], type]]]:
+    return list(_REGISTRY)

@@ -1,0 +1,407 @@
+"""``shm``: the intra-node host data path over POSIX shared memory.
+
+How it works
+------------
+One segment per communicator per node.  Local rank 0 creates it in ``/dev/shm`` (name
+``gpurt-<pid>-<n>``), reserves its pages with ``posix_fallocate`` (a full ``/dev/shm``
+is a clean ``ResourceError`` now, not a SIGBUS later), the other local ranks map it,
+and as soon as everyone has mapped it the name is unlinked — from then on no exit,
+SIGKILL included, can leave a file behind.  Names whose creator died before the unlink
+(a crash inside that window) are removed by the next job on the node.
+
+The segment holds one *ring* per ordered pair of local ranks and *lane*.  A ring is a
+single-producer single-consumer queue of fixed-size *slots*: the sender copies a chunk
+into slot ``head % nslots``, writes the slot's header (tag, signature, message length,
+chunk offset, chunk length) and then publishes it by storing ``head + 1``; the receiver
+consumes slot ``tail % nslots`` — copying it out or reducing it straight into the
+destination — and stores ``tail + 1``.  Each counter has one writer and sits in its own
+cache line.  A message longer than a slot streams through the ring chunk by chunk, so a
+sender never needs more than ``nslots`` slots of buffer: large messages are pipelined.
+Small messages cost one copy in and one copy (or reduce) out.
+
+Ordering: x86-64 keeps stores in order (TSO), so data written before the counter is
+visible before it.  On other CPUs ``_fence`` issues a lock acquire/release pair (a
+full barrier in CPython's lock implementation) between the data and the counter.
+
+Liveness: every rank writes its pid into the segment header; a waiting endpoint checks
+that the peer's pid still exists (``check``), so a peer that died becomes ``PeerFailure``
+instead of a wait until the deadline.
+
+Cost constants (defaults, overridden by ``GPURT_COST``): α ≈ 4 µs per message (Python
+per-message overhead), β ≈ 1/4 GB/s, γ ≈ 1/2 GB/s.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import logging
+import mmap
+import os
+import platform
+import re
+import time
+from collections import deque
+
+import numpy as np
+
+from gpurt import config
+from gpurt.errors import CollectiveMismatchError, PeerFailure, ResourceError, TransportError
+
+from .base import LANE_NAMES, LANES, Sink
+
+log = logging.getLogger("gpurt.shm")
+
+PREFIX = "gpurt-"
+_MAGIC = 0x67707572745F7368  # "gpurt_sh"
+_HDR = 4096                  # segment header: magic, geometry, pid table
+_CTRL = 128                  # ring control: head (+0), tail (+64)
+_SLOT_HDR = 64
+_names = itertools.count()
+
+if platform.machine() in ("x86_64", "AMD64", "i686", "i386"):
+    def _fence() -> None:
+        """x86 is TSO: stores become visible in program order."""
+else:  # pragma: no cover - not exercised on x86 CI
+    import threading
+
+    _fence_lock = threading.Lock()
+
+    def _fence() -> None:
+        _fence_lock.acquire()
+        _fence_lock.release()
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return True  # unknown: not provably dead
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+        return state not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return True
+
+
+def clean_stale(directory: str, min_age: float = 30.0) -> list[str]:
+    """Remove segments whose creating process is gone (left by a crash between create
+    and unlink).  Returns the names removed."""
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    now = time.time()
+    for name in names:
+        m = re.match(rf"{PREFIX}(\d+)-\d+$", name)
+        if not m:
+            continue
+        path = os.path.join(directory, name)
+        try:
+            if now - os.stat(path).st_mtime < min_age or _pid_alive(int(m.group(1))):
+                continue
+            os.unlink(path)
+            removed.append(name)
+        except OSError:
+            continue
+    return removed
+
+
+def geometry(nlocal: int) -> tuple[int, int, int]:
+    """(slot bytes, slots on the collective lane, slots on the p2p lane) for ``nlocal``
+    ranks: the configured sizes, shrunk (slot size first, down to 16 KiB, then slot
+    count, down to 2) until the segment fits in a quarter of the free space in the
+    shm directory."""
+    slot = max(4096, int(config.get("GPURT_SHM_SLOT")) // 64 * 64)
+    nslots = max(2, int(config.get("GPURT_SHM_SLOTS")))
+    try:
+        st = os.statvfs(str(config.get("GPURT_SHM_DIR")))
+        budget = st.f_bavail * st.f_frsize // 4
+    except OSError:
+        budget = 1 << 30
+    pairs = nlocal * (nlocal - 1)
+
+    def size(s: int, k: int) -> int:
+        return _HDR + pairs * (2 * _CTRL + (k + max(2, k // 2)) * (s + _SLOT_HDR))
+
+    while size(slot, nslots) > budget and slot > 16384:
+        slot //= 2
+    while size(slot, nslots) > budget and nslots > 2:
+        nslots -= 1
+    return slot, nslots, max(2, nslots // 2)
+
+
+class _Segment:
+    """The mapped segment and the arithmetic of its layout."""
+
+    def __init__(self, fd: int, size: int, nlocal: int, slot: int, nslots: tuple[int, int]):
+        self.size, self.nlocal, self.slot, self.nslots = size, nlocal, slot, nslots
+        self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self.u8 = np.frombuffer(self.mm, dtype=np.uint8)
+        self.q = memoryview(self.mm).cast("Q")
+        self.ring_bytes = [_CTRL + k * (slot + _SLOT_HDR) for k in nslots]
+
+    def ring_offset(self, src: int, dst: int, lane: int) -> int:
+        pair = src * (self.nlocal - 1) + (dst if dst < src else dst - 1)
+        return _HDR + pair * sum(self.ring_bytes) + sum(self.ring_bytes[:lane])
+
+    def close(self) -> None:
+        try:
+            self.q.release()
+        except Exception:  # noqa: BLE001 - views may still be alive; the GC unmaps
+            pass
+        self.u8 = None
+        try:
+            self.mm.close()
+        except (BufferError, ValueError):
+            pass
+
+
+class _Msg:
+    """One message in flight on a ring (either direction)."""
+
+    __slots__ = ("peer", "data", "sink", "total", "tag", "sig", "off", "started", "done",
+                 "ring", "lane")
+
+    def __init__(self, ring, peer: int, lane: int, total: int, tag: int, sig: int,
+                 data: np.ndarray | None = None, sink: Sink | None = None):
+        self.ring, self.peer, self.lane = ring, peer, lane
+        self.data, self.sink, self.total = data, sink, total
+        self.tag, self.sig = tag & 0xFFFFFFFFFFFFFFFF, sig & 0xFFFFFFFFFFFFFFFF
+        self.off, self.started, self.done = 0, False, False
+
+    def test(self) -> bool:
+        if not self.done:
+            self.ring.progress()
+        return self.done
+
+
+class _Ring:
+    """One direction of one lane between two local ranks, seen from one end."""
+
+    def __init__(self, seg: _Segment, src: int, dst: int, lane: int, me_is_sender: bool):
+        base = seg.ring_offset(src, dst, lane)
+        self.seg, self.lane = seg, lane
+        self.nslots, self.slot = seg.nslots[lane], seg.slot
+        self.head_i, self.tail_i = base // 8, (base + 64) // 8
+        offs = [base + _CTRL + k * (self.slot + _SLOT_HDR) for k in range(self.nslots)]
+        self.hdr_i = [o // 8 for o in offs]
+        self.data = [seg.u8[o + _SLOT_HDR:o + _SLOT_HDR + self.slot] for o in offs]
+        self.count = 0       # my counter (head if sender, tail if receiver): I am its only writer
+        self.seen = 0        # last value read of the other end's counter
+        self.sender = me_is_sender
+        self.queue: deque[_Msg] = deque()
+
+    # -- sender side ---------------------------------------------------------
+    def _push(self) -> bool:
+        q, moved = self.seg.q, False
+        while self.queue:
+            m = self.queue[0]
+            while not m.done:
+                if self.count - self.seen >= self.nslots:
+                    self.seen = q[self.tail_i]
+                    if self.count - self.seen >= self.nslots:
+                        return moved
+                k = self.count % self.nslots
+                n = min(self.slot, m.total - m.off)
+                if n:
+                    self.data[k][:n] = m.data[m.off:m.off + n]
+                h = self.hdr_i[k]
+                q[h], q[h + 1], q[h + 2], q[h + 3], q[h + 4] = m.tag, m.sig, m.total, m.off, n
+                _fence()
+                self.count += 1
+                q[self.head_i] = self.count
+                m.off += n
+                moved = True
+                if m.off >= m.total:
+                    m.done = True
+                    m.data = None
+            self.queue.popleft()
+        return moved
+
+    # -- receiver side -------------------------------------------------------
+    def _pull(self) -> bool:
+        q, moved = self.seg.q, False
+        while self.queue:
+            m = self.queue[0]
+            while not m.done:
+                if self.count == self.seen:
+                    self.seen = q[self.head_i]
+                    if self.count == self.seen:
+                        return moved
+                k = self.count % self.nslots
+                h = self.hdr_i[k]
+                tag, sig, total, off, n = q[h], q[h + 1], q[h + 2], q[h + 3], q[h + 4]
+                if tag != m.tag or sig != m.sig or total != m.total or off != m.off:
+                    self._mismatch(m, tag, sig, total, off)
+                if n:
+                    m.sink(off, self.data[k][:n])
+                self.count += 1
+                _fence()
+                q[self.tail_i] = self.count
+                m.off += n
+                moved = True
+                if m.off >= m.total:
+                    m.done = True
+                    m.sink = None
+            self.queue.popleft()
+        return moved
+
+    def progress(self) -> bool:
+        return self._push() if self.sender else self._pull()
+
+    def _mismatch(self, m: _Msg, tag: int, sig: int, total: int, off: int) -> None:
+        lane = LANE_NAMES[self.lane]
+        what = "collective call #" if self.lane == 0 else "tag "
+        if tag != m.tag:
+            detail = f"it carries {what}{tag}, this rank expects {what}{m.tag}"
+        elif sig != m.sig:
+            detail = (f"both are {what}{tag} but the calls differ (dtype, count, op, root or "
+                      f"collective; signature {sig:#x} vs {m.sig:#x})")
+        elif total != m.total:
+            detail = f"it is {total} bytes long, this rank expects {m.total} bytes"
+        else:
+            detail = f"chunk at byte {off}, expected byte {m.off}"
+        raise CollectiveMismatchError(
+            f"message from rank {m.peer} on the shm {lane} lane does not match the "
+            f"receive posted here: {detail}")
+
+
+class ShmEndpoint:
+    transport = "shm"
+
+    def __init__(self, owner: "ShmTransport", peer: int, local_peer: int):
+        self.owner, self.peer, self.local_peer = owner, peer, local_peer
+        me, seg = owner.local_rank, owner.seg
+        self.tx = [_Ring(seg, me, local_peer, lane, True) for lane in range(LANES)]
+        self.rx = [_Ring(seg, local_peer, me, lane, False) for lane in range(LANES)]
+        self._pid = 0
+
+    def send(self, src: np.ndarray, lane: int, tag: int, sig: int) -> _Msg:
+        ring = self.tx[lane]
+        m = _Msg(ring, self.peer, lane, src.nbytes, tag, sig, data=src)
+        ring.queue.append(m)
+        ring._push()
+        return m
+
+    def recv(self, nbytes: int, sink: Sink, lane: int, tag: int, sig: int) -> _Msg:
+        ring = self.rx[lane]
+        m = _Msg(ring, self.peer, lane, nbytes, tag, sig, sink=sink)
+        ring.queue.append(m)
+        ring._pull()
+        return m
+
+    def check(self) -> None:
+        if not self._pid:
+            self._pid = self.owner.seg.q[8 + self.local_peer]
+        if not _pid_alive(self._pid):
+            raise PeerFailure(f"rank {self.peer} (pid {self._pid}, same node) has exited",
+                              rank=self.peer)
+
+
+class ShmTransport:
+    """Shared-memory rings between the ranks of one node (see the module docstring)."""
+
+    name = "shm"
+
+    @classmethod
+    def probe(cls) -> tuple[bool, str]:
+        d = str(config.get("GPURT_SHM_DIR"))
+        try:
+            st = os.statvfs(d)
+        except OSError as e:
+            return False, f"{d} is not usable: {e}"
+        if not os.access(d, os.W_OK):
+            return False, f"{d} is not writable"
+        free = st.f_bavail * st.f_frsize
+        return True, f"{d} has {free / 2**30:.1f} GiB free"
+
+    def __init__(self) -> None:
+        self.seg: _Segment | None = None
+        self.local_rank = -1
+        self.endpoints: dict[int, ShmEndpoint] = {}
+
+    def can_connect(self, topo, me: int, peer: int) -> bool:
+        return topo.node_of[me] == topo.node_of[peer]
+
+    def connect(self, peers: list[int], comm) -> dict[int, ShmEndpoint]:
+        """Collective over the node communicator ``comm.node_comm`` (every local rank calls
+        it, even one with no peers)."""
+        topo, node = comm.topo, comm.node_comm
+        self.local_rank = node.Get_rank()
+        nlocal = node.Get_size()
+        if nlocal == 1:
+            return {}
+        slot, k_coll, k_p2p = node.bcast(geometry(nlocal) if self.local_rank == 0 else None, 0)
+        ring_bytes = _CTRL + k_coll * (slot + _SLOT_HDR) + _CTRL + k_p2p * (slot + _SLOT_HDR)
+        size = _HDR + nlocal * (nlocal - 1) * ring_bytes
+        directory = str(config.get("GPURT_SHM_DIR"))
+        path, err, fd = "", "", -1
+        if self.local_rank == 0:
+            clean_stale(directory)
+            path = os.path.join(directory, f"{PREFIX}{os.getpid()}-{next(_names)}")
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                os.ftruncate(fd, size)
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                except OSError as e:
+                    if e.errno in (errno.ENOSPC, errno.ENOMEM):
+                        st = os.statvfs(directory)
+                        raise ResourceError(
+                            f"rank {comm.rank}: cannot reserve {size / 2**20:.1f} MiB in "
+                            f"{directory} for {nlocal} local ranks ({st.f_bavail * st.f_frsize / 2**20:.1f}"
+                            f" MiB free); make it larger (docker --shm-size) or lower "
+                            f"GPURT_SHM_SLOT / GPURT_SHM_SLOTS") from None
+                    if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                        raise
+            except (OSError, ResourceError) as e:
+                err = str(e)
+                if fd >= 0:
+                    os.close(fd)
+                    fd = -1
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+        path, err = node.bcast((path, err), 0)
+        if err:
+            raise ResourceError(f"rank {comm.rank}: shm segment not created by local rank 0: {err}")
+        try:
+            if self.local_rank != 0:
+                fd = os.open(path, os.O_RDWR)
+            self.seg = _Segment(fd, size, nlocal, slot, (k_coll, k_p2p))
+            os.close(fd)
+            fd = -1
+            self.seg.q[8 + self.local_rank] = os.getpid()
+            ok = ""
+        except OSError as e:
+            ok = f"local rank {self.local_rank} (rank {comm.rank}) cannot map {path}: {e}"
+        errs = [e for e in node.allgather(ok) if e]
+        if self.local_rank == 0:  # everyone has mapped it (or failed): the name can go
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        if errs:
+            self.close()
+            raise TransportError("shm: " + "; ".join(errs))
+        if self.local_rank == 0:
+            self.seg.q[0] = _MAGIC
+        node_ranks = topo.local_ranks[topo.node_of[comm.rank]]
+        self.endpoints = {p: ShmEndpoint(self, p, node_ranks.index(p)) for p in peers}
+        return dict(self.endpoints)
+
+    def close(self) -> None:
+        for ep in self.endpoints.values():
+            ep.tx = ep.rx = []
+        self.endpoints = {}
+        if self.seg is not None:
+            self.seg.close()
+            self.seg = None
