@@ -8,6 +8,9 @@ moved by pluggable transports, with MPI (mpi4py) as the control plane.
 
 from __future__ import annotations
 
+import logging as _logging
+
+from . import config
 from ._version import __version__
 from .comm import Communicator, init
 from .errors import (CollectiveMismatchError, CollectiveTimeout, CommunicatorClosed, GpurtError,
@@ -21,3 +24,5 @@ __all__ = [
     "GpurtError", "CollectiveTimeout", "PeerFailure", "CollectiveMismatchError",
     "TransportError", "ResourceError", "CommunicatorClosed",
 ]
+
+_logging.getLogger("gpurt").setLevel(config.get("GPURT_LOG"))

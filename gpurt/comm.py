@@ -263,8 +263,9 @@ class Communicator:
 
     @staticmethod
     def _blocked_shape(b: Buf, size: int) -> tuple[int, ...]:
-        """Shape of one of ``size`` blocks of ``b``: drop a leading axis of length size."""
-        if len(b.shape) >= 1 and b.shape[0] == size:
+        """Shape of one of ``size`` blocks of ``b``: drop a leading axis of length size
+        (2-D and up), else a flat block."""
+        if len(b.shape) >= 2 and b.shape[0] == size:
             return tuple(b.shape[1:])
         return (b.count // size,)
 

@@ -1,7 +1,7 @@
 """Every GPURT_* environment variable, typed and documented, in one place.
 
-Read once per process (``settings()``); ``reload()`` re-reads (tests use it).
-The README's table is generated from ``VARIABLES`` by ``gpurt info --env``.
+Each variable is read once per process, on first use; ``reload()`` forgets the values.
+``gpurt info --env`` prints the table of ``VARIABLES`` with the current values.
 """
 
 from __future__ import annotations
@@ -69,12 +69,20 @@ VARIABLES: tuple[Var, ...] = (
     Var("GPURT_COST", "", _cost,
         "Override the tuner's cost constants: 'shm=ALPHA_S/BW_Bps/REDUCE_Bps', e.g. "
         "'shm=3e-6/4e9/2e9'."),
-    Var("GPURT_EXCEPTHOOK", "1", lambda s: s.strip() not in ("0", "false", "no", ""),
-        "Install a sys.excepthook that closes communicators on an unhandled exception."),
-    Var("GPURT_LOG", "warning", str, "Log level of the 'gpurt' logger (debug, info, warning)."),
+    Var("GPURT_LOG", "warning", lambda s: s.strip().upper(),
+        "Level of the 'gpurt' logger: debug, info, warning, error."),
 )
 
 _BY_NAME = {v.name: v for v in VARIABLES}
+
+
+_CACHE: dict[str, object] = {}
+
+
+def reload() -> None:
+    """Forget the values read so far (the next ``get`` re-reads the environment)."""
+    _CACHE.clear()
+    _read.cache_clear()
 
 
 @lru_cache(maxsize=None)
@@ -88,10 +96,16 @@ def _read(name: str, raw: str | None) -> object:
 
 
 def get(name: str) -> object:
-    """The typed value of ``name`` from the environment, or its default."""
+    """The typed value of ``name`` from the environment, or its default.  Read once per
+    process and cached (hot paths call this); ``reload()`` forgets."""
+    try:
+        return _CACHE[name]
+    except KeyError:
+        pass
     if name not in _BY_NAME:
         raise KeyError(f"{name} is not a gpurt variable")
-    return _read(name, os.environ.get(name))
+    val = _CACHE[name] = _read(name, os.environ.get(name))
+    return val
 
 
 def table() -> list[tuple[str, str, str, str]]:

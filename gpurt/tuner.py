@@ -50,13 +50,14 @@ class Tuner:
                                  f"(known: {', '.join(SPECS)})")
             self.forced[coll] = lookup(coll, name).name  # raises on unknown names
         self._plan = lru_cache(maxsize=512)(self._plan_uncached)
+        self.choose = lru_cache(maxsize=512)(self._choose)  # type: ignore[method-assign]
 
     def candidates(self, coll: str, nbytes: float) -> list[tuple[float, Algorithm]]:
         algs = REGISTRY[coll].values()
         return sorted(((a.cost(self.p, nbytes, self.cost), a) for a in algs),
                       key=lambda t: (t[0], t[1].name))
 
-    def choose(self, coll: str, n: int, itemsize: int, algo: str | None = None) -> Algorithm:
+    def _choose(self, coll: str, n: int, itemsize: int, algo: str | None = None) -> Algorithm:
         name = algo or self.forced.get(coll)
         if name:
             return lookup(coll, name)

@@ -1,0 +1,135 @@
+"""The ``gpurt`` command line (installed as ``gpurt.launch``).
+
+    gpurt --version
+    gpurt info [--json] [--env]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+
+import click
+
+from gpurt._version import __version__
+
+
+def _versions() -> dict[str, str]:
+    out = {"gpurt": __version__, "python": platform.python_version()}
+    import numpy
+
+    out["numpy"] = numpy.__version__
+    try:
+        import ml_dtypes
+
+        out["ml_dtypes"] = ml_dtypes.__version__
+    except ImportError:
+        out["ml_dtypes"] = "missing (no bfloat16)"
+    try:
+        import mpi4py
+
+        out["mpi4py"] = mpi4py.__version__
+    except ImportError:
+        out["mpi4py"] = "missing"
+    return out
+
+
+def _mpi_library() -> dict[str, str]:
+    """Which MPI library mpi4py loaded (this initialises MPI as a singleton if needed)."""
+    try:
+        from mpi4py import MPI
+    except Exception as e:  # noqa: BLE001 - report, don't crash `gpurt info`
+        return {"library": f"unavailable: {e}"}
+    lib = MPI.Get_library_version().strip().splitlines()[0].strip()
+    major, minor = MPI.Get_version()
+    return {"library": lib, "standard": f"MPI {major}.{minor}",
+            "vendor": "{} {}".format(*MPI.get_vendor()[:1], ".".join(map(str, MPI.get_vendor()[1])))}
+
+
+def _transports() -> list[dict[str, str]]:
+    from gpurt.transports import PLANNED, registered
+
+    rows = []
+    for name, loader in registered():
+        try:
+            ok, why = loader().probe()
+        except Exception as e:  # noqa: BLE001
+            ok, why = False, f"probe failed: {e}"
+        rows.append({"name": name, "available": ok, "why": why})
+    for name, why in PLANNED.items():
+        rows.append({"name": name, "available": False, "why": why})
+    return rows
+
+
+def _algorithms() -> dict[str, list[str]]:
+    from gpurt.algorithms import REGISTRY
+
+    return {coll: sorted(algs) for coll, algs in REGISTRY.items()}
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", "-V", prog_name="gpurt",
+                      message="%(prog)s %(version)s")
+def main() -> None:
+    """gpurt: NCCL-class collectives for Python, MPI as the control plane.
+
+    \b
+    Examples:
+      gpurt info                  versions, MPI library, transports and why
+      gpurt info --json           the same for machines
+      gpurt info --env            every GPURT_* variable with its value
+    """
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+@click.option("--env", "show_env", is_flag=True, help="Also list every GPURT_* variable.")
+def info(as_json: bool, show_env: bool) -> None:
+    """Versions, the MPI library in use, and which transports are available (and why not).
+
+    \b
+    Examples:
+      gpurt info
+      GPURT_SHM_DIR=/tmp gpurt info --json
+    """
+    from gpurt import config
+
+    data = {
+        "versions": _versions(),
+        "mpi": _mpi_library(),
+        "platform": {"machine": platform.machine(), "system": platform.system(),
+                     "release": platform.release(), "cpus": os.cpu_count()},
+        "transports": _transports(),
+        "algorithms": _algorithms(),
+    }
+    if show_env:
+        data["env"] = [{"name": n, "default": d, "value": v, "doc": doc}
+                       for n, d, v, doc in config.table()]
+    if as_json:
+        click.echo(json.dumps(data, indent=2))
+        return
+    v = data["versions"]
+    click.echo(f"gpurt {v['gpurt']}  (python {v['python']}, numpy {v['numpy']}, "
+               f"mpi4py {v['mpi4py']}, ml_dtypes {v['ml_dtypes']})")
+    m = data["mpi"]
+    click.echo(f"MPI: {m.get('library')}" + (f"  [{m['standard']}]" if "standard" in m else ""))
+    p = data["platform"]
+    click.echo(f"platform: {p['system']} {p['release']} {p['machine']}, {p['cpus']} CPUs")
+    click.echo("transports:")
+    for t in data["transports"]:
+        mark = "yes" if t["available"] else "no "
+        click.echo(f"  {t['name']:<9} {mark}  {t['why']}")
+    click.echo("algorithms (GPURT_ALGO=collective:name):")
+    for coll, names in data["algorithms"].items():
+        click.echo(f"  {coll:<15} {', '.join(names)}")
+    if show_env:
+        click.echo("environment:")
+        for e in data["env"]:
+            val = e["value"] or f"(default {e['default']!r})"
+            click.echo(f"  {e['name']:<17} {val}\n      {e['doc']}")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

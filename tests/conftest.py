@@ -1,0 +1,58 @@
+"""Shared helpers: find mpiexec, run a command under it with a deadline.
+
+Tests in ``tests/mpi/`` are pytest-mpi tests: they run *inside* ``mpiexec -n N python -m
+pytest --with-mpi tests/mpi``, launched by ``tests/test_processes.py``; the outer pytest
+does not collect them itself.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+collect_ignore = [] if "--with-mpi" in sys.argv else ["mpi"]
+
+
+def mpiexec() -> str:
+    """The launcher: $GPURT_MPIEXEC, else the one beside this Python (the mpich wheel's),
+    else the first on PATH."""
+    env = os.environ.get("GPURT_MPIEXEC")
+    if env:
+        return env
+    here = Path(sys.executable).parent / "mpiexec"
+    if here.exists():
+        return str(here)
+    found = shutil.which("mpiexec") or shutil.which("mpirun")
+    if not found:
+        pytest.fail("no mpiexec found: pip install mpich (or set GPURT_MPIEXEC)")
+    return found
+
+
+def run_mpi(n: int, args: list[str], *, env: dict | None = None, timeout: float = 240,
+            check: bool = True) -> subprocess.CompletedProcess:
+    """``mpiexec -n n python ARGS`` from the repository root; output captured."""
+    e = dict(os.environ)
+    e.setdefault("GPURT_TIMEOUT", "60")   # a hung case fails in a minute, not in five
+    e.update(env or {})
+    cmd = [mpiexec(), "-n", str(n), sys.executable] + args
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout} s\n"
+                    f"stdout:\n{exc.stdout}\nstderr:\n{exc.stderr}")
+    if check and proc.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n"
+                    f"stdout:\n{proc.stdout[-6000:]}\nstderr:\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def gpurt_shm_files() -> list[str]:
+    return sorted(f for f in os.listdir("/dev/shm") if f.startswith("gpurt-"))

@@ -1,0 +1,342 @@
+"""The public API under real MPI (pytest-mpi): run by tests/test_processes.py as
+
+    mpiexec -n N python -m pytest --with-mpi tests/mpi
+
+Every test runs on every rank; bad-input tests make the same bad call on every rank (an
+argument error is raised before anything moves, so the ranks stay in step).
+"""
+
+from __future__ import annotations
+
+import array
+import os
+import time
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import gpurt
+from gpurt import config
+
+pytestmark = pytest.mark.mpi(min_size=1)
+
+
+@pytest.fixture(scope="module")
+def comm():
+    return gpurt.init()
+
+
+def test_init_is_idempotent_and_describes_the_world(comm):
+    assert gpurt.init() is comm
+    w = MPI.COMM_WORLD
+    assert (comm.rank, comm.size) == (w.rank, w.size)
+    assert comm.nnodes == 1 and comm.node == 0          # one host, one node
+    assert comm.local_size == w.size and comm.local_rank == w.rank
+    assert "rank" in repr(comm)
+
+
+def test_wrap_an_application_communicator(comm):
+    """Embedding: any mpi4py intracommunicator, e.g. one the application split itself."""
+    w = MPI.COMM_WORLD
+    app = w.Split(w.rank % 2, w.rank)
+    with gpurt.Communicator(app) as c:
+        assert (c.rank, c.size) == (app.rank, app.size)
+        x = np.full(3, w.rank, np.int64)
+        c.allreduce(x)
+        assert (x == sum(q for q in range(w.size) if q % 2 == w.rank % 2)).all()
+    assert c.closed
+    with pytest.raises(gpurt.CommunicatorClosed):
+        c.allreduce(x)
+    app.Free()
+
+
+def test_wrap_rejects_non_communicators():
+    with pytest.raises(TypeError, match="intracommunicator"):
+        gpurt.Communicator("COMM_WORLD")
+
+
+def test_out_none_semantics(comm):
+    p, r = comm.size, comm.rank
+    x = np.arange(6, dtype=np.float64).reshape(2, 3) + r
+    y = comm.allreduce(x)
+    assert y is x and y.shape == (2, 3)
+    g = comm.allgather(np.array([r, r], np.int32))
+    assert g.shape == (p, 2) and g.dtype == np.int32 and (g[:, 0] == np.arange(p)).all()
+    rs = comm.reduce_scatter(np.ones((p, 4), np.float32))
+    assert rs.shape == (4,) and (rs == p).all()
+    rs1 = comm.reduce_scatter(np.ones(p * 2, np.float32))
+    assert rs1.shape == (2,)
+    a = comm.alltoall(np.arange(p, dtype=np.int16) + 10 * r)
+    assert a.shape == (p,) and (a == np.arange(p) * 10 + r).all()
+    gat = comm.gather(np.array([r]), root=0)
+    assert (gat is None) == (r != 0)
+    sc = comm.scatter(np.arange(p * 2).reshape(p, 2), root=p - 1)   # x gives shape off root
+    assert (sc == [2 * r, 2 * r + 1]).all()
+
+
+def test_explicit_out_and_x_unchanged(comm):
+    p = comm.size
+    x = np.arange(5, dtype=np.int32)
+    out = np.empty_like(x)
+    assert comm.allreduce(x, out) is out
+    assert (x == np.arange(5)).all() and (out == np.arange(5) * p).all()
+
+
+def test_buffer_kinds(comm):
+    """array.array, memoryview, bytearray, a DLPack-only object, 0-d arrays."""
+    p = comm.size
+    a = array.array("d", [1.0, 2.0])
+    comm.allreduce(a)
+    assert list(a) == [p, 2.0 * p]
+    ba = bytearray(b"\x01\x02")
+    comm.allreduce(memoryview(ba), op="max")
+    assert list(ba) == [1, 2]
+
+    class DLOnly:   # what a PyTorch CPU tensor looks like to gpurt
+        def __init__(self, arr):
+            self._a = arr
+
+        def __dlpack__(self, **kw):
+            return self._a.__dlpack__(**kw)
+
+        def __dlpack_device__(self):
+            return self._a.__dlpack_device__()
+
+    base = np.ones(4, np.float32)
+    comm.allreduce(DLOnly(base))
+    assert (base == p).all()
+    z = np.array(3, np.int64)
+    comm.allreduce(z)
+    assert int(z) == 3 * p
+
+
+def test_ops_as_strings_and_avg(comm):
+    p, r = comm.size, comm.rank
+    x = np.array([float(r)], np.float64)
+    comm.allreduce(x, op="avg")
+    assert x[0] == sum(range(p)) / p
+    y = np.array([r + 1], np.int64)
+    comm.allreduce(y, op="PROD")
+    assert y[0] == np.prod(np.arange(1, p + 1))
+    b = np.array([r % 2 == 0, True])
+    comm.allreduce(b, op=gpurt.BAND)
+    assert b.tolist() == [p == 1, True]
+
+
+def test_bad_input_raises_before_anything_moves(comm):
+    p, r = comm.size, comm.rank
+    x = np.arange(8, dtype=np.float32)
+    with pytest.raises(ValueError, match=rf"rank {r}: x is not C-contiguous"):
+        comm.allreduce(x[::2])
+    ro = np.ones(4, np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="out is read-only"):
+        comm.allreduce(np.ones(4, np.float32), ro)
+    with pytest.raises(ValueError, match="x is read-only"):
+        comm.allreduce(ro)
+    with pytest.raises(ValueError, match="out has 3 elements, 8 expected"):
+        comm.allreduce(x, np.empty(3, np.float32))
+    with pytest.raises(TypeError, match="out has dtype float64"):
+        comm.allreduce(x, np.empty(8, np.float64))
+    with pytest.raises(ValueError, match=f"root {p} is not a rank"):
+        comm.broadcast(x, root=p)
+    with pytest.raises(ValueError, match="root -1 is not a rank"):
+        comm.reduce(x, root=-1)
+    with pytest.raises(TypeError, match="dtype <U3 is not supported"):
+        comm.allreduce(np.array(["abc"]))
+    with pytest.raises(TypeError, match="op BAND is not defined for dtype float32"):
+        comm.allreduce(x, op=gpurt.BAND)
+    with pytest.raises(TypeError, match="op AVG is not defined for dtype int32"):
+        comm.allreduce(np.ones(2, np.int32), op="avg")
+    with pytest.raises(ValueError, match="unknown reduction op 'median'"):
+        comm.allreduce(x, op="median")
+    with pytest.raises(TypeError, match="is not an array"):
+        comm.allreduce([1, 2, 3])
+    same = np.zeros(p, np.int32)
+    with pytest.raises(ValueError, match="alltoall: out overlaps x"):
+        comm.alltoall(same, same)
+    if p > 1:
+        with pytest.raises(ValueError, match="not a multiple of the communicator size"):
+            comm.alltoall(np.zeros(p + 1, np.int32))
+        with pytest.raises(ValueError, match="not a multiple"):
+            comm.reduce_scatter(np.zeros(p * 2 + 1, np.float32))
+    with pytest.raises(ValueError, match=f"peer {p} is not a rank"):
+        comm.send(x, p)
+    with pytest.raises(ValueError, match="to itself"):
+        comm.send(x, r)
+    with pytest.raises(ValueError, match="tag must be a non-negative int"):
+        comm.isend(x, (r + 1) % p, tag=-1) if p > 1 else comm._p2p("send", comm._in(x), 0, -1)
+
+    class FakeDevice:
+        __cuda_array_interface__ = {"shape": (4,), "typestr": "<f4", "data": (1234, False),
+                                    "version": 3, "strides": None}
+
+    with pytest.raises(TypeError, match="device buffer.*cuda_ipc"):
+        comm.allreduce(FakeDevice())
+    # the communicator is still healthy after all that
+    y = np.ones(3, np.int32)
+    comm.allreduce(y)
+    assert (y == p).all()
+
+
+def test_nonblocking_variants(comm):
+    p, r = comm.size, comm.rank
+    xs = [np.full(1000 * (i + 1), i + r, np.int64) for i in range(3)]
+    reqs = [comm.iallreduce(x) for x in xs]
+    for i in reversed(range(3)):         # wait in any order
+        assert reqs[i].wait() is xs[i]
+        assert (xs[i] == sum(i + q for q in range(p))).all()
+    req = comm.ibroadcast(np.full(10, r, np.float32), root=0)
+    while not req.test():
+        pass
+    assert (req.result == 0).all()
+    bar = comm.ibarrier()
+    bar.wait(timeout=30)
+    assert bar.done
+    for make in (lambda: comm.iallgather(np.ones(2)), lambda: comm.ireduce_scatter(np.ones(2 * p)),
+                 lambda: comm.ialltoall(np.ones(p)), lambda: comm.igather(np.ones(1)),
+                 lambda: comm.iscatter(np.ones(p), np.empty(1)),
+                 lambda: comm.ireduce(np.ones(1))):
+        make().wait()
+
+
+def test_point_to_point(comm):
+    p, r = comm.size, comm.rank
+    if p == 1:
+        pytest.skip("point-to-point needs 2 ranks")
+    right, left = (r + 1) % p, (r - 1) % p
+    # large messages both ways at once: isend/irecv must not deadlock
+    big = np.arange(1 << 20, dtype=np.float64) + r
+    got = np.empty_like(big)
+    reqs = [comm.isend(big, right, tag=5), comm.irecv(got, left, tag=5)]
+    for q in reqs:
+        q.wait(timeout=60)
+    assert (got == np.arange(1 << 20) + left).all()
+    # blocking small messages around the ring, in order
+    if r == 0:
+        comm.send(np.array([7], np.int32), right, tag=1)
+        v = comm.recv(np.empty(1, np.int32), left, tag=1)
+        assert v[0] == 7 + p - 1
+    else:
+        v = comm.recv(np.empty(1, np.int32), left, tag=1)
+        comm.send(v + 1, right, tag=1)
+
+
+def test_p2p_mismatch_is_an_error_not_garbage(comm):
+    p, r = comm.size, comm.rank
+    if p == 1:
+        pytest.skip("needs 2 ranks")
+    c = comm.dup()
+    try:
+        if r == 0:
+            c.send(np.ones(4, np.float32), 1, tag=3)
+        elif r == 1:
+            with pytest.raises(gpurt.CollectiveMismatchError, match="rank 0.*tag 3.*tag 4"):
+                c.recv(np.empty(4, np.float32), 0, tag=4)
+            with pytest.raises(gpurt.CommunicatorClosed):
+                c.recv(np.empty(4, np.float32), 0, tag=4)
+    finally:
+        c.close()
+        comm.mpi.Barrier()
+
+
+def test_collective_size_mismatch_is_detected(comm):
+    p, r = comm.size, comm.rank
+    if p == 1:
+        pytest.skip("needs 2 ranks")
+    c = comm.dup()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises((gpurt.CollectiveMismatchError, gpurt.CollectiveTimeout)) as ei:
+            c.allreduce(np.ones(4 + (r == 0), np.float32), algo="direct", timeout=10)
+        kinds = comm.mpi.allgather(type(ei.value).__name__)
+        assert "CollectiveMismatchError" in kinds
+        assert time.monotonic() - t0 < 15
+    finally:
+        c.close()
+        comm.mpi.Barrier()
+
+
+def test_timeout_names_the_missing_ranks(comm):
+    p, r = comm.size, comm.rank
+    if p == 1:
+        pytest.skip("needs 2 ranks")
+    c = comm.dup()
+    try:
+        if r == 0:
+            t0 = time.monotonic()
+            with pytest.raises(gpurt.CollectiveTimeout) as ei:
+                c.allreduce(np.ones(4, np.float32), timeout=0.5, algo="direct")
+            assert 0.4 < time.monotonic() - t0 < 5
+            assert ei.value.collective == "allreduce" and ei.value.seq == 1
+            assert set(ei.value.missing) == set(range(1, p))
+            assert "rank 0: allreduce (call #1) did not complete within 0.5 s" in str(ei.value)
+            with pytest.raises(gpurt.CommunicatorClosed):   # poisoned
+                c.barrier()
+    finally:
+        c.close()
+        comm.mpi.Barrier()
+
+
+def test_split_dup_close(comm):
+    p, r = comm.size, comm.rank
+    sub = comm.split(r % 2, key=-r)          # reversed order inside each half
+    members = [q for q in range(p) if q % 2 == r % 2]
+    assert sub.size == len(members)
+    assert sub.rank == sorted(members, reverse=True).index(r)
+    x = np.array([r], np.int64)
+    sub.allreduce(x)
+    assert x[0] == sum(members)
+    none = comm.split(None if r == 0 else 1)
+    assert (none is None) == (r == 0)
+    if none is not None:
+        none.close()
+    d = comm.dup()
+    assert d is not comm and d.size == p
+    y = np.array([1.0])
+    d.allreduce(y)
+    assert y[0] == p
+    d.close()
+    d.close()   # idempotent
+    sub.close()
+
+
+def test_explain_and_forced_algorithm(comm):
+    text = comm.explain("allreduce", 1 << 20)
+    assert "chosen" in text and "ring" in text and "direct" in text
+    os.environ["GPURT_ALGO"] = "allreduce:ring,broadcast:tree"
+    config.reload()
+    try:
+        d = comm.dup()
+        assert "(GPURT_ALGO)" in d.explain("allreduce", 8)
+        req = d.iallreduce(np.ones(2))
+        req.wait()
+        assert req.algorithm == "ring"
+        req = d.ibroadcast(np.ones(2))
+        req.wait()
+        assert req.algorithm == "binomial"
+        d.close()
+    finally:
+        del os.environ["GPURT_ALGO"]
+        config.reload()
+    with pytest.raises(ValueError, match="unknown algorithm 'nope'"):
+        comm.allreduce(np.ones(2), algo="nope")
+
+
+def test_large_and_odd_counts(comm):
+    p, r = comm.size, comm.rank
+    for n in (0, 1, 2, 3, 97, 65537, (1 << 21) + 3):
+        x = (np.arange(n) % 5 + r).astype(np.float32)
+        comm.allreduce(x)
+        want = sum((np.arange(n) % 5 + q).astype(np.float32) for q in range(p))
+        assert np.array_equal(x, want), n
+
+
+def test_torch_cpu_tensors(comm):
+    torch = pytest.importorskip("torch", reason="PyTorch is not installed here")
+    t = torch.ones(4) * (comm.rank + 1)
+    comm.allreduce(t)
+    assert t.tolist() == [sum(range(1, comm.size + 1))] * 4
+    g = comm.allgather(torch.ones(2))
+    assert isinstance(g, torch.Tensor) and tuple(g.shape) == (comm.size, 2)

@@ -1,0 +1,221 @@
+"""Run under ``mpiexec -n N``: many collective cases in one launch, exact checks.
+
+    mpiexec -n 3 python tests/mpi_sweep.py algorithms|dtypes|all
+
+Inputs are small integers (in every dtype), so every reduction order gives the same
+exact answer and results are compared with ``==`` against a NumPy reference computed
+from every rank's input.  Prints one line per failing case and a summary on rank 0;
+exits non-zero if any rank saw a failure.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import traceback
+
+import numpy as np
+
+import gpurt
+from gpurt.algorithms import REGISTRY
+from gpurt.ops import _ALLOWED, DTYPES, Op
+
+PRIME = 100_003          # a prime above 10^5
+BIG_BYTES = 3 << 20      # "a few MiB"
+
+
+def gen(q: int, n: int, dtype: np.dtype, op: Op | None) -> np.ndarray:
+    """Rank q's input: small integers, exact under any reduction order for p <= 8."""
+    i = np.arange(n, dtype=np.int64)
+    if dtype == np.bool_:
+        return ((i + q) % 3 == 0)
+    if op is Op.PROD:
+        v = (i * 5 + q) % 2 + 1                   # 1 or 2: products up to 2^p
+    elif op in (Op.BAND, Op.BOR, Op.BXOR):
+        v = (i * 7 + q * 13) % 61
+    else:
+        v = (i * 7 + q * 3) % 9                   # sums up to 8p
+        if np.dtype(dtype).kind == "i":
+            v = v - 4                             # negative values for signed types
+    if np.dtype(dtype).kind == "c":
+        im = (i + q) % 2 if op is Op.PROD else (i * 3 + q) % 5
+        return (v + 1j * im).astype(dtype)
+    return v.astype(dtype)
+
+
+def ref_reduce(arrs: list[np.ndarray], op: Op, p: int) -> np.ndarray:
+    uf = {Op.SUM: np.add, Op.AVG: np.add, Op.PROD: np.multiply, Op.MIN: np.minimum,
+          Op.MAX: np.maximum, Op.BAND: np.bitwise_and, Op.BOR: np.bitwise_or,
+          Op.BXOR: np.bitwise_xor}[op]
+    acc = arrs[0].copy()
+    for a in arrs[1:]:
+        uf(acc, a, out=acc)
+    if op is Op.AVG and acc.size:
+        np.divide(acc, acc.dtype.type(p), out=acc)
+    return acc
+
+
+class Sweep:
+    def __init__(self, comm: gpurt.Communicator):
+        self.comm, self.p, self.r = comm, comm.size, comm.rank
+        self.failures: list[str] = []
+        self.cases = 0
+
+    def check(self, what: str, got, want) -> None:
+        self.cases += 1
+        got = np.asarray(got)
+        want = np.asarray(want)
+        if got.shape != want.shape:
+            self.failures.append(f"{what}: shape {got.shape} != {want.shape}")
+        elif got.dtype != want.dtype:
+            self.failures.append(f"{what}: dtype {got.dtype} != {want.dtype}")
+        elif not np.array_equal(got, want):
+            bad = np.flatnonzero(got.reshape(-1) != want.reshape(-1))
+            k = bad[0]
+            self.failures.append(f"{what}: {bad.size} wrong elements, first at {k}: "
+                                 f"{got.reshape(-1)[k]!r} != {want.reshape(-1)[k]!r}")
+
+    def run_case(self, coll: str, algo: str | None, n: int, dtype, op: Op | None, root: int,
+                 inplace: bool) -> None:
+        """One collective call with per-rank count n (see gpurt.schedule.SPECS)."""
+        c, p, r = self.comm, self.p, self.r
+        dtype = np.dtype(dtype)
+        tag = f"{coll}/{algo or 'auto'} n={n} {dtype} {op.name if op else ''} root={root}" \
+              f"{' inplace' if inplace else ''}"
+        if coll == "allreduce":
+            x = gen(r, n, dtype, op)
+            want = ref_reduce([gen(q, n, dtype, op) for q in range(p)], op, p)
+            if inplace:
+                y = c.allreduce(x, op=op, algo=algo)
+                self.check(tag + " (returned is x)", y is x, True)
+            else:
+                x0 = x.copy()
+                y = c.allreduce(x, np.empty_like(x), op=op, algo=algo)
+                self.check(tag + " (x unchanged)", x, x0)
+            self.check(tag, y, want)
+        elif coll == "reduce":
+            x = gen(r, n, dtype, op)
+            x0 = x.copy()
+            want = ref_reduce([gen(q, n, dtype, op) for q in range(p)], op, p)
+            if inplace:
+                y = c.reduce(x, op=op, root=root, algo=algo)
+                self.check(tag, y if r == root else x, want if r == root else x0)
+            else:
+                out = np.full_like(x, 3)
+                y = c.reduce(x, out, op=op, root=root, algo=algo)
+                self.check(tag + " (x unchanged)", x, x0)
+                self.check(tag, out, want if r == root else np.full_like(x, 3))
+        elif coll == "broadcast":
+            x = gen(root, n, dtype, op) if r == root else np.zeros(n, dtype)
+            c.broadcast(x, root=root, algo=algo)
+            self.check(tag, x, gen(root, n, dtype, op))
+        elif coll == "allgather":
+            x = gen(r, n, dtype, op)
+            y = c.allgather(x, algo=algo)
+            self.check(tag, y, np.stack([gen(q, n, dtype, op) for q in range(p)]))
+        elif coll == "reduce_scatter":
+            x = gen(r, p * n, dtype, op)
+            y = c.reduce_scatter(x, op=op, algo=algo)
+            want = ref_reduce([gen(q, p * n, dtype, op) for q in range(p)], op, p)
+            self.check(tag, y, want[r * n:(r + 1) * n])
+        elif coll == "alltoall":
+            x = (gen(r, p * n, dtype, op).reshape(p, n))
+            y = c.alltoall(x, algo=algo)
+            self.check(tag, y, np.stack([gen(q, p * n, dtype, op).reshape(p, n)[r]
+                                         for q in range(p)]))
+        elif coll == "gather":
+            x = gen(r, n, dtype, op)
+            y = c.gather(x, root=root, algo=algo)
+            if r == root:
+                self.check(tag, y, np.stack([gen(q, n, dtype, op) for q in range(p)]))
+            else:
+                self.check(tag + " (None off root)", y is None, True)
+        elif coll == "scatter":
+            x = gen(root, p * n, dtype, op).reshape(p, n) if r == root else None
+            out = np.zeros(n, dtype)
+            y = c.scatter(x, out, root=root, algo=algo)
+            self.check(tag, y, gen(root, p * n, dtype, op)[r * n:(r + 1) * n])
+        elif coll == "barrier":
+            c.barrier(algo=algo)
+            self.cases += 1
+        else:
+            raise ValueError(coll)
+
+    def safe(self, *args) -> bool:
+        try:
+            self.run_case(*args)
+            return True
+        except Exception:  # noqa: BLE001 - report and stop: ranks may now be out of step
+            self.failures.append(f"{args}: {traceback.format_exc()}")
+            return False
+
+    # -- suites -----------------------------------------------------------------------
+    def algorithms(self) -> bool:
+        """Every collective x every algorithm x sizes x roots, float32 (SUM/MAX)."""
+        p = self.p
+        for coll in ("allreduce", "reduce", "broadcast", "allgather", "reduce_scatter",
+                     "alltoall", "gather", "scatter", "barrier"):
+            per_rank = coll in ("allgather", "reduce_scatter", "alltoall", "gather", "scatter")
+            big = BIG_BYTES // 4 // (p if per_rank else 1)
+            sizes = [0] if coll == "barrier" else [0, 1, 7, PRIME, big]
+            roots = sorted({0, p - 1, p // 2}) if coll in ("reduce", "broadcast", "gather",
+                                                           "scatter") else [0]
+            ops = [Op.SUM, Op.MAX] if coll in ("allreduce", "reduce", "reduce_scatter") else [None]
+            for algo in sorted(REGISTRY[coll]):
+                for n in sizes:
+                    for root in roots:
+                        for op in ops:
+                            if op is Op.MAX and n not in (7, PRIME):
+                                continue
+                            for inplace in ([False, True] if coll in ("allreduce", "reduce")
+                                            else [False]):
+                                if not self.safe(coll, algo, n, np.float32, op, root, inplace):
+                                    return False
+        return True
+
+    def dtypes(self) -> bool:
+        """Every dtype x every op it supports x the reducing collectives; every dtype
+        through the moving ones."""
+        p = self.p
+        for dtype in DTYPES:
+            for op in Op:
+                if dtype not in _ALLOWED[op]:
+                    continue
+                for coll in ("allreduce", "reduce", "reduce_scatter"):
+                    for n in (1, 7, 1000):
+                        if not self.safe(coll, None, n, dtype, op, p - 1, coll == "reduce"):
+                            return False
+                for algo in sorted(REGISTRY["allreduce"]):
+                    if not self.safe("allreduce", algo, 13, dtype, op, 0, True):
+                        return False
+            for coll in ("broadcast", "allgather", "alltoall", "gather", "scatter"):
+                if not self.safe(coll, None, 7, dtype, None, p // 2, False):
+                    return False
+        return True
+
+
+def main() -> int:
+    suites = sys.argv[1:] or ["all"]
+    comm = gpurt.init()
+    sw = Sweep(comm)
+    t0 = time.perf_counter()
+    for s in suites:
+        for name in (["algorithms", "dtypes"] if s == "all" else [s]):
+            if not getattr(sw, name)():
+                break
+    from mpi4py import MPI
+    fails = comm.mpi.gather(sw.failures, 0)
+    cases = comm.mpi.reduce(sw.cases, MPI.SUM, 0)
+    if comm.rank == 0:
+        nfail = sum(len(f) for f in fails)
+        for q, fl in enumerate(fails):
+            for f in fl[:10]:
+                print(f"FAIL rank {q}: {f}", flush=True)
+        print(f"{cases} checks on {comm.size} ranks ({' '.join(suites)}): {nfail} failed, "
+              f"{time.perf_counter() - t0:.1f} s", flush=True)
+    bad = comm.mpi.allreduce(len(sw.failures), MPI.SUM)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""In-process unit tests: buffers, ops, config, tuner, shm helpers, the CLI."""
+
+from __future__ import annotations
+
+import array
+import json
+import os
+import time
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from gpurt import config
+from gpurt.algorithms import REGISTRY, Cost, lookup
+from gpurt.buffers import as_buf, overlaps
+from gpurt.ops import BFLOAT16, DTYPES, Op, as_op, check_op
+from gpurt.tuner import Tuner
+from gpurt.launch.cli import main as cli
+
+
+def test_buffers_resolve_host_arrays_without_copy():
+    a = np.arange(6, dtype=np.int16).reshape(2, 3)
+    b = as_buf(a)
+    assert (b.kind, b.dtype, b.count, b.shape, b.nbytes) == ("host", np.int16, 6, (2, 3), 12)
+    b.array[0] = 99
+    assert a[0, 0] == 99                      # a view, not a copy
+    assert as_buf(array.array("f", [1, 2])).dtype == np.float32
+    assert as_buf(bytearray(3)).dtype == np.uint8
+    ro = as_buf(b"abc")
+    assert ro.readonly
+
+
+def test_buffers_reject_clearly():
+    with pytest.raises(ValueError, match="y is not C-contiguous"):
+        as_buf(np.zeros((4, 4))[:, 1], "y")
+    with pytest.raises(TypeError, match="not an array"):
+        as_buf(object())
+    with pytest.raises(TypeError, match="dtype object is not supported"):
+        as_buf(np.array([None]))
+
+
+def test_cuda_array_interface_is_recognised():
+    class Dev:
+        __cuda_array_interface__ = {"shape": (2, 3), "typestr": "<f2", "data": (4096, False),
+                                    "version": 3, "strides": None, "stream": 1}
+
+    b = as_buf(Dev())
+    assert (b.kind, b.ptr, b.count, b.dtype, b.stream) == ("cuda", 4096, 6, np.float16, 1)
+
+
+def test_overlap():
+    a = np.zeros(10)
+    assert overlaps(as_buf(a[:5]), as_buf(a[4:]))
+    assert not overlaps(as_buf(a[:5]), as_buf(a[5:]))
+
+
+def test_ops_table():
+    assert as_op("SUM") is Op.SUM and as_op(Op.MAX) is Op.MAX
+    with pytest.raises(ValueError):
+        as_op("mean")
+    assert BFLOAT16 is not None and BFLOAT16 in DTYPES
+    check_op(Op.BXOR, np.dtype(bool))
+    check_op(Op.SUM, BFLOAT16)
+    for op, dt in [(Op.SUM, bool), (Op.MIN, np.complex64), (Op.BAND, np.float16),
+                   (Op.AVG, np.uint8)]:
+        with pytest.raises(TypeError, match=f"op {op.name} is not defined"):
+            check_op(op, np.dtype(dt))
+
+
+def test_config_parsing(monkeypatch):
+    monkeypatch.setenv("GPURT_ALGO", "allreduce:ring, broadcast:tree")
+    monkeypatch.setenv("GPURT_SHM_SLOT", "64K")
+    monkeypatch.setenv("GPURT_COST", "shm=2e-6/5e9/1e9")
+    config.reload()
+    try:
+        assert config.get("GPURT_ALGO") == {"allreduce": "ring", "broadcast": "tree"}
+        assert config.get("GPURT_SHM_SLOT") == 65536
+        assert config.get("GPURT_COST")["shm"] == (2e-6, 1 / 5e9, 1 / 1e9)
+        monkeypatch.setenv("GPURT_ALGO", "ring")
+        config.reload()
+        with pytest.raises(ValueError, match="GPURT_ALGO='ring' is not valid"):
+            config.get("GPURT_ALGO")
+    finally:
+        monkeypatch.delenv("GPURT_ALGO")
+        config.reload()
+
+
+def test_tuner_prefers_latency_small_and_bandwidth_large():
+    t = Tuner(8, 0, tuple(range(8)), Cost(4e-6, 1 / 4e9, 1 / 2e9))
+    assert t.choose("allreduce", 2, 4).name in ("direct", "recursive_doubling")
+    assert t.choose("allreduce", 1 << 24, 4).name in ("ring", "rabenseifner")
+    assert t.choose("broadcast", 1 << 24, 4).name == "scatter_allgather"
+    assert t.choose("broadcast", 1, 4).name in ("binomial", "direct")
+    text = t.explain("allreduce", 1 << 20)
+    assert "<- chosen" in text and text.count("µs") >= len(REGISTRY["allreduce"])
+    with pytest.raises(ValueError, match="unknown algorithm"):
+        lookup("allreduce", "bogus")
+    assert lookup("broadcast", "tree").name == "binomial"
+
+
+def test_tuner_plans_are_cached_and_relabelled():
+    t = Tuner(4, 2, (10, 11, 12, 13), Cost(1e-6, 1e-9, 1e-9))
+    a1, s1 = t.plan("allreduce", 100, 4, algo="ring")
+    a2, s2 = t.plan("allreduce", 100, 4, algo="ring")
+    assert s1 is s2
+    assert s1.peers() == {11, 13}
+
+
+def test_stale_segment_cleanup(tmp_path):
+    from gpurt.transports.shm import clean_stale
+
+    dead = tmp_path / "gpurt-999999999-0"
+    alive = tmp_path / f"gpurt-{os.getpid()}-0"
+    young = tmp_path / "gpurt-999999998-1"
+    for f in (dead, alive, young):
+        f.write_bytes(b"x")
+    old = time.time() - 120
+    os.utime(dead, (old, old))
+    os.utime(alive, (old, old))
+    assert clean_stale(str(tmp_path)) == [dead.name]
+    assert alive.exists() and young.exists() and not dead.exists()
+
+
+def test_shm_geometry_shrinks_to_fit(monkeypatch):
+    from gpurt.transports import shm
+
+    slot, k1, k2 = shm.geometry(4)
+    assert slot == 256 * 1024 and k1 == 8 and k2 == 4
+    slot64, k64, _ = shm.geometry(256)       # 65280 rings must fit in a quarter of /dev/shm
+    assert slot64 <= slot and k64 >= 2
+
+
+def test_cli_version_and_info():
+    r = CliRunner().invoke(cli, ["--version"])
+    assert r.exit_code == 0 and r.output.startswith("gpurt ")
+    r = CliRunner().invoke(cli, ["info", "--json", "--env"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.output)
+    names = {t["name"]: t for t in data["transports"]}
+    assert names["shm"]["available"] is True
+    assert names["cuda_ipc"]["available"] is False and names["cuda_ipc"]["why"]
+    assert "MPICH" in data["mpi"]["library"] or "Open MPI" in data["mpi"]["library"]
+    assert {e["name"] for e in data["env"]} >= {"GPURT_TIMEOUT", "GPURT_ALGO"}
+    r = CliRunner().invoke(cli, ["info"])
+    assert "transports:" in r.output and "algorithms" in r.output
