@@ -16,12 +16,13 @@ by the communicator until a device transport is installed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from .ops import BFLOAT16, check_dtype
+from .ops import BFLOAT16, DTYPES, check_dtype
+
+_SUPPORTED = frozenset(DTYPES)
 
 _DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13
 
@@ -29,36 +30,44 @@ _DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13
 _CAI_BF16 = ("<V2", "|V2")
 
 
-@dataclass(frozen=True, eq=False)
 class Buf:
-    kind: str              # "host" or "cuda"
-    ptr: int
-    nbytes: int
-    dtype: np.dtype
-    shape: tuple[int, ...]
-    readonly: bool
-    owner: Any             # the user's object, kept alive while the Buf lives
-    array: np.ndarray | None = None   # host: flat typed view of the same memory
-    device: int = -1
-    stream: int | None = None
+    """A resolved buffer.  Host buffers carry ``array`` (flat view); ``ptr`` is computed
+    on first use (most calls never need it)."""
+
+    __slots__ = ("kind", "_ptr", "nbytes", "dtype", "shape", "readonly", "owner", "array",
+                 "device", "stream", "count")
+
+    def __init__(self, kind: str, ptr: int | None, nbytes: int, dtype: np.dtype,
+                 shape: tuple[int, ...], readonly: bool, owner: Any,
+                 array: np.ndarray | None = None, device: int = -1, stream: int | None = None):
+        self.kind, self._ptr, self.nbytes, self.dtype = kind, ptr, nbytes, dtype
+        self.shape, self.readonly, self.owner, self.array = shape, readonly, owner, array
+        self.device, self.stream = device, stream
+        self.count = nbytes // dtype.itemsize if dtype.itemsize else 0
 
     @property
-    def count(self) -> int:
-        return self.nbytes // self.dtype.itemsize if self.dtype.itemsize else 0
+    def ptr(self) -> int:
+        if self._ptr is None:
+            self._ptr = self.array.__array_interface__["data"][0]
+        return self._ptr
 
     def describe(self) -> str:
         return f"{self.kind} {self.dtype}[{self.count}]"
 
+    def __repr__(self) -> str:
+        return f"<Buf {self.describe()}>"
+
 
 def _host(arr: np.ndarray, owner: Any, what: str) -> Buf:
-    if not arr.flags.c_contiguous:
+    flags = arr.flags
+    if not flags.c_contiguous:
         raise ValueError(f"{what} is not C-contiguous (strides {arr.strides} for shape "
                          f"{arr.shape}); pass a contiguous array, e.g. numpy.ascontiguousarray()")
-    dtype = check_dtype(arr.dtype)
-    flat = arr.reshape(-1)
-    ptr = arr.__array_interface__["data"][0]
-    return Buf("host", ptr, arr.nbytes, dtype, tuple(arr.shape), not arr.flags.writeable,
-               owner, flat)
+    dtype = arr.dtype
+    if dtype not in _SUPPORTED:
+        dtype = check_dtype(dtype)
+    return Buf("host", None, arr.nbytes, dtype, arr.shape, not flags.writeable, owner,
+               arr.reshape(-1))
 
 
 def _cuda(cai: dict, owner: Any, what: str) -> Buf:
@@ -84,6 +93,8 @@ def _cuda(cai: dict, owner: Any, what: str) -> Buf:
 
 def as_buf(x: Any, what: str = "x") -> Buf:
     """Resolve ``x`` (``what`` names the argument in error messages) to a ``Buf``."""
+    if type(x) is np.ndarray:  # the common case first
+        return _host(x, x, what)
     if isinstance(x, Buf):
         return x
     if isinstance(x, np.ndarray):
@@ -140,8 +151,12 @@ def overlaps(a: Buf, b: Buf) -> bool:
     """Do two buffers share any byte?"""
     if a.kind != b.kind or a.nbytes == 0 or b.nbytes == 0:
         return False
+    if a.kind == "host":  # contiguous: the bounds test is exact (and done in C)
+        return bool(np.may_share_memory(a.array, b.array))
     return a.ptr < b.ptr + b.nbytes and b.ptr < a.ptr + a.nbytes
 
 
 def same(a: Buf, b: Buf) -> bool:
-    return a.kind == b.kind and a.ptr == b.ptr and a.nbytes == b.nbytes
+    """The very same bytes (in place)?"""
+    return a is b or (a.kind == b.kind and a.nbytes == b.nbytes and overlaps(a, b)
+                      and a.ptr == b.ptr)

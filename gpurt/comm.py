@@ -22,6 +22,7 @@ import os
 import socket
 import weakref
 import zlib
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -34,6 +35,7 @@ from .ops import Op, as_op, check_op, host_finalize, reducer
 from .schedule import Recv, Schedule, Send, Slice
 from .topology import Topology
 from .tuner import Tuner, transport_cost
+from .wait import spin_seconds
 
 _LIVE: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
 _WORLD: "Communicator | None" = None
@@ -81,7 +83,7 @@ class Communicator:
         try:
             self._connect()
             self.engine = Engine(self.rank, lambda: float(config.get("GPURT_TIMEOUT")),
-                                 self._check_peers)
+                                 self._check_peers, spin_seconds(self.local_size))
             self.tuner = Tuner(self.size, self.rank, tuple(range(self.size)), self._cost())
         except BaseException:
             self._release()
@@ -183,7 +185,7 @@ class Communicator:
                 finish_root_only: bool = False) -> Request:
         self._seq += 1
         seq = self._seq
-        sig = zlib.crc32(f"{coll}|{dtype.str}|{n}|{op.name if op else ''}|{root}".encode())
+        sig = _signature(coll, dtype.str, n, op, root)
         alias = xb is not None and ob is not None and same(xb, ob)
         red = reducer(op) if op is not None else None
         if self.size == 1 and coll == "barrier":
@@ -567,6 +569,13 @@ class Communicator:
                     except Exception:  # noqa: BLE001
                         pass
         _LIVE.discard(self)
+
+
+@lru_cache(maxsize=1024)
+def _signature(coll: str, dtype: str, n: int, op: Op | None, root: int) -> int:
+    """A hash of what every rank must agree on, the same in every process (crc32, not
+    Python's salted ``hash``)."""
+    return zlib.crc32(f"{coll}|{dtype}|{n}|{op.name if op else ''}|{root}".encode())
 
 
 def _prefix(rank: int, e: BaseException) -> str:

@@ -38,7 +38,7 @@ class _Run:
 
     def __init__(self, sched: Schedule, bufs: dict[str, np.ndarray], alias: bool,
                  red: Callable | None, eps: dict, lane: int, tag: int, sig: int):
-        self.steps, self.k, self.pending = sched.steps, 0, []
+        self.steps, self.k, self.pending = sched.split_steps, 0, []
         self.bufs, self.alias, self.red, self.eps = bufs, alias, red, eps
         self.lane, self.tag, self.sig = lane, tag, sig
         arr = next(iter(bufs.values()))
@@ -74,24 +74,32 @@ class _Run:
         return reduce
 
     def _start_step(self) -> None:
-        step = self.steps[self.k]
+        local, comm = self.steps[self.k]
         self.k += 1
-        for op in step:
-            if isinstance(op, Copy):
-                if self.alias and op.src.off == op.dst.off and {op.src.buf, op.dst.buf} == {"in", "out"}:
+        bufs = self.bufs
+        for op in local:
+            src, dst = op.src, op.dst
+            d = bufs[dst.buf][dst.off:dst.off + dst.n]
+            if type(op) is Copy:
+                if self.alias and src.off == dst.off and src.buf != dst.buf and \
+                        src.buf != "tmp" and dst.buf != "tmp":
                     continue  # in place: in and out are the same memory
-                np.copyto(self.view(op.dst), self.view(op.src))
-            elif isinstance(op, Reduce):
-                dst = self.view(op.dst)
-                self.red(self.view(op.acc) if op.acc is not None else dst, self.view(op.src), dst)
+                np.copyto(d, bufs[src.buf][src.off:src.off + src.n])
+            else:
+                acc = op.acc
+                self.red(d if acc is None else bufs[acc.buf][acc.off:acc.off + acc.n],
+                         bufs[src.buf][src.off:src.off + src.n], d)
         pend = self.pending
-        for op in step:
-            if isinstance(op, Send):
-                pend.append(self._ep(op.peer).send(self.view(op.src).view(_U8), self.lane,
-                                                   self.tag, self.sig))
-            elif isinstance(op, (Recv, RecvReduce)):
-                pend.append(self._ep(op.peer).recv(op.dst.n * self.isz, self._sink(op),
-                                                   self.lane, self.tag, self.sig))
+        eps, lane, tag, sig, isz = self.eps, self.lane, self.tag, self.sig, self.isz
+        for op in comm:
+            ep = eps.get(op.peer)
+            if ep is None:
+                self._ep(op.peer)
+            if type(op) is Send:
+                s = op.src
+                pend.append(ep.send(bufs[s.buf][s.off:s.off + s.n].view(_U8), lane, tag, sig))
+            else:
+                pend.append(ep.recv(op.dst.n * isz, self._sink(op), lane, tag, sig))
 
     def advance(self) -> bool:
         """Move as far as possible without blocking; True if anything happened."""
@@ -165,8 +173,8 @@ class Engine:
     """Progress for one communicator: a queue of collectives and a set of p2p requests."""
 
     def __init__(self, rank: int, default_timeout: Callable[[], float],
-                 check_peers: Callable[[list[int]], None]):
-        self.rank = rank
+                 check_peers: Callable[[list[int]], None], spin: float | None = None):
+        self.rank, self.spin = rank, spin
         self.colls: deque[Request] = deque()
         self.p2p: list[Request] = []
         self.poisoned: BaseException | None = None
@@ -264,13 +272,16 @@ class Engine:
         start = time.monotonic()
         deadline = start + timeout
         next_check = start + min(0.2, timeout)
-        backoff = Backoff()
+        backoff = None
         while not req.done:
             if self.progress():
-                backoff.reset()
+                if backoff is not None:
+                    backoff.reset()
             elif req.error is not None:
                 break
             else:
+                if backoff is None:
+                    backoff = Backoff(self.spin)
                 backoff.pause()
             if req.done or req.error is not None:
                 break

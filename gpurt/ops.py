@@ -77,9 +77,13 @@ def as_op(op: "Op | str") -> Op:
     raise ValueError(f"unknown reduction op {op!r} (use one of {names}, or lower-case strings)")
 
 
+_DTYPE_SET = frozenset(DTYPES)
+_ALLOWED_SETS: dict = {}
+
+
 def check_dtype(dtype: np.dtype) -> np.dtype:
     dtype = np.dtype(dtype)
-    if dtype not in DTYPES:
+    if dtype not in _DTYPE_SET:
         names = ", ".join(str(d) for d in DTYPES)
         raise TypeError(f"dtype {dtype} is not supported (supported: {names})")
     return dtype
@@ -87,7 +91,10 @@ def check_dtype(dtype: np.dtype) -> np.dtype:
 
 def check_op(op: Op, dtype: np.dtype) -> None:
     """TypeError when ``op`` makes no sense for ``dtype`` (before anything moves)."""
-    if dtype not in _ALLOWED[op]:
+    allowed = _ALLOWED_SETS.get(op)
+    if allowed is None:
+        allowed = _ALLOWED_SETS[op] = frozenset(_ALLOWED[op])
+    if dtype not in allowed:
         ok = ", ".join(str(d) for d in _ALLOWED[op])
         raise TypeError(f"op {op.name} is not defined for dtype {dtype} (it is for: {ok})")
 

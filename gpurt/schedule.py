@@ -33,6 +33,7 @@ as separate buffers and aliased (in-place).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Callable, Iterable, Sequence, Union
 
 ROLES = ("in", "out", "tmp")
@@ -143,6 +144,12 @@ class Schedule:
         """Move slices: ``roles={"out": ("tmp", 64)}`` makes ``out[i]`` mean ``tmp[64+i]``."""
         return Schedule(tuple(tuple(_map_op(o, None, roles) for o in s) for s in self.steps),
                         self.tmp if tmp is None else tmp)
+
+    @cached_property
+    def split_steps(self) -> tuple[tuple[tuple, tuple], ...]:
+        """Per step: (local ops, communication ops) — what the executor iterates."""
+        return tuple((tuple(o for o in st if isinstance(o, LOCAL_OPS)),
+                      tuple(o for o in st if isinstance(o, COMM_OPS))) for st in self.steps)
 
     @property
     def nmessages(self) -> int:

@@ -1,8 +1,11 @@
 """Waiting without burning the CPU that the peer needs.
 
-Spin (a few tens of µs: the common case on an idle core), then ``sched_yield`` (lets a
-peer rank on the same core run, which is what oversubscribed runs need), then sleep with
-exponential backoff up to 1 ms.  Any progress resets the backoff.
+Spin (``GPURT_SPIN_US``, a few tens of µs: the common case when every rank has a core),
+then ``sched_yield`` for up to 2 ms (lets a peer rank on the same core run, which is what
+oversubscribed runs need), then sleep with exponential backoff up to 1 ms.  Any progress
+resets the backoff.  When the node runs more ranks than this process may use CPUs, the
+spin phase is skipped: spinning would only steal the core a peer needs (measured here: 5
+ranks on 2 cores, 8-byte allreduce 536 µs with spinning, 427 µs without).
 """
 
 from __future__ import annotations
@@ -15,16 +18,28 @@ from . import config
 _yield = getattr(os, "sched_yield", lambda: time.sleep(0))
 
 
-class Backoff:
-    __slots__ = ("spin_until", "yield_until", "sleep", "start")
+def spin_seconds(ranks_on_node: int) -> float:
+    """How long to spin before yielding, for a node running ``ranks_on_node`` ranks."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    if ranks_on_node > cpus:
+        return 0.0
+    return float(config.get("GPURT_SPIN_US")) * 1e-6
 
-    def __init__(self) -> None:
+
+class Backoff:
+    __slots__ = ("spin", "spin_until", "yield_until", "sleep", "start")
+
+    def __init__(self, spin: float | None = None) -> None:
+        self.spin = float(config.get("GPURT_SPIN_US")) * 1e-6 if spin is None else spin
         self.reset()
 
     def reset(self) -> None:
         now = time.perf_counter()
         self.start = now
-        spin = float(config.get("GPURT_SPIN_US")) * 1e-6
+        spin = self.spin
         self.spin_until = now + spin
         self.yield_until = now + spin + 2e-3
         self.sleep = 5e-6

@@ -56,3 +56,13 @@ def run_mpi(n: int, args: list[str], *, env: dict | None = None, timeout: float 
 
 def gpurt_shm_files() -> list[str]:
     return sorted(f for f in os.listdir("/dev/shm") if f.startswith("gpurt-"))
+
+
+def is_hydra() -> bool:
+    """Is the launcher MPICH's hydra (whose flags some tests use)?"""
+    try:
+        out = subprocess.run([mpiexec(), "--version"], capture_output=True, text=True,
+                             timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return "HYDRA" in out.upper()

@@ -174,8 +174,8 @@ class Sweep:
         return True
 
     def dtypes(self) -> bool:
-        """Every dtype x every op it supports x the reducing collectives; every dtype
-        through the moving ones."""
+        """Every dtype x every op it supports x the reducing collectives (and every
+        allreduce algorithm); every dtype through every collective x algorithm."""
         p = self.p
         for dtype in DTYPES:
             for op in Op:
@@ -188,9 +188,14 @@ class Sweep:
                 for algo in sorted(REGISTRY["allreduce"]):
                     if not self.safe("allreduce", algo, 13, dtype, op, 0, True):
                         return False
-            for coll in ("broadcast", "allgather", "alltoall", "gather", "scatter"):
-                if not self.safe(coll, None, 7, dtype, None, p // 2, False):
-                    return False
+            # every collective x every algorithm in this dtype (first op it supports)
+            first = next((o for o in (Op.SUM, Op.MAX, Op.BOR) if dtype in _ALLOWED[o]))
+            for coll, algs in REGISTRY.items():
+                red = coll in ("allreduce", "reduce", "reduce_scatter")
+                for algo in sorted(algs):
+                    if not self.safe(coll, algo, 13, dtype, first if red else None, p // 2,
+                                     False):
+                        return False
         return True
 
 

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, gpurt_shm_files, mpiexec, run_mpi
+from conftest import ROOT, gpurt_shm_files, is_hydra, mpiexec, run_mpi
 
 SIZES = [1, 2, 3, 4, 5]
 
@@ -147,3 +147,43 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
     except OSError:
         return False
+
+
+PEER_EXIT = """
+import numpy as np, gpurt, os, time
+c = gpurt.init()
+x = np.ones(10, np.float32)
+c.allreduce(x)
+if c.rank == 1:
+    os._exit(3)                       # dies without a word, between two collectives
+t = time.monotonic()
+try:
+    c.allreduce(x, timeout=30)
+    print(f"rank {c.rank}: no error", flush=True)
+except gpurt.PeerFailure as e:
+    print(f"rank {c.rank}: PeerFailure rank={e.rank} after {time.monotonic() - t:.2f}s: {e}",
+          flush=True)
+    try:
+        c.allreduce(x)
+    except gpurt.CommunicatorClosed:
+        print(f"rank {c.rank}: poisoned", flush=True)
+os._exit(0)                           # MPI_Finalize would wait for the dead rank
+"""
+
+
+def test_local_peer_exit_is_a_peer_failure_not_a_hang():
+    """With the launcher's clean-up off (so nothing kills the survivors for us), a local
+    rank that exits mid-job becomes PeerFailure(rank=1) on every survivor within a second,
+    and the communicator is poisoned."""
+    if not is_hydra():
+        pytest.skip("uses MPICH hydra's -disable-auto-cleanup; this launcher is not hydra")
+    proc = subprocess.run([mpiexec(), "-disable-auto-cleanup", "-n", "3", sys.executable, "-c",
+                           PEER_EXIT], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = proc.stdout
+    for r in (0, 2):
+        line = next((ln for ln in out.splitlines() if ln.startswith(f"rank {r}: PeerFailure")),
+                    None)
+        assert line is not None, out + proc.stderr
+        assert "rank=1 " in line and "rank 1 (pid" in line and "has exited" in line
+        assert float(line.split(" after ")[1].split("s:")[0]) < 1.0
+        assert f"rank {r}: poisoned" in out

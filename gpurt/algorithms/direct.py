@@ -46,7 +46,7 @@ def allreduce_direct(p: int, r: int, n: int, root: int = 0) -> Schedule:
     red = _reduce_in_order(p, r, n, "tmp", _slot(r, n))
     acc = Slice("tmp", r * n, n)
     red = [_retarget(o, acc) for o in red]
-    return Schedule.build([exch, red, [Copy(acc, Slice("out", 0, n))]], tmp=p * n)
+    return Schedule.build([exch, red + [Copy(acc, Slice("out", 0, n))]], tmp=p * n)
 
 
 def _retarget(op, dst: Slice):
@@ -64,7 +64,7 @@ def reduce_direct(p: int, r: int, n: int, root: int = 0) -> Schedule:
     others = [q for q in range(p) if q != r]
     recv = [Recv(q, Slice("tmp", q * n, n)) for q in others]
     red = [_retarget(o, Slice("tmp", r * n, n)) for o in _reduce_in_order(p, r, n, "tmp", _slot(r, n))]
-    return Schedule.build([recv, red, [Copy(Slice("tmp", r * n, n), Slice("out", 0, n))]],
+    return Schedule.build([recv, red + [Copy(Slice("tmp", r * n, n), Slice("out", 0, n))]],
                           tmp=p * n)
 
 
