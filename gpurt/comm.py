@@ -31,11 +31,13 @@ from . import config
 from .buffers import Buf, as_buf, check_writable, empty_like, overlaps, same
 from .errors import CollectiveTimeout, CommunicatorClosed, GpurtError, TransportError
 from .executor import Engine, Request, _Run
-from .ops import Op, as_op, check_op, host_finalize, reducer
+from .ops import DTYPES, Op, as_op, check_op, host_finalize, reducer
 from .schedule import Recv, Schedule, Send, Slice
 from .topology import Topology
-from .tuner import Tuner, transport_cost
+from .tuner import Native, Tuner, transport_cost
 from .wait import spin_seconds
+
+from gpurt.transports import shm_board  # noqa: E402  (after the core imports)
 
 _LIVE: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
 _WORLD: "Communicator | None" = None
@@ -80,11 +82,13 @@ class Communicator:
         self.local_size: int = len(self.topo.local_ranks[self.node])
         self._seq = 0
         self._scratch = np.empty(0, np.uint8)
+        self.board = None
         try:
             self._connect()
             self.engine = Engine(self.rank, lambda: float(config.get("GPURT_TIMEOUT")),
                                  self._check_peers, spin_seconds(self.local_size))
-            self.tuner = Tuner(self.size, self.rank, tuple(range(self.size)), self._cost())
+            self.tuner = Tuner(self.size, self.rank, tuple(range(self.size)), self._cost(),
+                               self._natives())
         except BaseException:
             self._release()
             raise
@@ -136,6 +140,25 @@ class Communicator:
                 f"(node {self.topo.node_of[peer]})" +
                 (f" and {len(missing) - 1} more" if len(missing) > 1 else "") +
                 " [" + "; ".join(why) + "]")
+
+    def _natives(self) -> list[Native]:
+        """Collectives the transports run natively: the shm board, when every rank of the
+        communicator is on this node."""
+        board = getattr(self._shm(), "board", None)
+        if board is None or self.nnodes != 1 or self.size < 2:
+            return []
+        self.board = board
+        return [Native(coll, "shm_board", _board_cost(coll),
+                       (lambda c: lambda p, S: shm_board.written_bytes(c, p, S) <= board.slot)(coll),
+                       "one shared-memory round, the flag in the data")
+                for coll in shm_board.COLLS]
+
+    @property
+    def _fastpath(self) -> bool:
+        return self.board is not None
+
+    def _shm(self):
+        return next((t for t in self._transports if t.name == "shm"), None)
 
     def _cost(self):
         used = set(self.transport_of.values()) or {"self"}
@@ -194,6 +217,29 @@ class Communicator:
             alg, sched = self.tuner.plan(coll, n, dtype.itemsize, root, algo)
         empty = np.empty(0, dtype)
 
+        if sched is None:  # a native protocol: the shm board
+            meta = _board_meta(coll, dtype, n, op, root)
+
+            def start() -> shm_board.BoardRun:
+                xa = xb.array.view(dtype) if xb is not None else empty
+                oa = ob.array.view(dtype) if ob is not None else empty
+                return shm_board.BoardRun(self.board, coll, seq, sig, meta, xa, oa, root,
+                                          red, n)
+        else:
+            start = self._schedule_start(sched, xb, ob, dtype, alias, red, seq, sig)
+
+        def finish() -> Any:
+            if op is Op.AVG and ob is not None and (not finish_root_only or self.rank == root):
+                host_finalize(op, ob.array, self.size)
+            return result
+
+        req = Request(self.engine, coll, seq, start, finish)
+        req.algorithm = alg.name if alg else "none"
+        return self.engine.submit(req)
+
+    def _schedule_start(self, sched, xb, ob, dtype, alias, red, seq, sig):
+        empty = np.empty(0, dtype)
+
         def start() -> _Run | None:
             if not sched.steps:
                 return None
@@ -205,14 +251,7 @@ class Communicator:
                 if sched.tmp else empty
             return _Run(sched, bufs, alias, red, self.endpoints, 0, seq, sig)
 
-        def finish() -> Any:
-            if op is Op.AVG and ob is not None and (not finish_root_only or self.rank == root):
-                host_finalize(op, ob.array, self.size)
-            return result
-
-        req = Request(self.engine, coll, seq, start, finish)
-        req.algorithm = alg.name if alg else "none"
-        return self.engine.submit(req)
+        return start
 
     def _blocking(self, req: Request, timeout: float | None) -> Any:
         try:
@@ -291,7 +330,55 @@ class Communicator:
 
     def allreduce(self, x: Any, out: Any = None, op: Any = Op.SUM, *,
                   timeout: float | None = None, algo: str | None = None) -> Any:
+        if self._fastpath and algo is None and type(x) is np.ndarray and \
+                (out is None or type(out) is np.ndarray):
+            done = self._board_inline("allreduce", x, op, 0, timeout, out)
+            if done is not None:
+                return done
         return self._blocking(self.iallreduce(x, out, op, algo=algo), timeout)
+
+    def _board_inline(self, coll: str, x: np.ndarray, op: Any, root: int,
+                      timeout: float | None, out: np.ndarray | None = None) -> Any:
+        """The blocking small-message fast path: a collective on NumPy arrays (in place, or
+        into a separate ``out`` of the same shape) that the tuner gives to the shm board,
+        run inline while nothing else is queued.  Returns None whenever the general path
+        must decide (which also raises the errors)."""
+        if self._closed or self.engine.colls or self.engine.poisoned is not None:
+            return None
+        dtype = x.dtype
+        if op is not None and (op, dtype) not in _FAST_OPS:
+            return None
+        res = x
+        if out is not None and out is not x:
+            of = out.flags
+            if not (x.flags.c_contiguous and of.c_contiguous and of.writeable) or \
+                    out.dtype != dtype or out.size != x.size or np.may_share_memory(x, out):
+                return None
+            res = out
+        else:
+            flags = x.flags
+            if not (flags.c_contiguous and flags.writeable):
+                return None
+        n = x.size
+        if self.tuner.choose(coll, n, dtype.itemsize, None).name != "shm_board":
+            return None
+        o = _FAST_OPS[(op, dtype)] if op is not None else None
+        self._seq += 1
+        seq = self._seq
+        sig = _signature(coll, dtype.str, n, o, root)
+        meta = _board_meta(coll, dtype, n, o, root)
+        flat = x.reshape(-1)
+        oflat = res.reshape(-1)
+        run = shm_board.BoardRun(self.board, coll, seq, sig, meta, flat, oflat, root,
+                                 reducer(o) if o is not None else None, n)
+        try:
+            self.engine.run_inline(run, coll, seq, timeout)
+        except CollectiveTimeout as e:
+            self.engine.poison(e)
+            raise
+        if o is Op.AVG:
+            host_finalize(o, oflat, self.size)
+        return res
 
     def _in_place(self, xb: Buf, x: Any) -> Buf:
         try:
@@ -311,6 +398,11 @@ class Communicator:
 
     def broadcast(self, x: Any, root: int = 0, *, timeout: float | None = None,
                   algo: str | None = None) -> Any:
+        if self._fastpath and algo is None and type(x) is np.ndarray and \
+                type(root) is int and 0 <= root < self.size:
+            done = self._board_inline("broadcast", x, None, root, timeout)
+            if done is not None:
+                return done
         return self._blocking(self.ibroadcast(x, root, algo=algo), timeout)
 
     bcast = broadcast
@@ -464,6 +556,9 @@ class Communicator:
         return self._submit("barrier", None, None, 0, np.dtype(np.uint8), None, 0, None, algo)
 
     def barrier(self, *, timeout: float | None = None, algo: str | None = None) -> None:
+        if self._fastpath and algo is None and \
+                self._board_inline("barrier", _EMPTY_U8, None, 0, timeout) is not None:
+            return
         self._blocking(self.ibarrier(algo=algo), timeout)
 
     # -- point to point -------------------------------------------------------------
@@ -569,6 +664,42 @@ class Communicator:
                     except Exception:  # noqa: BLE001
                         pass
         _LIVE.discard(self)
+
+
+_EMPTY_U8 = np.empty(0, np.uint8)
+
+# (op as the user passes it, dtype) -> Op, for the pairs that are valid: the fast path's
+# whole argument check of op x dtype is one dict lookup
+_FAST_OPS: dict = {}
+for _o in Op:
+    for _d in DTYPES:
+        try:
+            check_op(_o, _d)
+        except TypeError:
+            continue
+        _FAST_OPS[(_o, _d)] = _o
+        _FAST_OPS[(_o.value, _d)] = _o
+        _FAST_OPS[(_o.name, _d)] = _o
+
+
+@lru_cache(maxsize=1024)
+def _board_meta(coll: str, dtype: np.dtype, n: int, op: Op | None, root: int) -> tuple:
+    return shm_board.meta_of(coll, dtype, n, op, root)
+
+
+def _board_cost(coll: str):
+    """α-β-γ cost of the board protocol: one publication, then reads (W written, R read,
+    G reduced bytes per rank, for a call of size S on p ranks)."""
+    alpha = 1.5e-6
+
+    def cost(p: int, S: float, c) -> float:
+        W = shm_board.written_bytes(coll, p, S)
+        R = {"allreduce": p * S, "reduce": p * S, "barrier": 0, "scatter": S / p}.get(coll, S)
+        G = {"allreduce": (p - 1) * S, "reduce": (p - 1) * S,
+             "reduce_scatter": (p - 1) * S / p}.get(coll, 0)
+        return alpha + 0.2e-6 * (p - 1) + (W + R) * c.beta + G * c.gamma
+
+    return cost
 
 
 @lru_cache(maxsize=1024)

@@ -63,6 +63,9 @@ VARIABLES: tuple[Var, ...] = (
     Var("GPURT_SHM_SLOT", "256K", _bytes,
         "shm: bytes per ring slot (a message larger than a slot streams through the ring)."),
     Var("GPURT_SHM_SLOTS", "8", int, "shm: slots per ring (per ordered pair of ranks and lane)."),
+    Var("GPURT_SHM_BOARD", "64K", _bytes,
+        "shm: bytes per board buffer; collectives whose per-rank data fits use the one-round "
+        "board protocol when all ranks share a node (0 disables it)."),
     Var("GPURT_SHM_DIR", "/dev/shm", str, "shm: where segments are created (then unlinked)."),
     Var("GPURT_SPIN_US", "50", float,
         "Waits poll this many microseconds before yielding the CPU, then back off to sleeps."),

@@ -246,14 +246,51 @@ class Engine:
             raise
         return moved
 
-    def _annotate(self, e: BaseException) -> None:
+    def _annotate(self, e: BaseException, where: str = "") -> None:
         prefix = f"rank {self.rank}: "
         if e.args and isinstance(e.args[0], str) and not e.args[0].startswith(prefix):
-            where = ""
-            if self.colls:
+            if not where and self.colls:
                 h = self.colls[0]
                 where = f"in {h.name} (call #{h.seq}): "
             e.args = (prefix + where + e.args[0],) + e.args[1:]
+
+    def run_inline(self, run, name: str, seq: int, timeout: float | None) -> None:
+        """Drive one collective to completion right here — the blocking fast path, used
+        only while no other collective is queued (so call order is kept) and without a
+        ``Request``.  Same deadlines, liveness checks and poisoning as ``wait``."""
+        where = f"in {name} (call #{seq}): "
+        try:
+            if run.advance() and run.done:
+                return
+            timeout = self._timeout() if timeout is None else float(timeout)
+            start = time.monotonic()
+            deadline = start + timeout
+            next_check = start + min(0.2, timeout)
+            backoff = None
+            while True:
+                if run.advance():
+                    if run.done:
+                        return
+                    if backoff is not None:
+                        backoff.reset()
+                else:
+                    if backoff is None:
+                        backoff = Backoff(self.spin)
+                    backoff.pause()
+                now = time.monotonic()
+                if now >= next_check:
+                    next_check = min(now + 0.2, deadline)
+                    self._check_peers(run.waiting_on())
+                    if now >= deadline:
+                        missing = run.waiting_on()
+                        raise CollectiveTimeout(
+                            f"rank {self.rank}: {name} (call #{seq}) did not complete within "
+                            f"{timeout:g} s; still waiting for rank(s) {missing}",
+                            collective=name, seq=seq, missing=tuple(missing))
+        except GpurtError as e:
+            self._annotate(e, where)
+            self.poison(e)
+            raise
 
     def pending_peers(self) -> list[int]:
         peers: set[int] = set()

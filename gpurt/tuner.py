@@ -10,7 +10,9 @@ schedule — are cached per (collective, algorithm, count, root).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
+from typing import Callable
 
 from . import config
 from .algorithms import REGISTRY, Algorithm, Cost, lookup
@@ -23,6 +25,18 @@ DEFAULT_COSTS: dict[str, Cost] = {
     "tcp": Cost(alpha=30e-6, beta=1 / 1e9, gamma=1 / 2e9),
     "self": Cost(alpha=1e-6, beta=1 / 8e9, gamma=1 / 2e9),
 }
+
+
+@dataclass(frozen=True)
+class Native:
+    """A collective a transport runs by its own protocol rather than as a schedule (e.g.
+    the shm board); ``fits(p, S)`` says whether it can take a call of size S."""
+
+    coll: str
+    name: str
+    cost: Callable[[int, float, Cost], float]
+    fits: Callable[[int, float], bool]
+    doc: str = ""
 
 
 def transport_cost(name: str) -> Cost:
@@ -41,31 +55,56 @@ def collective_bytes(coll: str, p: int, n: int, itemsize: int) -> int:
 
 
 class Tuner:
-    def __init__(self, p: int, rank_index: int, group: tuple[int, ...], cost: Cost):
+    def __init__(self, p: int, rank_index: int, group: tuple[int, ...], cost: Cost,
+                 natives: list[Native] | tuple = ()):
         self.p, self.r, self.group, self.cost = p, rank_index, group, cost
+        self.natives: dict[str, dict[str, Native]] = {}
+        for nat in natives:
+            self.natives.setdefault(nat.coll, {})[nat.name] = nat
         self.forced: dict[str, str] = {}
         for coll, name in config.get("GPURT_ALGO").items():
             if coll not in SPECS:
                 raise ValueError(f"GPURT_ALGO names unknown collective {coll!r} "
                                  f"(known: {', '.join(SPECS)})")
-            self.forced[coll] = lookup(coll, name).name  # raises on unknown names
+            self.forced[coll] = self._lookup(coll, name).name  # raises on unknown names
         self._plan = lru_cache(maxsize=512)(self._plan_uncached)
         self.choose = lru_cache(maxsize=512)(self._choose)  # type: ignore[method-assign]
 
-    def candidates(self, coll: str, nbytes: float) -> list[tuple[float, Algorithm]]:
-        algs = REGISTRY[coll].values()
+    def _lookup(self, coll: str, name: str) -> "Algorithm | Native":
+        nat = self.natives.get(coll, {}).get(name)
+        if nat is not None:
+            return nat
+        try:
+            return lookup(coll, name)
+        except ValueError as e:
+            if self.natives.get(coll):
+                raise ValueError(f"{e}; here also: {', '.join(self.natives[coll])}") from None
+            raise
+
+    def candidates(self, coll: str, nbytes: float) -> list[tuple[float, "Algorithm | Native"]]:
+        algs: list = list(REGISTRY[coll].values())
+        algs += [n for n in self.natives.get(coll, {}).values() if n.fits(self.p, nbytes)]
         return sorted(((a.cost(self.p, nbytes, self.cost), a) for a in algs),
                       key=lambda t: (t[0], t[1].name))
 
-    def _choose(self, coll: str, n: int, itemsize: int, algo: str | None = None) -> Algorithm:
+    def _choose(self, coll: str, n: int, itemsize: int, algo: str | None = None
+                ) -> "Algorithm | Native":
         name = algo or self.forced.get(coll)
+        S = collective_bytes(coll, self.p, n, itemsize)
         if name:
-            return lookup(coll, name)
-        return self.candidates(coll, collective_bytes(coll, self.p, n, itemsize))[0][1]
+            alg = self._lookup(coll, name)
+            if isinstance(alg, Native) and not alg.fits(self.p, S):
+                raise ValueError(f"{coll}:{alg.name} cannot take {S} bytes on {self.p} ranks "
+                                 f"(too large for it)")
+            return alg
+        return self.candidates(coll, S)[0][1]
 
     def plan(self, coll: str, n: int, itemsize: int, root: int = 0,
-             algo: str | None = None) -> tuple[Algorithm, Schedule]:
+             algo: str | None = None) -> "tuple[Algorithm | Native, Schedule | None]":
+        """The algorithm and this rank's schedule (None for a native protocol)."""
         alg = self.choose(coll, n, itemsize, algo)
+        if isinstance(alg, Native):
+            return alg, None
         return alg, self._plan(coll, alg.name, n, root)
 
     def _plan_uncached(self, coll: str, name: str, n: int, root: int) -> Schedule:

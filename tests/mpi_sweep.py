@@ -19,6 +19,7 @@ import numpy as np
 import gpurt
 from gpurt.algorithms import REGISTRY
 from gpurt.ops import _ALLOWED, DTYPES, Op
+from gpurt.tuner import collective_bytes
 
 PRIME = 100_003          # a prime above 10^5
 BIG_BYTES = 3 << 20      # "a few MiB"
@@ -149,6 +150,15 @@ class Sweep:
             self.failures.append(f"{args}: {traceback.format_exc()}")
             return False
 
+    def algos(self, coll: str) -> list[str]:
+        """Every schedule algorithm, plus the transports' native protocols (shm_board)."""
+        return sorted(REGISTRY[coll]) + sorted(self.comm.tuner.natives.get(coll, {}))
+
+    def fits(self, coll: str, algo: str, n: int, itemsize: int) -> bool:
+        nat = self.comm.tuner.natives.get(coll, {}).get(algo)
+        S = collective_bytes(coll, self.p, n, itemsize)
+        return nat is None or nat.fits(self.p, S)
+
     # -- suites -----------------------------------------------------------------------
     def algorithms(self) -> bool:
         """Every collective x every algorithm x sizes x roots, float32 (SUM/MAX)."""
@@ -161,8 +171,10 @@ class Sweep:
             roots = sorted({0, p - 1, p // 2}) if coll in ("reduce", "broadcast", "gather",
                                                            "scatter") else [0]
             ops = [Op.SUM, Op.MAX] if coll in ("allreduce", "reduce", "reduce_scatter") else [None]
-            for algo in sorted(REGISTRY[coll]):
+            for algo in self.algos(coll):
                 for n in sizes:
+                    if not self.fits(coll, algo, n, 4):
+                        continue
                     for root in roots:
                         for op in ops:
                             if op is Op.MAX and n not in (7, PRIME):
@@ -185,14 +197,14 @@ class Sweep:
                     for n in (1, 7, 1000):
                         if not self.safe(coll, None, n, dtype, op, p - 1, coll == "reduce"):
                             return False
-                for algo in sorted(REGISTRY["allreduce"]):
+                for algo in self.algos("allreduce"):
                     if not self.safe("allreduce", algo, 13, dtype, op, 0, True):
                         return False
             # every collective x every algorithm in this dtype (first op it supports)
             first = next((o for o in (Op.SUM, Op.MAX, Op.BOR) if dtype in _ALLOWED[o]))
-            for coll, algs in REGISTRY.items():
+            for coll in REGISTRY:
                 red = coll in ("allreduce", "reduce", "reduce_scatter")
-                for algo in sorted(algs):
+                for algo in self.algos(coll):
                     if not self.safe(coll, algo, 13, dtype, first if red else None, p // 2,
                                      False):
                         return False

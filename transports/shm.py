@@ -48,6 +48,7 @@ import numpy as np
 from gpurt import config
 from gpurt.errors import CollectiveMismatchError, PeerFailure, ResourceError, TransportError
 
+from . import shm_board
 from .base import LANE_NAMES, LANES, Sink
 
 log = logging.getLogger("gpurt.shm")
@@ -113,11 +114,11 @@ def clean_stale(directory: str, min_age: float = 30.0) -> list[str]:
     return removed
 
 
-def geometry(nlocal: int) -> tuple[int, int, int]:
-    """(slot bytes, slots on the collective lane, slots on the p2p lane) for ``nlocal``
-    ranks: the configured sizes, shrunk (slot size first, down to 16 KiB, then slot
-    count, down to 2) until the segment fits in a quarter of the free space in the
-    shm directory."""
+def geometry(nlocal: int) -> tuple[int, int, int, int]:
+    """(slot bytes, slots on the collective lane, slots on the p2p lane, board buffer
+    bytes) for ``nlocal`` ranks: the configured sizes, shrunk (slot size first, down to
+    16 KiB, then slot count, down to 2) until the segment fits in a quarter of the free
+    space in the shm directory."""
     slot = max(4096, int(config.get("GPURT_SHM_SLOT")) // 64 * 64)
     nslots = max(2, int(config.get("GPURT_SHM_SLOTS")))
     try:
@@ -126,15 +127,19 @@ def geometry(nlocal: int) -> tuple[int, int, int]:
     except OSError:
         budget = 1 << 30
     pairs = nlocal * (nlocal - 1)
+    board = int(config.get("GPURT_SHM_BOARD")) // 64 * 64
 
     def size(s: int, k: int) -> int:
-        return _HDR + pairs * (2 * _CTRL + (k + max(2, k // 2)) * (s + _SLOT_HDR))
+        return (_HDR + pairs * (2 * _CTRL + (k + max(2, k // 2)) * (s + _SLOT_HDR))
+                + (shm_board.region_bytes(nlocal, board) if board else 0))
 
     while size(slot, nslots) > budget and slot > 16384:
         slot //= 2
     while size(slot, nslots) > budget and nslots > 2:
         nslots -= 1
-    return slot, nslots, max(2, nslots // 2)
+    while size(slot, nslots) > budget and board > 4096:
+        board //= 2
+    return slot, nslots, max(2, nslots // 2), board
 
 
 class _Segment:
@@ -324,6 +329,7 @@ class ShmTransport:
 
     def __init__(self) -> None:
         self.seg: _Segment | None = None
+        self.board: shm_board.Board | None = None
         self.local_rank = -1
         self.endpoints: dict[int, ShmEndpoint] = {}
 
@@ -338,9 +344,11 @@ class ShmTransport:
         nlocal = node.Get_size()
         if nlocal == 1:
             return {}
-        slot, k_coll, k_p2p = node.bcast(geometry(nlocal) if self.local_rank == 0 else None, 0)
+        slot, k_coll, k_p2p, board = node.bcast(geometry(nlocal) if self.local_rank == 0
+                                                else None, 0)
         ring_bytes = _CTRL + k_coll * (slot + _SLOT_HDR) + _CTRL + k_p2p * (slot + _SLOT_HDR)
-        size = _HDR + nlocal * (nlocal - 1) * ring_bytes
+        board_off = _HDR + nlocal * (nlocal - 1) * ring_bytes
+        size = board_off + (shm_board.region_bytes(nlocal, board) if board else 0)
         directory = str(config.get("GPURT_SHM_DIR"))
         path, err, fd = "", "", -1
         if self.local_rank == 0:
@@ -394,6 +402,9 @@ class ShmTransport:
             raise TransportError("shm: " + "; ".join(errs))
         if self.local_rank == 0:
             self.seg.q[0] = _MAGIC
+        if board:
+            self.board = shm_board.Board(self.seg.q, self.seg.u8, board_off, nlocal,
+                                         self.local_rank, board)
         node_ranks = topo.local_ranks[topo.node_of[comm.rank]]
         self.endpoints = {p: ShmEndpoint(self, p, node_ranks.index(p)) for p in peers}
         return dict(self.endpoints)
@@ -402,6 +413,9 @@ class ShmTransport:
         for ep in self.endpoints.values():
             ep.tx = ep.rx = []
         self.endpoints = {}
+        if self.board is not None:
+            self.board.close()
+            self.board = None
         if self.seg is not None:
             self.seg.close()
             self.seg = None

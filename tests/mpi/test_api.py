@@ -340,3 +340,34 @@ def test_torch_cpu_tensors(comm):
     assert t.tolist() == [sum(range(1, comm.size + 1))] * 4
     g = comm.allgather(torch.ones(2))
     assert isinstance(g, torch.Tensor) and tuple(g.shape) == (comm.size, 2)
+
+
+@pytest.mark.parametrize("what", ["count", "op", "dtype"])
+def test_board_mismatch_names_both_calls(comm, what):
+    """Small collectives use the one-round shm board; ranks whose calls differ all raise
+    CollectiveMismatchError naming both calls (never a wrong answer)."""
+    p, r = comm.size, comm.rank
+    if p == 1:
+        pytest.skip("needs 2 ranks")
+    c = comm.dup()
+    try:
+        n = 5 if (what == "count" and r == 0) else 4
+        dt = np.float64 if (what == "dtype" and r == 0) else np.float32
+        op = gpurt.MAX if (what == "op" and r == 0) else gpurt.SUM
+        x = np.ones(n, dt)
+        assert c.explain("allreduce", x.nbytes).split("\n")[2].split()[0] == "shm_board"
+        with pytest.raises(gpurt.CollectiveMismatchError) as ei:
+            c.allreduce(x, op=op, timeout=20)
+        msg = str(ei.value)
+        mine = f"allreduce({np.dtype(dt)}, count={n}, op={op.name})"
+        assert f"rank {r}: in allreduce (call #1): call #1: rank " in msg
+        assert mine in msg, msg
+        other = "allreduce(float32, count=4, op=SUM)" if r == 0 else \
+            {"count": "allreduce(float32, count=5, op=SUM)",
+             "op": "allreduce(float32, count=4, op=MAX)",
+             "dtype": "allreduce(float64, count=4, op=SUM)"}[what]
+        assert other in msg, msg
+        assert (x == 1).all()                 # nothing written into the user's buffer
+    finally:
+        c.close()
+        comm.mpi.Barrier()

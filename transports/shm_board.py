@@ -1,0 +1,232 @@
+"""``shm_board``: small collectives in one shared-memory round, the flag in the data.
+
+How it works
+------------
+When every rank of a communicator is on one node, its shm segment also holds a *board*:
+per rank two buffers (double-buffered by call number parity) and one control line with
+two counters, ``flag`` (the last call whose data this rank has published) and ``done``
+(the last call this rank has finished reading).  A small collective is then one round:
+
+1. every rank that has data to give writes it once into its own buffer ``seq % 2``,
+   with a header (call number, signature, the call's arguments), then stores ``flag = seq``;
+2. every rank waits for the flags of the ranks it needs, checks their headers (a different
+   signature is a ``CollectiveMismatchError`` naming both calls), and reads — copies or
+   reduces in rank order, so all ranks get bitwise the same result — straight from their
+   buffers into its output;
+3. it stores ``done = seq``.
+
+A rank may overwrite buffer ``b`` only when every peer's ``done`` has passed the last
+call that used ``b``; in steady state that is already true when it looks.  Compared with
+the ``direct`` schedule over the rings, each rank's data is written once instead of p-1
+times and there are no per-message headers, slots or acknowledgements: one store to
+publish, one load per peer to wait.
+
+Cost (S bytes written per rank): α_board + S·β + (bytes read)·β + (bytes reduced)·γ,
+with α_board ≈ 1.5 µs.  Used only while S fits a board buffer (``GPURT_SHM_BOARD``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from gpurt.errors import CollectiveMismatchError
+from gpurt.ops import DTYPES, Op
+
+CTRL = 64            # per rank: flag (+0), done (+8)
+HDR = 64             # per buffer: seq, sig, nbytes, coll, dtype, n, op, root
+_U8 = np.dtype(np.uint8)
+
+COLLS = ("allreduce", "reduce", "broadcast", "allgather", "reduce_scatter", "alltoall",
+         "gather", "scatter", "barrier")
+_OPS = (None,) + tuple(Op)
+
+
+def region_bytes(nlocal: int, slot: int) -> int:
+    return nlocal * (CTRL + 2 * (HDR + slot))
+
+
+def written_bytes(coll: str, p: int, S: float) -> float:
+    """Bytes one rank writes into its buffer, for a collective of size S (nccl-tests S)."""
+    if coll in ("allgather", "gather"):
+        return S / p
+    if coll == "barrier":
+        return 0
+    return S
+
+
+class Board:
+    """The board's memory, seen from local rank ``me``."""
+
+    def __init__(self, q: memoryview, u8: np.ndarray, base: int, nlocal: int, me: int,
+                 slot: int):
+        self.q, self.nlocal, self.me, self.slot = q, nlocal, me, slot
+        self.ctrl = [(base + k * CTRL) // 8 for k in range(nlocal)]   # flag at +0, done at +1
+        bufs = base + nlocal * CTRL
+        self.hdr = [[(bufs + (k * 2 + b) * (HDR + slot)) // 8 for b in range(2)]
+                    for k in range(nlocal)]
+        self.data = [[u8[bufs + (k * 2 + b) * (HDR + slot) + HDR:
+                         bufs + (k * 2 + b + 1) * (HDR + slot)] for b in range(2)]
+                     for k in range(nlocal)]
+        self.last_use = [0, 0]      # call number that last wrote my buffer b
+        self._roles: dict = {}      # (coll, root) -> (writes, need)
+        self._views: dict = {}      # (k, b, off, nbytes, dtype) -> typed view of a buffer
+
+    def roles(self, coll: str, root: int) -> tuple[bool, list[int]]:
+        """(does this rank write, whose data does it wait for) in ``coll``."""
+        key = (coll, root)
+        got = self._roles.get(key)
+        if got is None:
+            p, r = self.nlocal, self.me
+            if coll in ("broadcast", "scatter"):
+                got = (r == root, [root] if r != root else [])
+            elif coll in ("reduce", "gather"):
+                got = (True, [k for k in range(p) if k != r] if r == root else [])
+            else:
+                got = (True, [k for k in range(p) if k != r])
+            self._roles[key] = got
+        return got
+
+    def view(self, k: int, b: int, off: int, nbytes: int, dtype: np.dtype) -> np.ndarray:
+        key = (k, b, off, nbytes, dtype)
+        v = self._views.get(key)
+        if v is None:
+            if len(self._views) > 4096:
+                self._views.clear()
+            v = self._views[key] = self.data[k][b][off:off + nbytes].view(dtype)
+        return v
+
+    def close(self) -> None:
+        self.data = []
+        self._views = {}
+
+
+class BoardRun:
+    """One collective on the board; ``advance`` never blocks (the executor's protocol)."""
+
+    __slots__ = ("board", "coll", "seq", "sig", "meta", "x", "out", "root", "red", "p",
+                 "r", "n", "nbytes", "phase", "need", "writes", "b")
+
+    def __init__(self, board: Board, coll: str, seq: int, sig: int, meta: tuple,
+                 x: np.ndarray, out: np.ndarray, root: int, red: Callable | None, n: int):
+        self.board, self.coll, self.seq, self.sig, self.meta = board, coll, seq, sig, meta
+        self.x, self.out, self.root, self.red, self.n = x, out, root, red, n
+        self.p, self.r = board.nlocal, board.me
+        self.b = seq & 1
+        self.writes, self.need = board.roles(coll, root)
+        self.nbytes = x.nbytes if self.writes else 0
+        self.phase = 0 if self.writes else 1
+
+    @property
+    def done(self) -> bool:
+        return self.phase == 2
+
+    def waiting_on(self) -> list[int]:
+        q, bd = self.board.q, self.board
+        if self.phase == 0:
+            last = bd.last_use[self.b]
+            return [k for k in range(self.p) if k != self.r and q[bd.ctrl[k] + 1] < last]
+        return [k for k in self.need if q[bd.ctrl[k]] < self.seq]
+
+    def advance(self) -> bool:
+        bd, q, moved = self.board, self.board.q, False
+        if self.phase == 0:
+            last = bd.last_use[self.b]
+            if last:
+                for k in range(self.p):
+                    if k != self.r and q[bd.ctrl[k] + 1] < last:
+                        return False
+            h = bd.hdr[self.r][self.b]
+            if self.nbytes:
+                bd.data[self.r][self.b][:self.nbytes] = self.x.view(_U8)
+            meta = self.meta
+            q[h] = self.seq
+            q[h + 1] = self.sig
+            q[h + 2] = self.nbytes
+            q[h + 3] = meta[0]
+            q[h + 4] = meta[1]
+            q[h + 5] = meta[2]
+            q[h + 6] = meta[3]
+            q[h + 7] = meta[4]
+            q[bd.ctrl[self.r]] = self.seq        # publish (x86 TSO: data is visible first)
+            bd.last_use[self.b] = self.seq
+            self.phase, moved = 1, True
+        if self.phase == 1:
+            seq = self.seq
+            for k in self.need:
+                if q[bd.ctrl[k]] < seq:
+                    return moved
+            for k in self.need:
+                h = bd.hdr[k][self.b]
+                if q[h] != seq or q[h + 1] != self.sig:
+                    self._mismatch(k, h)
+            self._read()
+            q[bd.ctrl[self.r] + 1] = seq
+            self.phase, moved = 2, True
+        return moved
+
+    def _slot(self, k: int, nbytes: int, off: int = 0) -> np.ndarray:
+        return self.board.view(k, self.b, off, nbytes, self.x.dtype)
+
+    def _read(self) -> None:
+        coll, p, r, n, out = self.coll, self.p, self.r, self.n, self.out
+        isz = self.x.dtype.itemsize
+        if coll in ("allreduce", "reduce"):
+            if coll == "reduce" and r != self.root:
+                return
+            nb = n * isz
+            np.copyto(out, self._slot(0, nb))
+            for k in range(1, p):
+                self.red(out, self._slot(k, nb), out)
+        elif coll == "reduce_scatter":
+            nb = n * isz
+            np.copyto(out, self._slot(0, nb, r * nb))
+            for k in range(1, p):
+                self.red(out, self._slot(k, nb, r * nb), out)
+        elif coll in ("allgather", "gather"):
+            if coll == "gather" and r != self.root:
+                return
+            nb = n * isz
+            for k in range(p):
+                out[k * n:(k + 1) * n] = self._slot(k, nb)
+        elif coll == "alltoall":
+            nb = n * isz
+            for k in range(p):
+                out[k * n:(k + 1) * n] = self._slot(k, nb, r * nb)
+        elif coll == "broadcast":
+            if r != self.root:
+                np.copyto(out, self._slot(self.root, n * isz))
+        elif coll == "scatter":
+            nb = n * isz
+            np.copyto(out, self._slot(self.root, nb, r * nb))
+        # barrier: the flags were the message
+
+    def _mismatch(self, k: int, h: int) -> None:
+        q = self.board.q
+        if q[h] != self.seq:
+            raise CollectiveMismatchError(
+                f"rank {k} published call #{q[h]} on the shm board where call #{self.seq} was "
+                f"expected: the ranks called different collectives or sizes")
+        theirs = describe(tuple(q[h + 3 + i] for i in range(len(self.meta))))
+        mine = describe(self.meta)
+        raise CollectiveMismatchError(f"call #{self.seq}: rank {k} called {theirs}, "
+                                      f"rank {self.r} called {mine}")
+
+
+def meta_of(coll: str, dtype: np.dtype, n: int, op: Op | None, root: int) -> tuple:
+    """The call's arguments as integers, for the header (and error messages)."""
+    return (COLLS.index(coll), DTYPES.index(dtype), n, _OPS.index(op), root)
+
+
+def describe(meta: tuple) -> str:
+    try:
+        coll, dt, n, op, root = meta
+        text = f"{COLLS[coll]}({DTYPES[dt]}, count={n}"
+        if _OPS[op] is not None:
+            text += f", op={_OPS[op].name}"
+        if COLLS[coll] in ("reduce", "broadcast", "gather", "scatter"):
+            text += f", root={root}"
+        return text + ")"
+    except (IndexError, ValueError, TypeError):
+        return f"an unknown call {meta}"
