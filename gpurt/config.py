@@ -66,6 +66,10 @@ VARIABLES: tuple[Var, ...] = (
     Var("GPURT_SHM_BOARD", "64K", _bytes,
         "shm: bytes per board buffer; collectives whose per-rank data fits use the one-round "
         "board protocol when all ranks share a node (0 disables it)."),
+    Var("GPURT_SHM_CMA", "128K", _bytes,
+        "shm: messages of at least this many bytes are read by the receiver straight from "
+        "the sender's memory (process_vm_readv, one copy instead of two) where the probe at "
+        "start allows it; 0 disables."),
     Var("GPURT_SHM_DIR", "/dev/shm", str, "shm: where segments are created (then unlinked)."),
     Var("GPURT_SPIN_US", "50", float,
         "Waits poll this many microseconds before yielding the CPU, then back off to sleeps."),

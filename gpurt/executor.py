@@ -30,6 +30,19 @@ from .wait import Backoff
 _U8 = np.dtype(np.uint8)
 
 
+class _CopySink:
+    """Receives a plain message: chunks are copied into ``dst``; a transport that can
+    write into ``dst`` itself (single-copy) uses it directly."""
+
+    __slots__ = ("dst",)
+
+    def __init__(self, dst: np.ndarray):
+        self.dst = dst
+
+    def __call__(self, off: int, chunk: np.ndarray) -> None:
+        self.dst[off:off + chunk.nbytes] = chunk
+
+
 class _Run:
     """One schedule executing on bound buffers."""
 
@@ -57,12 +70,7 @@ class _Run:
     def _sink(self, op) -> Callable[[int, np.ndarray], None]:
         dst = self.view(op.dst)
         if isinstance(op, Recv):
-            d8 = dst.view(_U8)
-
-            def copy(off: int, chunk: np.ndarray) -> None:
-                d8[off:off + chunk.nbytes] = chunk
-
-            return copy
+            return _CopySink(dst.view(_U8))
         acc = self.view(op.acc) if op.acc is not None else dst
         red, isz, dt = self.red, self.isz, self.dtype
 

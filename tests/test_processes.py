@@ -34,6 +34,15 @@ def test_sweep_dtypes_ops(n):
     assert " 0 failed" in out, out
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_sweep_algorithms_over_rings_only(n):
+    """The same sweep with single-copy (CMA) and the board off: large messages stream
+    through the shm rings, small ones too — the fallback path stays proven."""
+    out = run_mpi(n, ["tests/mpi_sweep.py", "algorithms"],
+                  env={"GPURT_SHM_CMA": "0", "GPURT_SHM_BOARD": "0"}).stdout
+    assert " 0 failed" in out, out
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 5])
 def test_api_under_mpi(n):
     """tests/mpi/*.py under pytest-mpi on n ranks."""

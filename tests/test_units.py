@@ -144,3 +144,14 @@ def test_cli_version_and_info():
     assert {e["name"] for e in data["env"]} >= {"GPURT_TIMEOUT", "GPURT_ALGO"}
     r = CliRunner().invoke(cli, ["info"])
     assert "transports:" in r.output and "algorithms" in r.output
+
+
+def test_cma_reads_this_process_and_explains_failures():
+    from gpurt.transports import cma
+
+    src = np.arange(1000, dtype=np.int64)
+    dst = np.zeros_like(src)
+    cma.read(os.getpid(), cma.address(src), dst.view(np.uint8))
+    assert (dst == src).all()
+    assert cma.probe(os.getpid(), cma.address(src), src[:2].tobytes()) == ""
+    assert "exited" in cma.probe(2 ** 22 + 12345, cma.address(src), b"x" * 8)

@@ -40,6 +40,7 @@ import mmap
 import os
 import platform
 import re
+import struct
 import time
 from collections import deque
 
@@ -48,7 +49,7 @@ import numpy as np
 from gpurt import config
 from gpurt.errors import CollectiveMismatchError, PeerFailure, ResourceError, TransportError
 
-from . import shm_board
+from . import cma, shm_board
 from .base import LANE_NAMES, LANES, Sink
 
 log = logging.getLogger("gpurt.shm")
@@ -58,6 +59,8 @@ _MAGIC = 0x67707572745F7368  # "gpurt_sh"
 _HDR = 4096                  # segment header: magic, geometry, pid table
 _CTRL = 128                  # ring control: head (+0), tail (+64)
 _SLOT_HDR = 64
+_BOUNCE = 256 * 1024          # reductions of single-copy data go through this much cache
+_PROBE = 2048 // 8            # segment header: per local rank, a probe address (+2048)
 _names = itertools.count()
 
 if platform.machine() in ("x86_64", "AMD64", "i686", "i386"):
@@ -172,7 +175,7 @@ class _Msg:
     """One message in flight on a ring (either direction)."""
 
     __slots__ = ("peer", "data", "sink", "total", "tag", "sig", "off", "started", "done",
-                 "ring", "lane")
+                 "ring", "lane", "ack", "remote")
 
     def __init__(self, ring, peer: int, lane: int, total: int, tag: int, sig: int,
                  data: np.ndarray | None = None, sink: Sink | None = None):
@@ -180,10 +183,14 @@ class _Msg:
         self.data, self.sink, self.total = data, sink, total
         self.tag, self.sig = tag & 0xFFFFFFFFFFFFFFFF, sig & 0xFFFFFFFFFFFFFFFF
         self.off, self.started, self.done = 0, False, False
+        self.ack = 0        # sender, single copy: done once the peer acknowledges this many
+        self.remote = 0     # receiver, single copy: the sender's address
 
     def test(self) -> bool:
         if not self.done:
             self.ring.progress()
+            if self.ack and self.ring.seg.q[self.ring.ack_i] >= self.ack:
+                self.done, self.data = True, None
         return self.done
 
 
@@ -194,7 +201,8 @@ class _Ring:
         base = seg.ring_offset(src, dst, lane)
         self.seg, self.lane = seg, lane
         self.nslots, self.slot = seg.nslots[lane], seg.slot
-        self.head_i, self.tail_i = base // 8, (base + 64) // 8
+        # control: head (+0, the sender's), tail and single-copy acks (+64, +72: the receiver's)
+        self.head_i, self.tail_i, self.ack_i = base // 8, (base + 64) // 8, (base + 72) // 8
         offs = [base + _CTRL + k * (self.slot + _SLOT_HDR) for k in range(self.nslots)]
         self.hdr_i = [o // 8 for o in offs]
         self.data = [seg.u8[o + _SLOT_HDR:o + _SLOT_HDR + self.slot] for o in offs]
@@ -202,6 +210,10 @@ class _Ring:
         self.seen = 0        # last value read of the other end's counter
         self.sender = me_is_sender
         self.queue: deque[_Msg] = deque()
+        self.cma_min = 0     # messages of at least this many bytes go single-copy (0: never)
+        self.acks = 0        # single-copy messages sent (sender) / completed (receiver)
+        self.peer_pid = 0
+        self.bounce: np.ndarray | None = None   # receiver: where reduced data lands first
 
     # -- sender side ---------------------------------------------------------
     def _push(self) -> bool:
@@ -214,17 +226,27 @@ class _Ring:
                     if self.count - self.seen >= self.nslots:
                         return moved
                 k = self.count % self.nslots
-                n = min(self.slot, m.total - m.off)
-                if n:
-                    self.data[k][:n] = m.data[m.off:m.off + n]
                 h = self.hdr_i[k]
-                q[h], q[h + 1], q[h + 2], q[h + 3], q[h + 4] = m.tag, m.sig, m.total, m.off, n
+                if self.cma_min and m.total >= self.cma_min:
+                    # single copy: publish where the data is; the peer reads it and acks
+                    q[h], q[h + 1], q[h + 2], q[h + 3], q[h + 4] = m.tag, m.sig, m.total, 0, 0
+                    q[h + 5] = cma.address(m.data)
+                    self.acks += 1
+                    m.ack, m.off = self.acks, m.total
+                else:
+                    n = min(self.slot, m.total - m.off)
+                    if n:
+                        self.data[k][:n] = m.data[m.off:m.off + n]
+                    q[h], q[h + 1], q[h + 2], q[h + 3], q[h + 4] = m.tag, m.sig, m.total, m.off, n
+                    q[h + 5] = 0
+                    m.off += n
                 _fence()
                 self.count += 1
                 q[self.head_i] = self.count
-                m.off += n
                 moved = True
                 if m.off >= m.total:
+                    if m.ack:
+                        break       # in flight until acknowledged (see _Msg.test)
                     m.done = True
                     m.data = None
             self.queue.popleft()
@@ -236,6 +258,10 @@ class _Ring:
         while self.queue:
             m = self.queue[0]
             while not m.done:
+                if m.remote:
+                    self._read_remote(m)
+                    moved = True
+                    continue
                 if self.count == self.seen:
                     self.seen = q[self.head_i]
                     if self.count == self.seen:
@@ -245,18 +271,42 @@ class _Ring:
                 tag, sig, total, off, n = q[h], q[h + 1], q[h + 2], q[h + 3], q[h + 4]
                 if tag != m.tag or sig != m.sig or total != m.total or off != m.off:
                     self._mismatch(m, tag, sig, total, off)
-                if n:
+                remote = q[h + 5]
+                if remote:
+                    m.remote = remote   # single copy: read from the sender's memory below
+                elif n:
                     m.sink(off, self.data[k][:n])
                 self.count += 1
                 _fence()
-                q[self.tail_i] = self.count
+                q[self.tail_i] = self.count     # the slot is free again at once
                 m.off += n
                 moved = True
-                if m.off >= m.total:
+                if m.off >= m.total and not m.remote:
                     m.done = True
                     m.sink = None
             self.queue.popleft()
         return moved
+
+    def _read_remote(self, m: _Msg) -> None:
+        """Single copy: read the rest of ``m`` from the sender's memory — straight into the
+        destination for a plain receive, through a cache-sized bounce buffer for a
+        reduction — then acknowledge."""
+        dst = getattr(m.sink, "dst", None)
+        if dst is not None:
+            cma.read(self.peer_pid, m.remote + m.off, dst[m.off:m.total], m.peer)
+            m.off = m.total
+        else:
+            if self.bounce is None:
+                self.bounce = np.empty(_BOUNCE, np.uint8)
+            while m.off < m.total:
+                n = min(_BOUNCE, m.total - m.off)
+                chunk = self.bounce[:n]
+                cma.read(self.peer_pid, m.remote + m.off, chunk, m.peer)
+                m.sink(m.off, chunk)
+                m.off += n
+        self.acks += 1
+        self.seg.q[self.ack_i] = self.acks
+        m.done, m.sink, m.remote = True, None, 0
 
     def progress(self) -> bool:
         return self._push() if self.sender else self._pull()
@@ -325,11 +375,20 @@ class ShmTransport:
         if not os.access(d, os.W_OK):
             return False, f"{d} is not writable"
         free = st.f_bavail * st.f_frsize
-        return True, f"{d} has {free / 2**30:.1f} GiB free"
+        try:
+            with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+                scope = f"Yama ptrace_scope={f.read().strip()}"
+        except OSError:
+            scope = "no Yama"
+        single = int(config.get("GPURT_SHM_CMA"))
+        cma_txt = (f"single-copy (CMA) for messages >= {single} B, probed between ranks at "
+                   f"start ({scope})" if single else "single-copy (CMA) off (GPURT_SHM_CMA=0)")
+        return True, f"{d} has {free / 2**30:.1f} GiB free; {cma_txt}"
 
     def __init__(self) -> None:
         self.seg: _Segment | None = None
         self.board: shm_board.Board | None = None
+        self.cma_why = "not connected"
         self.local_rank = -1
         self.endpoints: dict[int, ShmEndpoint] = {}
 
@@ -402,12 +461,41 @@ class ShmTransport:
             raise TransportError("shm: " + "; ".join(errs))
         if self.local_rank == 0:
             self.seg.q[0] = _MAGIC
+        self.cma_why = self._probe_cma(node, comm.rank)
         if board:
             self.board = shm_board.Board(self.seg.q, self.seg.u8, board_off, nlocal,
                                          self.local_rank, board)
         node_ranks = topo.local_ranks[topo.node_of[comm.rank]]
         self.endpoints = {p: ShmEndpoint(self, p, node_ranks.index(p)) for p in peers}
+        threshold = int(config.get("GPURT_SHM_CMA"))
+        for ep in self.endpoints.values():
+            pid = self.seg.q[8 + ep.local_peer]
+            for ring in ep.rx:
+                ring.peer_pid = pid
+            if not self.cma_why and threshold:
+                for ring in ep.tx:
+                    ring.cma_min = threshold
         return dict(self.endpoints)
+
+    def _probe_cma(self, node, rank: int) -> str:
+        """Can every local rank read every other's memory with process_vm_readv?  ''
+        if so (agreed by all), else the first reason it cannot.  Collective on ``node``."""
+        me, nlocal, q = self.local_rank, node.Get_size(), self.seg.q
+        token = np.frombuffer(struct.pack("<QQ", os.getpid(), _MAGIC), np.uint8).copy()
+        q[_PROBE + me] = cma.address(token)
+        node.Barrier()
+        why = ""
+        for k in range(nlocal):
+            if k != me and not why:
+                expect = struct.pack("<QQ", q[8 + k], _MAGIC)
+                why = cma.probe(q[8 + k], q[_PROBE + k], expect)
+                if why:
+                    why = f"local rank {me} (rank {rank}) cannot read local rank {k}: {why}"
+        whys = [w for w in node.allgather(why) if w]
+        del token
+        if whys:
+            log.info("shm: single-copy (CMA) disabled: %s", whys[0])
+        return whys[0] if whys else ""
 
     def close(self) -> None:
         for ep in self.endpoints.values():

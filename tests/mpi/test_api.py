@@ -371,3 +371,20 @@ def test_board_mismatch_names_both_calls(comm, what):
     finally:
         c.close()
         comm.mpi.Barrier()
+
+
+def test_single_copy_is_probed_and_used(comm):
+    """Every local rank can read every other's memory here (same user, no Yama), so the
+    probe enables single-copy; a 4 MiB exchange then goes through it, exactly."""
+    p, r = comm.size, comm.rank
+    if p == 1:
+        pytest.skip("needs 2 ranks")
+    shm = comm._shm()
+    assert shm.cma_why == "", shm.cma_why
+    ep = shm.endpoints[(r + 1) % p]
+    before = ep.tx[0].acks
+    big = np.arange(1 << 19, dtype=np.float64) * (r + 1)
+    out = comm.allgather(big, algo="ring")
+    for q in range(p):
+        assert (out[q] == np.arange(1 << 19) * (q + 1)).all()
+    assert ep.tx[0].acks > before        # the ring steps went single-copy
