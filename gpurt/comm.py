@@ -83,6 +83,8 @@ class Communicator:
         self._seq = 0
         self._scratch = np.empty(0, np.uint8)
         self.board = None
+        #: the algorithm (or native protocol) the last collective call used
+        self.last_algorithm = ""
         try:
             self._connect()
             self.engine = Engine(self.rank, lambda: float(config.get("GPURT_TIMEOUT")),
@@ -234,7 +236,7 @@ class Communicator:
             return result
 
         req = Request(self.engine, coll, seq, start, finish)
-        req.algorithm = alg.name if alg else "none"
+        req.algorithm = self.last_algorithm = alg.name if alg else "none"
         return self.engine.submit(req)
 
     def _schedule_start(self, sched, xb, ob, dtype, alias, red, seq, sig):
@@ -363,6 +365,7 @@ class Communicator:
         if self.tuner.choose(coll, n, dtype.itemsize, None).name != "shm_board":
             return None
         o = _FAST_OPS[(op, dtype)] if op is not None else None
+        self.last_algorithm = "shm_board"
         self._seq += 1
         seq = self._seq
         sig = _signature(coll, dtype.str, n, o, root)
@@ -587,6 +590,7 @@ class Communicator:
 
         req = Request(self.engine, f"{kind} {'to' if kind == 'send' else 'from'} rank {peer}",
                       int(tag), start, lambda: b.owner, p2p=True)
+        req.algorithm = "p2p"
         return self.engine.submit(req)
 
     def isend(self, x: Any, peer: int, tag: int = 0) -> Request:
@@ -628,8 +632,14 @@ class Communicator:
         return Communicator(self.mpi)
 
     def explain(self, collective: str, nbytes: int) -> str:
-        """The tuner's candidates for ``collective`` at ``nbytes``, predicted times, choice."""
+        """The tuner's candidates for ``collective`` at ``nbytes`` (S as nccl-tests counts
+        it), their predicted times and the choice, as a table."""
         return self.tuner.explain(collective, int(nbytes))
+
+    def candidates(self, collective: str, nbytes: int) -> list[dict]:
+        """The same as ``explain`` as data: ``[{"algorithm", "predicted_s", "chosen"}]``,
+        cheapest first (a forced choice — ``GPURT_ALGO`` — is marked chosen)."""
+        return self.tuner.table(collective, int(nbytes))
 
     def abort(self, reason: str = "aborted by the application") -> None:
         """Fail every request in flight and poison the communicator (local, immediate)."""

@@ -111,6 +111,14 @@ class Tuner:
         alg = REGISTRY[coll][name]
         return alg.build(self.p, self.r, n, root).relabel(self.group)
 
+    def table(self, coll: str, nbytes: int) -> list[dict]:
+        if coll not in REGISTRY:
+            raise ValueError(f"unknown collective {coll!r} (known: {', '.join(REGISTRY)})")
+        cands = self.candidates(coll, nbytes)
+        chosen = self.forced.get(coll) or cands[0][1].name
+        return [{"algorithm": a.name, "predicted_s": t, "chosen": a.name == chosen}
+                for t, a in cands]
+
     def explain(self, coll: str, nbytes: int) -> str:
         """The candidates for ``coll`` at size ``nbytes`` (S, as ``gpurt bench`` and
         nccl-tests count it), their predicted times, and the choice."""

@@ -2,6 +2,7 @@
 
     gpurt --version
     gpurt info [--json] [--env]
+    gpurt bench COLLECTIVE -n NRANKS [-b 8 -e 256M -f 2 ...]   (launch/bench.py)
 """
 
 from __future__ import annotations
@@ -80,6 +81,8 @@ def main() -> None:
       gpurt info                  versions, MPI library, transports and why
       gpurt info --json           the same for machines
       gpurt info --env            every GPURT_* variable with its value
+      gpurt bench allreduce -n 4 -b 8 -e 256M -f 2 --baseline mpi
+                                  nccl-tests-style sweep (gpurt bench --help)
     """
 
 
@@ -129,6 +132,11 @@ def info(as_json: bool, show_env: bool) -> None:
         for e in data["env"]:
             val = e["value"] or f"(default {e['default']!r})"
             click.echo(f"  {e['name']:<17} {val}\n      {e['doc']}")
+
+
+from gpurt.launch.bench import bench_command  # noqa: E402 - after main, to attach to it
+
+main.add_command(bench_command, "bench")
 
 
 if __name__ == "__main__":  # pragma: no cover

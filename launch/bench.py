@@ -1,0 +1,1282 @@
+"""``gpurt bench``: nccl-tests-style sweeps of one collective, with MPI and gloo baselines.
+
+Two halves live here:
+
+* the *parent* (``bench_command``, the click command wired into ``gpurt``): parses the
+  options, computes the sizes, starts one ``mpiexec -n N python -m gpurt.launch.bench``
+  per library and repeat (gpurt, then each baseline, alternating), combines what they
+  report, prints the table and writes the JSON / PNG.  Run under an MPI launcher with more
+  than one rank, it runs the gpurt sweep in place instead (no baselines then).
+* the *worker* (``worker``, ``python -m gpurt.launch.bench CONFIG.json``): runs on every
+  rank, times the sweep through one library, checks results (``-c``) and has rank 0
+  write a JSON result file.
+
+Method (nccl-tests'): per size, ``warmup`` untimed calls, one MPI barrier, then ``iters``
+calls each timed with ``perf_counter`` on every rank, without checking.  The time of an
+iteration is the maximum over ranks; a size's time is the median (p50) of those, with p99
+and the mean beside it.  ``-c`` runs a *separate* checked call per size on exact inputs
+(small integers) and counts wrong elements over all ranks.  docs/bench.md explains the
+columns and the formulas (bus bandwidth factors, the memory ceiling).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import platform
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from time import perf_counter
+from typing import Callable
+
+import click
+import numpy as np
+
+COLLECTIVES = ("allreduce", "reduce", "broadcast", "allgather", "reduce_scatter", "alltoall",
+               "gather", "scatter", "barrier", "sendrecv")
+# collectives whose size S is the whole buffer of nranks blocks (nccl-tests' convention)
+BLOCKED = ("allgather", "reduce_scatter", "alltoall", "gather", "scatter")
+REDUCING = ("allreduce", "reduce", "reduce_scatter")
+ROOTED = ("reduce", "broadcast", "gather", "scatter")
+OPS = ("sum", "prod", "min", "max", "avg", "band", "bor", "bxor")
+DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "int16", "int32", "int64",
+          "uint8", "uint16", "uint32", "uint64", "complex64", "complex128", "bool")
+BASELINES = ("mpi", "gloo")
+
+
+# ---------------------------------------------------------------------------------------
+# pure helpers: sizes, layouts, bandwidth formulas
+# ---------------------------------------------------------------------------------------
+
+_SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str | int) -> int:
+    """``8``, ``64K``, ``256M``, ``1G`` (binary multiples, as nccl-tests; ``KB``/``KiB``
+    and a trailing ``B`` are accepted) -> bytes."""
+    if isinstance(text, int):
+        return text
+    t = text.strip().upper().replace("IB", "").rstrip("B") or "0"
+    unit = t[-1] if t[-1] in "KMGT" else ""
+    num = t[:-1] if unit else t
+    try:
+        val = float(num)
+    except ValueError:
+        raise ValueError(f"bad size {text!r}: use a number with an optional K, M or G "
+                         f"suffix (e.g. 8, 64K, 256M)") from None
+    if val < 0:
+        raise ValueError(f"bad size {text!r}: negative")
+    return int(val * _SUFFIX[unit])
+
+
+def human_size(nbytes: int) -> str:
+    for unit, mult in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if nbytes >= mult and nbytes % mult == 0:
+            return f"{nbytes // mult}{unit}"
+    return str(nbytes)
+
+
+def parse_dtype(name: str) -> np.dtype:
+    if name == "bfloat16":
+        try:
+            import ml_dtypes
+        except ImportError:
+            raise ValueError("bfloat16 needs the ml_dtypes package") from None
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def size_unit(coll: str, nranks: int, itemsize: int) -> int:
+    """What S must be a multiple of: one element per rank for the blocked collectives."""
+    return itemsize * (nranks if coll in BLOCKED else 1)
+
+
+def sweep_sizes(coll: str, nranks: int, itemsize: int, minbytes: int, maxbytes: int,
+                factor: int) -> list[int]:
+    """The sizes S of a sweep: minbytes, ×factor, ... up to maxbytes, each rounded down to
+    a multiple of ``size_unit`` (a size that rounds to 0 becomes one unit), duplicates
+    dropped.  A barrier has a single size, 0."""
+    if coll == "barrier":
+        return [0]
+    if minbytes > maxbytes:
+        raise ValueError(f"-b {minbytes} is larger than -e {maxbytes}")
+    if factor < 2 and minbytes != maxbytes:
+        raise ValueError("-f must be 2 or more (or give -b equal to -e)")
+    unit = size_unit(coll, nranks, itemsize)
+    out: list[int] = []
+    s = minbytes
+    while s <= maxbytes:
+        r = max(unit, s // unit * unit)
+        if r not in out:
+            out.append(r)
+        if factor < 2:
+            break
+        s *= factor
+    return out
+
+
+def layout(coll: str, nranks: int, rank: int, nbytes: int, itemsize: int, root: int = 0
+           ) -> tuple[int, int, int]:
+    """(per-rank count c, elements of the input buffer, elements of the output buffer) of
+    ``rank`` for a collective of size S = ``nbytes``."""
+    n = nbytes // itemsize
+    c = n // nranks if coll in BLOCKED else n
+    is_root = rank == root
+    nin, nout = {
+        "allreduce": (c, c), "reduce": (c, c), "broadcast": (c, 0), "sendrecv": (c, c),
+        "allgather": (c, nranks * c), "reduce_scatter": (nranks * c, c),
+        "alltoall": (nranks * c, nranks * c),
+        "gather": (c, nranks * c if is_root else 0),
+        "scatter": (nranks * c if is_root else 0, c),
+        "barrier": (0, 0),
+    }[coll]
+    return c, nin, nout
+
+
+def busbw_factor(coll: str, nranks: int) -> float:
+    """nccl-tests' bus-bandwidth factor: busbw = algbw × factor (docs/bench.md)."""
+    n = nranks
+    if coll == "allreduce":
+        return 2 * (n - 1) / n
+    if coll in ("allgather", "reduce_scatter", "alltoall"):
+        return (n - 1) / n
+    if coll == "barrier":
+        return 0.0
+    return 1.0  # broadcast, reduce, gather, scatter, sendrecv
+
+
+def min_traffic(coll: str, nranks: int, nbytes: int) -> tuple[int, int]:
+    """(R, W): bytes that must be read and written in memory, over all ranks together, by
+    any implementation of ``coll`` of size S = ``nbytes``: every input byte the result
+    depends on read once, every output byte written once (docs/bench.md)."""
+    n, S = nranks, nbytes
+    return {
+        "allreduce": (n * S, n * S),          # n inputs of S; n outputs of S
+        "reduce": (n * S, S),                 # n inputs; the root's output
+        "broadcast": (S if n > 1 else 0, (n - 1) * S),  # the root's buffer; n-1 copies (in place)
+        "allgather": (S, n * S),              # n blocks of S/n; n outputs of S
+        "reduce_scatter": (n * S, S),         # n inputs of S; n outputs of S/n
+        "alltoall": (n * S, n * S),
+        "gather": (S, S),                     # n blocks of S/n; the root's S
+        "scatter": (S, S),
+        "sendrecv": (n * S, n * S),           # every rank sends S and receives S
+        "barrier": (0, 0),
+    }[coll]
+
+
+def min_bytes_per_rank(coll: str, nranks: int, nbytes: int) -> float:
+    """(R + W) / nranks: the least memory traffic per rank when the work is spread evenly."""
+    r, w = min_traffic(coll, nranks, nbytes)
+    return (r + w) / nranks
+
+
+def ceiling_busbw(coll: str, nranks: int, ceiling_Bps: float) -> float | None:
+    """The bus bandwidth a collective would show if it ran at the memory ceiling (the
+    same for every size, since the minimum traffic is proportional to S)."""
+    S = 1 << 20
+    mb = min_bytes_per_rank(coll, nranks, S)
+    if not mb or not ceiling_Bps or coll == "barrier":
+        return None
+    return busbw_factor(coll, nranks) * S / (mb / ceiling_Bps) / 1e9
+
+
+# ---------------------------------------------------------------------------------------
+# exact inputs and the checker
+# ---------------------------------------------------------------------------------------
+
+_UFUNCS = {"sum": np.add, "avg": np.add, "prod": np.multiply, "min": np.minimum,
+           "max": np.maximum, "band": np.bitwise_and, "bor": np.bitwise_or,
+           "bxor": np.bitwise_xor}
+
+
+def _exact_limit(dtype: np.dtype) -> int:
+    """Largest integer the dtype holds exactly (and without overflow)."""
+    if dtype == np.bool_:
+        return 1
+    if dtype.kind in "iu":
+        return int(np.iinfo(dtype).max)
+    if dtype.name == "bfloat16":
+        return 256
+    if dtype == np.float16:
+        return 2048
+    if dtype in (np.float32, np.complex64):
+        return 1 << 24
+    return 1 << 53
+
+
+def _modulus(dtype: np.dtype, op: str | None, nranks: int) -> int:
+    """Inputs are (131·q + 7·i + 1) mod M: small enough that every reduction of nranks
+    of them is exact in ``dtype`` whatever the order, and M is the pattern's period."""
+    if dtype == np.bool_:
+        return 6
+    lim = _exact_limit(dtype)
+    if op is None:
+        return min(lim, 4093)
+    if op == "prod":
+        return 4
+    return max(2, min(8, lim // max(nranks, 1)))
+
+
+def _values(q: int, start: int, length: int, dtype: np.dtype, op: str | None,
+            nranks: int, blk: int = 0) -> np.ndarray:
+    """Rank q's input elements start..start+length-1 of block ``blk`` (exact small
+    integers): (131·q + 7·i + 3·blk + 1) mod M.  The block term tells the blocks of one
+    rank apart (a reduce_scatter or alltoall that delivers the wrong block is caught)
+    whatever the count; the pattern is periodic in i with period M."""
+    i = np.arange(start, start + length, dtype=np.int64)
+    m = _modulus(dtype, op, nranks)
+    if dtype == np.bool_:
+        return ((131 * q + 7 * i + 3 * blk + 1) % m % 2).astype(np.bool_)
+    if op == "prod":  # mostly ones, a two where (i + q + blk) % 4 == 0: products stay small
+        raw = np.where((i + q + blk) % 4 == 0, 2, 1)
+    else:
+        raw = (131 * q + 7 * i + 3 * blk + 1) % m
+    if dtype.kind in "fc" or dtype.name == "bfloat16":
+        return raw.astype(np.float64).astype(dtype)
+    return raw.astype(dtype)
+
+
+def _reduced(start: int, length: int, dtype: np.dtype, op: str, nranks: int, blk: int
+             ) -> np.ndarray:
+    acc = _values(0, start, length, dtype, op, nranks, blk)
+    uf = _UFUNCS[op]
+    for q in range(1, nranks):
+        acc = uf(acc, _values(q, start, length, dtype, op, nranks, blk)).astype(dtype,
+                                                                               copy=False)
+    if op == "avg":
+        acc = np.divide(acc, dtype.type(nranks)).astype(dtype, copy=False)
+    return acc
+
+
+def sentinel(dtype: np.dtype):
+    """What output buffers hold before a checked call: NaN, or the largest integer (never
+    a correct result here).  bool has no spare value (False is used)."""
+    if dtype == np.bool_:
+        return False
+    if dtype.kind in "iu":
+        return np.iinfo(dtype).max
+    return np.array(np.nan).astype(dtype)[()]
+
+
+def _segments(coll: str, nranks: int, rank: int, c: int, root: int
+              ) -> list[tuple[int, int, str, int, int]]:
+    """What ``rank``'s output must hold, as (out offset, length, kind, source rank,
+    source offset); kind "copy" (rank q's input) or "red" (reduction over all ranks).
+    Empty when this rank's output is not defined (reduce/gather off the root, barrier)."""
+    n = nranks
+    if coll == "allreduce":
+        return [(0, c, "red", -1, 0)]
+    if coll == "reduce":
+        return [(0, c, "red", -1, 0)] if rank == root else []
+    if coll == "reduce_scatter":
+        return [(0, c, "red", -1, rank * c)]
+    if coll == "broadcast":
+        return [(0, c, "copy", root, 0)]
+    if coll == "allgather" or (coll == "gather" and rank == root):
+        return [(q * c, c, "copy", q, 0) for q in range(n)]
+    if coll == "alltoall":
+        return [(q * c, c, "copy", q, rank * c) for q in range(n)]
+    if coll == "scatter":
+        return [(0, c, "copy", root, rank * c)]
+    if coll == "sendrecv":
+        return [(0, c, "copy", (rank - 1) % n, 0)] if n > 1 else []
+    return []
+
+
+def _stream(kind: str, q: int, start: int, length: int, dtype: np.dtype, op: str | None,
+            nranks: int, blk: int) -> np.ndarray:
+    if kind == "red":
+        return _reduced(start, length, dtype, op or "sum", nranks, blk)
+    return _values(q, start, length, dtype, op, nranks, blk)
+
+
+def count_wrong(got: np.ndarray, want: np.ndarray) -> int:
+    """Elements of ``got`` that differ from ``want`` (NaN never equals anything)."""
+    got, want = np.asarray(got).reshape(-1), np.asarray(want).reshape(-1)
+    if got.shape != want.shape:
+        raise ValueError(f"shapes differ: {got.shape} vs {want.shape}")
+    return int(got.size - np.count_nonzero(got == want))
+
+
+_CHUNK = 1 << 20   # elements per step of the streaming fill and check
+
+
+def _tiled(dst: np.ndarray, kind: str, q: int, start: int, blk: int, dtype: np.dtype,
+           op: str | None, nranks: int, compare: bool) -> int:
+    """Write into ``dst`` (or, with ``compare``, count the elements of ``dst`` that differ
+    from) the stream's elements start..start+len(dst)-1 of block ``blk``, a chunk at a
+    time, from one period-aligned tile: memcpy speed, little memory, even for GiB."""
+    size = dst.size
+    if size == 0:
+        return 0
+    period = _modulus(dtype, op, nranks)
+    chunk = max(period, _CHUNK // period * period)
+    tile = _stream(kind, q, 0, min(size, chunk) + period, dtype, op, nranks, blk)
+    wrong = 0
+    for k in range(0, size, chunk):
+        seg = dst[k:min(size, k + chunk)]
+        o = (start + k) % period
+        if compare:
+            wrong += count_wrong(seg, tile[o:o + seg.size])
+        else:
+            seg[...] = tile[o:o + seg.size]
+    return wrong
+
+
+def check_output(coll: str, nranks: int, rank: int, c: int, dtype: np.dtype, op: str | None,
+                 root: int, out: np.ndarray | None) -> int:
+    """Wrong elements of ``rank``'s output of a checked call of per-rank count ``c``
+    (every rank's input from ``fill_input(x, q, ..., c)``)."""
+    segs = _segments(coll, nranks, rank, c, root)
+    if not segs or c == 0:
+        return 0
+    dtype = np.dtype(dtype)
+    op = op if coll in REDUCING else None
+    flat = np.asarray(out).reshape(-1)
+    if flat.size < max(o + n for o, n, *_ in segs):
+        raise ValueError(f"{coll}: output of {flat.size} elements is too short")
+    return sum(_tiled(flat[off:off + length], kind, q, src, src // c, dtype, op, nranks, True)
+               for off, length, kind, q, src in segs)
+
+
+def expected_output(coll: str, nranks: int, rank: int, c: int, dtype: np.dtype,
+                    op: str | None, root: int = 0) -> np.ndarray | None:
+    """The whole expected output of ``rank`` (for tests; ``check_output`` streams)."""
+    dtype = np.dtype(dtype)
+    segs = _segments(coll, nranks, rank, c, root)
+    if not segs:
+        return None
+    op = op if coll in REDUCING else None
+    out = np.empty(max(o + n for o, n, *_ in segs), dtype)
+    for off, length, kind, q, src in segs:
+        out[off:off + length] = _stream(kind, q, src, length, dtype, op, nranks,
+                                        src // c if c else 0)
+    return out
+
+
+def fill_input(x: np.ndarray, rank: int, dtype: np.dtype, op: str | None, nranks: int,
+               c: int) -> None:
+    """Rank ``rank``'s exact input, in blocks of ``c`` elements (the per-rank count),
+    into the whole of ``x``."""
+    dtype = np.dtype(dtype)
+    if x.size == 0 or c == 0:
+        return
+    for b, k in enumerate(range(0, x.size, c)):
+        _tiled(x[k:k + c], "copy", rank, k, b, dtype, op, nranks, False)
+
+
+# ---------------------------------------------------------------------------------------
+# the libraries, as seen by the worker
+# ---------------------------------------------------------------------------------------
+
+class _Lib:
+    """What the sweep needs from a library: rank, size, and a zero-argument call per size
+    (returning the algorithm used).  Control (barrier before the loop, gathering the
+    timings) goes through mpi4py outside the timed region."""
+
+    name = "?"
+    rank = 0
+    size = 1
+    in_place_reductions = False   # does the call overwrite its input (torch.distributed)?
+
+    def __init__(self) -> None:
+        from mpi4py import MPI
+        self.MPI = MPI
+        self.ctl = MPI.COMM_WORLD.Dup()
+        self.rank, self.size = self.ctl.Get_rank(), self.ctl.Get_size()
+
+    def make(self, coll: str, x: np.ndarray, y: np.ndarray, op: str | None, root: int,
+             algo: str | None) -> Callable[[], str]:
+        raise NotImplementedError
+
+    def explain(self, coll: str, nbytes: int) -> str | None:
+        return None
+
+    def info(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        self.ctl.Free()
+
+
+class _GpurtLib(_Lib):
+    name = "gpurt"
+
+    def __init__(self) -> None:
+        super().__init__()
+        import gpurt
+        from gpurt.ops import as_op
+        self.gpurt, self.as_op = gpurt, as_op
+        self.comm = gpurt.init()
+
+    def info(self) -> dict:
+        c = self.comm
+        return {"gpurt": self.gpurt.__version__, "nodes": c.nnodes,
+                "local_size": c.local_size,
+                "transports": sorted(set(getattr(c, "transport_of", {}).values()))}
+
+    def explain(self, coll: str, nbytes: int) -> str | None:
+        if coll == "sendrecv":
+            return None
+        try:
+            return self.comm.explain(coll, nbytes)
+        except Exception as e:  # noqa: BLE001 - informational only
+            return f"explain failed: {e}"
+
+    def make(self, coll, x, y, op, root, algo):
+        c, r, n = self.comm, self.rank, self.size
+        o = self.as_op(op) if op else None
+        if coll == "allreduce":
+            def call():
+                c.allreduce(x, y, o, algo=algo)
+                return c.last_algorithm
+        elif coll == "reduce":
+            def call():
+                c.reduce(x, y, o, root, algo=algo)
+                return c.last_algorithm
+        elif coll == "broadcast":
+            def call():
+                c.broadcast(x, root, algo=algo)
+                return c.last_algorithm
+        elif coll == "allgather":
+            def call():
+                c.allgather(x, y, algo=algo)
+                return c.last_algorithm
+        elif coll == "reduce_scatter":
+            def call():
+                c.reduce_scatter(x, y, o, algo=algo)
+                return c.last_algorithm
+        elif coll == "alltoall":
+            def call():
+                c.alltoall(x, y, algo=algo)
+                return c.last_algorithm
+        elif coll == "gather":
+            yy = y if r == root else None
+
+            def call():
+                c.gather(x, yy, root, algo=algo)
+                return c.last_algorithm
+        elif coll == "scatter":
+            xx = x if r == root else None
+
+            def call():
+                c.scatter(xx, y, root, algo=algo)
+                return c.last_algorithm
+        elif coll == "barrier":
+            def call():
+                c.barrier(algo=algo)
+                return c.last_algorithm
+        elif coll == "sendrecv":
+            right, left = (r + 1) % n, (r - 1) % n
+
+            def call():
+                a = c.irecv(y, left)
+                b = c.isend(x, right)
+                b.wait(); a.wait()
+                return "p2p"
+        else:
+            raise ValueError(coll)
+        return call
+
+    def close(self) -> None:
+        self.comm.close()
+        super().close()
+
+
+class _MpiLib(_Lib):
+    name = "mpi"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.comm = self.MPI.COMM_WORLD.Dup()
+
+    def make(self, coll, x, y, op, root, algo):
+        MPI, c, r, n = self.MPI, self.comm, self.rank, self.size
+        o = {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX,
+             "band": MPI.BAND, "bor": MPI.BOR, "bxor": MPI.BXOR, None: None}[op]
+        name = "MPI_" + {"allreduce": "Allreduce", "reduce": "Reduce", "broadcast": "Bcast",
+                         "allgather": "Allgather", "reduce_scatter": "Reduce_scatter_block",
+                         "alltoall": "Alltoall", "gather": "Gather", "scatter": "Scatter",
+                         "barrier": "Barrier", "sendrecv": "Isend/Irecv"}[coll]
+        if coll == "allreduce":
+            def call():
+                c.Allreduce(x, y, o); return name
+        elif coll == "reduce":
+            yy = y if r == root else None
+
+            def call():
+                c.Reduce(x, yy, o, root); return name
+        elif coll == "broadcast":
+            def call():
+                c.Bcast(x, root); return name
+        elif coll == "allgather":
+            def call():
+                c.Allgather(x, y); return name
+        elif coll == "reduce_scatter":
+            def call():
+                c.Reduce_scatter_block(x, y, o); return name
+        elif coll == "alltoall":
+            def call():
+                c.Alltoall(x, y); return name
+        elif coll == "gather":
+            yy = y if r == root else None
+
+            def call():
+                c.Gather(x, yy, root); return name
+        elif coll == "scatter":
+            xx = x if r == root else None
+
+            def call():
+                c.Scatter(xx, y, root); return name
+        elif coll == "barrier":
+            def call():
+                c.Barrier(); return name
+        elif coll == "sendrecv":
+            right, left = (r + 1) % n, (r - 1) % n
+            Waitall = MPI.Request.Waitall
+
+            def call():
+                Waitall([c.Irecv(y, left), c.Isend(x, right)]); return name
+        else:
+            raise ValueError(coll)
+        return call
+
+    def close(self) -> None:
+        self.comm.Free()
+        super().close()
+
+
+class _GlooLib(_Lib):
+    name = "gloo"
+    in_place_reductions = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        import torch
+        import torch.distributed as dist
+        self.torch, self.dist = torch, dist
+        torch.set_num_threads(1)   # one core per rank, like the others
+        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(self.rank), str(self.size)
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        from datetime import timedelta
+        dist.init_process_group("gloo", init_method="env://", rank=self.rank,
+                                world_size=self.size, timeout=timedelta(seconds=120))
+
+    def info(self) -> dict:
+        return {"torch": self.torch.__version__}
+
+    def make(self, coll, x, y, op, root, algo):
+        dist, torch, r, n = self.dist, self.torch, self.rank, self.size
+        R = dist.ReduceOp
+        o = {"sum": R.SUM, "prod": R.PRODUCT, "min": R.MIN, "max": R.MAX, "band": R.BAND,
+             "bor": R.BOR, "bxor": R.BXOR, None: None}[op]
+        tx = torch.from_numpy(x)
+        ty = torch.from_numpy(y)
+        name = "gloo"
+        if coll == "allreduce":   # torch.distributed reduces in place: into x
+            def call():
+                dist.all_reduce(tx, o); return name
+        elif coll == "reduce":
+            def call():
+                dist.reduce(tx, root, o); return name
+        elif coll == "broadcast":
+            def call():
+                dist.broadcast(tx, root); return name
+        elif coll == "allgather":
+            def call():
+                dist.all_gather_into_tensor(ty, tx); return name
+        elif coll == "reduce_scatter":
+            def call():
+                dist.reduce_scatter_tensor(ty, tx, o); return name
+        elif coll == "alltoall":
+            def call():
+                dist.all_to_all_single(ty, tx); return name
+        elif coll == "gather":
+            lst = list(ty.chunk(n)) if r == root else None
+
+            def call():
+                dist.gather(tx, lst, root); return name
+        elif coll == "scatter":
+            lst = list(tx.chunk(n)) if r == root else None
+
+            def call():
+                dist.scatter(ty, lst, root); return name
+        elif coll == "barrier":
+            def call():
+                dist.barrier(); return name
+        elif coll == "sendrecv":
+            right, left = (r + 1) % n, (r - 1) % n
+
+            def call():
+                a = dist.irecv(ty, left)
+                b = dist.isend(tx, right)
+                b.wait(); a.wait()
+                return name
+        else:
+            raise ValueError(coll)
+        return call
+
+    def close(self) -> None:
+        self.dist.destroy_process_group()
+        super().close()
+
+
+_LIBS = {"gpurt": _GpurtLib, "mpi": _MpiLib, "gloo": _GlooLib}
+
+
+# ---------------------------------------------------------------------------------------
+# the worker
+# ---------------------------------------------------------------------------------------
+
+def _quiet_barrier(comm) -> None:
+    """A barrier that sleeps instead of spinning (leaves the CPU to whoever works)."""
+    req = comm.Ibarrier()
+    while not req.Test():
+        time.sleep(0.0005)
+
+
+def measure_ceiling(comm, nbytes: int, reps: int = 3) -> dict:
+    """Memory bandwidth from ``np.copyto`` of ``nbytes``, counted as bytes read + written
+    per second: per rank with every rank copying at once (the ceiling), and rank 0 alone."""
+    from mpi4py import MPI
+    n = max(1, nbytes // 8)
+    src = np.ones(n, np.float64)
+    dst = np.zeros(n, np.float64)     # both touched: no page faults in the timed copies
+    nb = n * 8
+    together = []
+    for _ in range(reps):
+        comm.Barrier()
+        t0 = perf_counter()
+        np.copyto(dst, src)
+        t = perf_counter() - t0
+        together.append(comm.allreduce(t, op=MPI.MAX))
+    alone = []
+    _quiet_barrier(comm)
+    if comm.Get_rank() == 0:
+        for _ in range(reps):
+            t0 = perf_counter()
+            np.copyto(dst, src)
+            alone.append(perf_counter() - t0)
+    _quiet_barrier(comm)
+    alone = comm.bcast(alone, 0)
+    del src, dst
+    return {"bytes": nb, "reps": reps,
+            "per_rank_Bps": 2 * nb / min(together),
+            "single_rank_Bps": 2 * nb / min(alone),
+            "together_s": together, "alone_s": alone}
+
+
+def _stats(t: np.ndarray) -> dict:
+    return {"p50_s": float(np.percentile(t, 50)), "p99_s": float(np.percentile(t, 99)),
+            "mean_s": float(t.mean()), "min_s": float(t.min()), "max_s": float(t.max())}
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def worker(cfg: dict) -> dict | None:
+    """Run one library's sweep on every rank; rank 0 returns the result, others None.
+
+    ``cfg``: lib, collective, sizes, dtype, op, root, warmup, iters, algo, check,
+    ceiling_bytes (0: don't measure), label (progress prefix)."""
+    lib = _LIBS[cfg["lib"]]()
+    try:
+        return _sweep(lib, cfg)
+    finally:
+        lib.close()
+
+
+def _sweep(lib: _Lib, cfg: dict) -> dict | None:
+    coll, root = cfg["collective"], int(cfg.get("root", 0))
+    dtype = parse_dtype(cfg["dtype"])
+    op = cfg["op"] if coll in REDUCING else None
+    it = dtype.itemsize
+    r, n, ctl = lib.rank, lib.size, lib.ctl
+    if coll == "sendrecv" and n < 2:
+        raise SystemExit("gpurt bench: sendrecv needs 2 ranks or more")
+    if root >= n:
+        raise SystemExit(f"gpurt bench: root {root} is not a rank of {n}")
+    label = cfg.get("label", lib.name)
+    t_start = time.time()
+    ceiling = None
+    if cfg.get("ceiling_bytes"):
+        ceiling = measure_ceiling(ctl, int(cfg["ceiling_bytes"]))
+        if r == 0:
+            _log(f"[{label}] memory ceiling: {ceiling['per_rank_Bps'] / 1e9:.2f} GB/s per "
+                 f"rank with {n} copying at once, {ceiling['single_rank_Bps'] / 1e9:.2f} "
+                 f"GB/s alone")
+    sizes = [int(s) for s in cfg["sizes"]]
+    lays = [layout(coll, n, r, S, it, root) for S in sizes]
+    x = np.empty(max([l[1] for l in lays] + [0]), dtype)
+    y = np.empty(max([l[2] for l in lays] + [0]), dtype)
+    fill_input(x, r, dtype, op, n, max([l[0] for l in lays] + [0]))
+    y.fill(sentinel(dtype))
+    rows = []
+    for S, (c, nin, nout) in zip(sizes, lays):
+        xv, yv = x[:nin], y[:nout]
+        call = lib.make(coll, xv, yv, op, root, cfg.get("algo"))
+        for _ in range(int(cfg["warmup"])):
+            call()
+        iters = int(cfg["iters"])
+        times = np.empty(iters)
+        algos: list[str] = []
+        ctl.Barrier()
+        for i in range(iters):
+            t0 = perf_counter()
+            a = call()
+            times[i] = perf_counter() - t0
+            algos.append(a)
+        every = ctl.gather(times, 0)
+        wrong = None
+        if cfg.get("check"):
+            # a separate pass on exact inputs; outputs preset to a sentinel
+            if coll == "broadcast" and r != root:
+                xv.fill(sentinel(dtype))
+            else:
+                fill_input(xv, r, dtype, op, n, c)
+            yv.fill(sentinel(dtype))
+            ctl.Barrier()
+            call()
+            out = xv if coll == "broadcast" or (lib.in_place_reductions and
+                                                coll in ("allreduce", "reduce")) else yv
+            wrong = ctl.reduce(check_output(coll, n, r, c, dtype, op, root, out), root=0)
+            if coll == "broadcast" and r != root:
+                fill_input(xv, r, dtype, op, n, c)
+        if r == 0:
+            per_iter = np.max(np.vstack(every), axis=0)
+            st = _stats(per_iter)
+            row = {"size": S, "count": S // it if it else 0, "per_rank_count": c, **st,
+                   "iter_max_s": per_iter.tolist(),
+                   "rank_mean_s": [float(np.mean(t)) for t in every],
+                   "wrong": wrong, "algo": "/".join(sorted(set(algos))) or "-"}
+            ex = lib.explain(coll, S)
+            if ex:
+                row["explain"] = ex
+            rows.append(row)
+            bw = S / st["p50_s"] / 1e9 * busbw_factor(coll, n) if st["p50_s"] > 0 else 0.0
+            _log(f"[{label}] {coll} {S:>12} B  p50 {st['p50_s'] * 1e6:10.1f} us  "
+                 f"busbw {bw:8.3f} GB/s  #wrong {'n/a' if wrong is None else wrong}  "
+                 f"{row['algo']}")
+    if r != 0:
+        return None
+    from mpi4py import MPI
+    info = {"mpi_library": " ".join(MPI.Get_library_version().split("\n")[0].split()),
+            **lib.info()}
+    return {"lib": lib.name, "nranks": n, "rows": rows, "ceiling": ceiling, "info": info,
+            "wall_s": time.time() - t_start}
+
+
+def _worker_main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m gpurt.launch.bench CONFIG.json (started by `gpurt bench`)",
+              file=sys.stderr)
+        return 2
+    cfg = json.loads(Path(argv[0]).read_text())
+    try:
+        res = worker(cfg)
+    except ImportError as e:
+        res = {"lib": cfg["lib"], "skipped": f"{cfg['lib']}: cannot import {e.name or e}"}
+        # every rank fails the same way: rank 0 reports
+        if launcher_rank() != 0:
+            return 0
+    except Exception as e:  # noqa: BLE001 - one clear line, then take the job down
+        _fail(cfg, e)
+        return 1
+    if res is not None:
+        Path(cfg["result"]).write_text(json.dumps(res))
+    return 0
+
+
+def _fail(cfg: dict, e: BaseException) -> None:
+    """Say what went wrong (a traceback only for what looks like a bug) and abort the
+    launch: the other ranks may be waiting in a collective for this one."""
+    from gpurt.errors import GpurtError
+    if isinstance(e, (ValueError, TypeError, GpurtError)):
+        _log(f"gpurt bench: {cfg['lib']} on rank {launcher_rank()}: "
+             f"{type(e).__name__}: {e}")
+    else:
+        import traceback
+        _log(f"gpurt bench: {cfg['lib']} on rank {launcher_rank()} failed:\n"
+             + "".join(traceback.format_exception(e)))
+    try:
+        from mpi4py import MPI
+        MPI.COMM_WORLD.Abort(1)
+    except Exception:  # noqa: BLE001
+        pass
+
+
+# ---------------------------------------------------------------------------------------
+# the parent: launches, combining, output
+# ---------------------------------------------------------------------------------------
+
+_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "PMIX_SIZE")
+_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK", "PMIX_RANK")
+
+
+def launcher_size(env: dict | None = None) -> int:
+    """Ranks of the MPI launch this process is part of (1 when not under a launcher)."""
+    env = os.environ if env is None else env
+    for k in _SIZE_VARS:
+        if env.get(k, "").isdigit():
+            return int(env[k])
+    if any(k in env for k in _RANK_VARS):
+        from mpi4py import MPI
+        return MPI.COMM_WORLD.Get_size()
+    return 1
+
+
+def launcher_rank(env: dict | None = None) -> int:
+    env = os.environ if env is None else env
+    for k in _RANK_VARS:
+        if env.get(k, "").isdigit():
+            return int(env[k])
+    return 0
+
+
+def mpiexec_command() -> list[str]:
+    """$GPURT_MPIEXEC (may carry flags), else the mpiexec beside this Python, else PATH's."""
+    env = os.environ.get("GPURT_MPIEXEC")
+    if env:
+        return shlex.split(env)
+    here = Path(sys.executable).parent / "mpiexec"
+    if here.exists():
+        return [str(here)]
+    found = shutil.which("mpiexec") or shutil.which("mpirun")
+    if not found:
+        raise click.ClickException("no mpiexec found: pip install mpich (or set GPURT_MPIEXEC)")
+    return [found]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(cfg: dict, nranks: int, tmp: Path, tag: str) -> dict:
+    cfg = dict(cfg, result=str(tmp / f"{tag}.result.json"))
+    cpath = tmp / f"{tag}.config.json"
+    cpath.write_text(json.dumps(cfg))
+    env = dict(os.environ)
+    if cfg["lib"] == "gloo":
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    cmd = mpiexec_command() + ["-n", str(nranks), sys.executable, "-m", "gpurt.launch.bench",
+                               str(cpath)]
+    proc = subprocess.Popen(cmd, env=env, stdout=sys.stderr, stderr=sys.stderr)
+    try:
+        rc = proc.wait()
+    except KeyboardInterrupt:
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+        raise
+    res_path = Path(cfg["result"])
+    if rc != 0 or not res_path.exists():
+        raise click.ClickException(f"the {cfg['lib']} run failed (exit {rc}): "
+                                   f"{' '.join(shlex.quote(c) for c in cmd)}")
+    return json.loads(res_path.read_text())
+
+
+def _machine() -> dict:
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                mem = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    from gpurt._version import __version__
+    return {"hostname": socket.gethostname(), "cpu": cpu, "cpus": os.cpu_count(),
+            "memory_bytes": mem, "system": f"{platform.system()} {platform.release()}",
+            "machine": platform.machine(), "python": platform.python_version(),
+            "numpy": np.__version__, "gpurt": __version__}
+
+
+def _median(vals: list[float]) -> float:
+    return float(np.median(vals)) if vals else float("nan")
+
+
+def combine(coll: str, nranks: int, launches: list[dict], ceiling_Bps: float | None
+            ) -> list[dict]:
+    """One row per size from several launches (repeats) of one library: the median over
+    repeats of p50, p99 and mean; bandwidths from the combined p50; #wrong summed."""
+    out = []
+    for i, first in enumerate(launches[0]["rows"]):
+        rows = [L["rows"][i] for L in launches]
+        S = first["size"]
+        p50 = _median([r["p50_s"] for r in rows])
+        algbw = S / p50 / 1e9 if p50 > 0 and S else None
+        busbw = algbw * busbw_factor(coll, nranks) if algbw is not None else None
+        mb = min_bytes_per_rank(coll, nranks, S)
+        frac = (mb / p50 / ceiling_Bps) if ceiling_Bps and mb and p50 > 0 else None
+        wrong = None if any(r["wrong"] is None for r in rows) else sum(r["wrong"] for r in rows)
+        algos = sorted({a for r in rows for a in r["algo"].split("/")})
+        out.append({"size": S, "count": first["count"], "p50_s": p50,
+                    "p99_s": _median([r["p99_s"] for r in rows]),
+                    "mean_s": _median([r["mean_s"] for r in rows]),
+                    "algbw_GBps": algbw, "busbw_GBps": busbw, "min_bytes_per_rank": mb,
+                    "ceiling_fraction": frac, "wrong": wrong, "algo": "/".join(algos)})
+    return out
+
+
+def build_report(cfg: dict, nranks: int, launches: dict[str, list[dict]],
+                 skipped: dict[str, str], command: list[str]) -> dict:
+    coll = cfg["collective"]
+    ceilings = [L["ceiling"] for L in launches["gpurt"] if L.get("ceiling")]
+    best = max(ceilings, key=lambda c: c["per_rank_Bps"]) if ceilings else None
+    ceil_Bps = best["per_rank_Bps"] if best else None
+    libs = {}
+    for name, ls in launches.items():
+        libs[name] = {"launches": ls, "rows": combine(coll, nranks, ls, ceil_Bps),
+                      "info": ls[0].get("info", {})}
+    rows = []
+    for i, g in enumerate(libs["gpurt"]["rows"]):
+        row = {"size": g["size"], "count": g["count"], "dtype": cfg["dtype"], "gpurt": g,
+               "ratio": {}}
+        for name in libs:
+            if name == "gpurt":
+                continue
+            b = libs[name]["rows"][i]
+            row[name] = b
+            # gpurt busbw / baseline busbw == baseline time / gpurt time (also for barrier)
+            row["ratio"][name] = b["p50_s"] / g["p50_s"] if g["p50_s"] > 0 else None
+        rows.append(row)
+    return {
+        "command": command, "collective": coll, "nranks": nranks, "config": {
+            k: cfg[k] for k in ("dtype", "op", "root", "warmup", "iters", "algo", "check",
+                                "repeat", "baselines", "sizes")},
+        "machine": dict(_machine(), mpi_library=libs["gpurt"]["info"].get("mpi_library")),
+        "busbw_factor": busbw_factor(coll, nranks),
+        "min_traffic": {"formula": _TRAFFIC_DOC[coll], "per_rank": "(R + W) / nranks"},
+        "ceiling": {"per_rank_Bps": ceil_Bps, "best": best, "all": ceilings,
+                    "busbw_equivalent_GBps": ceiling_busbw(coll, nranks, ceil_Bps or 0)},
+        "libraries": libs, "skipped": skipped, "rows": rows,
+    }
+
+
+_TRAFFIC_DOC = {
+    "allreduce": "R = n*S, W = n*S", "reduce": "R = n*S, W = S",
+    "broadcast": "R = S, W = (n-1)*S (in place)", "allgather": "R = S, W = n*S",
+    "reduce_scatter": "R = n*S, W = S", "alltoall": "R = n*S, W = n*S",
+    "gather": "R = S, W = S", "scatter": "R = S, W = S", "sendrecv": "R = n*S, W = n*S",
+    "barrier": "R = 0, W = 0",
+}
+
+
+def _f(v: float | None, fmt: str, width: int) -> str:
+    return f"{'n/a':>{width}}" if v is None or (isinstance(v, float) and math.isnan(v)) \
+        else f"{v:{width}{fmt}}"
+
+
+def format_table(rep: dict) -> str:
+    """The report as text: a header of '#' lines, then one row per size."""
+    coll, n, cfg = rep["collective"], rep["nranks"], rep["config"]
+    libs = [k for k in rep["libraries"] if k != "gpurt"]
+    m = rep["machine"]
+    ceil = rep["ceiling"]
+    lines = [
+        f"# gpurt bench {coll}: {n} rank{'s' if n != 1 else ''}, dtype {cfg['dtype']}"
+        + (f", op {cfg['op']}" if coll in REDUCING else "")
+        + (f", root {cfg['root']}" if coll in ROOTED else "")
+        + f", warmup {cfg['warmup']}, iters {cfg['iters']}, repeat {cfg['repeat']}"
+        + (f", algo {cfg['algo']}" if cfg.get("algo") else ""),
+        f"# {m['hostname']}: {m['cpu']}, {m['cpus']} CPUs; {m.get('mpi_library') or ''}",
+    ]
+    if ceil.get("per_rank_Bps"):
+        b = ceil["best"]
+        lines.append(f"# memory ceiling: {b['per_rank_Bps'] / 1e9:.2f} GB/s per rank with "
+                     f"{n} rank{'s' if n != 1 else ''} copying at once "
+                     f"({b['single_rank_Bps'] / 1e9:.2f} GB/s one rank alone; np.copyto of "
+                     f"{human_size(b['bytes'])}B, read+written)")
+    lines.append("# time = per-iteration max over ranks; p50 = median; algbw = size / p50; "
+                 "busbw = algbw × "
+                 f"{rep['busbw_factor']:.3g}; %ceil = min bytes/rank / time / ceiling "
+                 "(docs/bench.md)")
+    for k, why in rep.get("skipped", {}).items():
+        lines.append(f"# {k} baseline skipped: {why}")
+    head = (f"{'size(B)':>12} {'count':>11} {'type':>8} {'p50(us)':>10} {'p99(us)':>10} "
+            f"{'mean(us)':>10} "
+            f"{'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'%ceil':>6} {'#wrong':>7}  "
+            f"{'algo':<18}")
+    for k in libs:
+        head += f" | {k + ' p50(us)':>13} {k + ' busbw':>11}"
+        if cfg.get("check"):
+            head += f" {k + ' #wrong':>11}"
+        head += f" {'ratio':>6}"
+    lines.append("#" + head[1:])
+    for row in rep["rows"]:
+        g = row["gpurt"]
+        frac = g["ceiling_fraction"]
+        line = (f"{row['size']:>12} {row['count']:>11} {row['dtype']:>8} "
+                f"{g['p50_s'] * 1e6:>10.1f} {g['p99_s'] * 1e6:>10.1f} {g['mean_s'] * 1e6:>10.1f} "
+                f"{_f(g['algbw_GBps'], '.3f', 11)} {_f(g['busbw_GBps'], '.3f', 11)} "
+                f"{_f(frac * 100 if frac is not None else None, '.1f', 6)} "
+                f"{'n/a' if g['wrong'] is None else g['wrong']:>7}  {g['algo']:<18}")
+        for k in libs:
+            b = row[k]
+            line += f" | {b['p50_s'] * 1e6:>13.1f} {_f(b['busbw_GBps'], '.3f', 11)}"
+            if cfg.get("check"):
+                line += f" {'n/a' if b['wrong'] is None else b['wrong']:>11}"
+            line += f" {_f(row['ratio'][k], '.2f', 6)}"
+        lines.append(line)
+    if libs:
+        lines.append("# ratio = gpurt busbw / baseline busbw (= baseline p50 / gpurt p50); "
+                     "> 1: gpurt is faster")
+    bad = sum((r[k]["wrong"] or 0) for r in rep["rows"] for k in ["gpurt"] + libs)
+    if cfg.get("check"):
+        lines.append(f"# out of bounds values : {bad} {'OK' if not bad else 'FAILED'}")
+    return "\n".join(lines)
+
+
+def plot(rep: dict, path: str) -> None:
+    """busbw (GB/s) against size (log2 x axis) for gpurt and each baseline, with the
+    memory ceiling converted to busbw; a barrier plots its time instead."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise click.ClickException("--plot needs matplotlib: pip install 'gpurt[plot]' "
+                                   "(or pip install matplotlib)") from None
+    coll, n = rep["collective"], rep["nranks"]
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
+    barrier = coll == "barrier"
+    for name, lib in rep["libraries"].items():
+        xs = [r["size"] if not barrier else 1 for r in lib["rows"]]
+        ys = [(r["p50_s"] * 1e6 if barrier else (r["busbw_GBps"] or 0)) for r in lib["rows"]]
+        ax.plot(xs, ys, marker="o", label=name)
+    cb = rep["ceiling"].get("busbw_equivalent_GBps")
+    if cb and not barrier:
+        ax.axhline(cb, color="gray", linestyle="--",
+                   label=f"memory ceiling ({cb:.2f} GB/s busbw)")
+    ax.set_xscale("log", base=2)
+    if not barrier:
+        sizes = [r["size"] for r in rep["rows"]]
+        ticks = sizes if len(sizes) <= 12 else sizes[:: math.ceil(len(sizes) / 12)]
+        ax.set_xticks(ticks)
+        ax.set_xticklabels([human_size(s) for s in ticks], rotation=45)
+    ax.set_xlabel("size S (bytes)")
+    ax.set_ylabel("p50 time (µs)" if barrier else "bus bandwidth (GB/s)")
+    ax.set_title(f"{coll}, {n} ranks, {rep['config']['dtype']} — {rep['machine']['hostname']}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _ceiling_bytes(wanted: int, nranks: int) -> int:
+    """The ceiling buffer, shrunk so that all ranks' two buffers take at most half of the
+    available memory."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable"):
+                avail = int(line.split()[1]) * 1024
+                return min(wanted, avail // (4 * nranks) >> 20 << 20)
+    except (OSError, ValueError):
+        pass
+    return wanted
+
+
+def run_bench(cfg: dict, nranks: int | None, json_path: str | None, plot_path: str | None,
+              command: list[str]) -> dict:
+    """Run the whole benchmark (launching, or in place under a launcher) and print."""
+    here = launcher_size()
+    dtype = parse_dtype(cfg["dtype"])
+    if plot_path:
+        if importlib.util.find_spec("matplotlib") is None:   # say so before the run
+            raise click.UsageError("--plot needs matplotlib: pip install 'gpurt[plot]' (or "
+                                   "pip install matplotlib)")
+    if here > 1:
+        why = None
+        if nranks not in (None, here):
+            why = (f"running under an MPI launcher with {here} ranks but -n {nranks}: drop "
+                   f"-n or make them agree")
+        elif cfg["baselines"]:
+            why = ("--baseline needs a separate launch per library: run `gpurt bench` "
+                   "itself, not under mpiexec")
+        if why:
+            if launcher_rank() != 0:
+                raise SystemExit(2)   # rank 0 says why, once
+            raise click.UsageError(why)
+        nranks = here
+    nranks = nranks or 2
+    coll = cfg["collective"]
+    try:
+        cfg["sizes"] = sweep_sizes(coll, nranks, dtype.itemsize, cfg["minbytes"],
+                                   cfg["maxbytes"], cfg["factor"])
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    cfg["ceiling_bytes"] = _ceiling_bytes(cfg["ceiling_bytes"], nranks)
+    skipped: dict[str, str] = {}
+    launches: dict[str, list[dict]] = {"gpurt": []}
+    base = {k: cfg[k] for k in ("collective", "sizes", "dtype", "op", "root", "warmup",
+                                "iters", "algo", "check")}
+    if here > 1:
+        rank = None
+        for rep in range(cfg["repeat"]):
+            wcfg = dict(base, lib="gpurt", ceiling_bytes=cfg["ceiling_bytes"],
+                        label=f"gpurt {rep + 1}/{cfg['repeat']}")
+            try:
+                res = worker(wcfg)
+            except Exception as e:  # noqa: BLE001 - one clear line, abort the launch
+                _fail(wcfg, e)
+                raise SystemExit(1) from None
+            rank = 0 if res is not None else 1
+            if res is not None:
+                launches["gpurt"].append(res)
+        if rank != 0:
+            return {}
+    else:
+        baselines = list(dict.fromkeys(cfg["baselines"]))
+        if "gloo" in baselines:
+            if importlib.util.find_spec("torch") is None:
+                skipped["gloo"] = "torch is not importable here (pip install torch)"
+        for b in baselines:
+            if b in skipped:
+                _log(f"gpurt bench: skipping the {b} baseline: {skipped[b]}")
+            else:
+                launches[b] = []
+        with tempfile.TemporaryDirectory(prefix="gpurt-bench-") as td:
+            tmp = Path(td)
+            for rep in range(cfg["repeat"]):
+                for lib in list(launches):
+                    if lib in skipped:
+                        continue
+                    c = dict(base, lib=lib, label=f"{lib} {rep + 1}/{cfg['repeat']}",
+                             ceiling_bytes=cfg["ceiling_bytes"] if lib == "gpurt" else 0)
+                    if lib != "gpurt":
+                        c["algo"] = None
+                    res = _launch(c, nranks, tmp, f"{lib}-{rep}")
+                    if "skipped" in res:
+                        skipped[lib] = res["skipped"]
+                        _log(f"gpurt bench: skipping the {lib} baseline: {res['skipped']}")
+                        launches.pop(lib, None)
+                        continue
+                    res["repeat"] = rep
+                    launches[lib].append(res)
+    report = build_report(cfg, nranks, launches, skipped, command)
+    click.echo(format_table(report))
+    if json_path:
+        Path(json_path).write_text(json.dumps(report, indent=1))
+        _log(f"gpurt bench: wrote {json_path}")
+    if plot_path:
+        plot(report, plot_path)
+        _log(f"gpurt bench: wrote {plot_path}")
+    return report
+
+
+class _SizeType(click.ParamType):
+    name = "SIZE"
+
+    def convert(self, value, param, ctx):
+        try:
+            return parse_size(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+
+
+@click.command("bench", context_settings={"help_option_names": ["-h", "--help"],
+                                          "max_content_width": 100})
+@click.argument("collective", type=click.Choice(COLLECTIVES))
+@click.option("-n", "--nranks", type=click.IntRange(1), default=None,
+              help="Number of ranks to launch (default 2).  NOTE: nccl-tests uses -n for "
+                   "iterations; here -n is ranks and -i is iterations.  Under an MPI "
+                   "launcher with >1 rank, the launch's size is used.")
+@click.option("-b", "--minbytes", type=_SizeType(), default="8", show_default=True,
+              help="Smallest size S (K/M/G suffixes).")
+@click.option("-e", "--maxbytes", type=_SizeType(), default="32M", show_default=True,
+              help="Largest size S.")
+@click.option("-f", "--stepfactor", "factor", type=click.IntRange(1), default=2,
+              show_default=True, help="Multiplication factor between sizes.")
+@click.option("-w", "--warmup", type=click.IntRange(0), default=5, show_default=True,
+              help="Untimed calls per size before the timed loop.")
+@click.option("-i", "--iters", type=click.IntRange(1), default=20, show_default=True,
+              help="Timed calls per size.")
+@click.option("-d", "--datatype", "dtype", type=click.Choice(DTYPES), default="float32",
+              show_default=True)
+@click.option("-o", "--op", type=click.Choice(OPS), default="sum", show_default=True,
+              help="Reduction op (allreduce, reduce, reduce_scatter).")
+@click.option("-r", "--root", type=click.IntRange(0), default=0, show_default=True,
+              help="Root of reduce, broadcast, gather, scatter.")
+@click.option("--algo", default=None, help="Force a gpurt algorithm (see `gpurt info`).")
+@click.option("-c", "--check", is_flag=True,
+              help="Also run a separate checked call per size and report #wrong.")
+@click.option("--baseline", "baselines", type=click.Choice(BASELINES), multiple=True,
+              help="Also run the sweep through mpi4py (mpi) or torch.distributed gloo "
+                   "(gloo), each in its own launch; repeatable.")
+@click.option("--repeat", type=click.IntRange(1), default=1, show_default=True,
+              help="Alternate the launches this many times (gpurt, mpi, gpurt, mpi, ...); "
+                   "medians per size.")
+@click.option("--ceiling-size", "ceiling_bytes", type=_SizeType(), default="256M",
+              show_default=True, help="Bytes np.copyto'd to measure the memory ceiling "
+                                      "(0: skip).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              help="Write every number to this JSON file.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+              help="Write busbw against size to this PNG (needs matplotlib).")
+def bench_command(collective, nranks, minbytes, maxbytes, factor, warmup, iters, dtype, op,
+                  root, algo, check, baselines, repeat, ceiling_bytes, json_path, plot_path):
+    """Time COLLECTIVE over a sweep of sizes, nccl-tests style (docs/bench.md).
+
+    Size S is nccl-tests' "size": the whole buffer for allgather, reduce_scatter,
+    alltoall, gather and scatter (per-rank count × ranks × itemsize), the vector for the
+    others.  Sizes are rounded down to a multiple of itemsize (× ranks where blocked).
+    Progress goes to stderr, the table to stdout.
+
+    \b
+    Examples:
+      gpurt bench allreduce -n 4 -b 8 -e 256M -f 2
+      gpurt bench allgather -n 2 -b 1K -e 64M -f 4 -c --json ag.json --plot ag.png
+      gpurt bench allreduce -n 2 -b 8 -e 64M -f 8 --baseline mpi --repeat 2
+      gpurt bench reduce_scatter -n 3 -d float64 -o max --algo ring -c
+      gpurt bench sendrecv -n 2 -e 16M --baseline mpi --baseline gloo
+      mpiexec -n 4 gpurt bench broadcast -e 1M      (runs in place; no baselines)
+    """
+    from gpurt.ops import as_op, check_op
+    dt = parse_dtype(dtype)
+    if collective in REDUCING:
+        try:
+            check_op(as_op(op), dt)
+        except (TypeError, ValueError) as e:
+            raise click.UsageError(str(e)) from None
+        if op == "avg" and baselines:
+            raise click.UsageError("MPI and gloo have no AVG op: use another -o with "
+                                   "--baseline")
+    if dtype == "bfloat16" and baselines:
+        raise click.UsageError("bfloat16 is gpurt's (via ml_dtypes): MPI has no datatype for "
+                               "it and torch.from_numpy cannot view it; use another -d with "
+                               "--baseline")
+    if collective == "sendrecv" and algo:
+        raise click.UsageError("sendrecv is point-to-point: --algo does not apply")
+    if collective == "sendrecv" and nranks == 1:
+        raise click.UsageError("sendrecv needs -n 2 or more")
+    if collective in ROOTED and nranks is not None and root >= nranks:
+        raise click.UsageError(f"--root {root} is not a rank of -n {nranks}")
+    cfg = {"collective": collective, "minbytes": minbytes, "maxbytes": maxbytes,
+           "factor": factor, "warmup": warmup, "iters": iters, "dtype": dtype, "op": op,
+           "root": root, "algo": algo, "check": check, "baselines": list(baselines),
+           "repeat": repeat, "ceiling_bytes": ceiling_bytes}
+    run_bench(cfg, nranks, json_path, plot_path, [Path(sys.argv[0]).name] + sys.argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(_worker_main(sys.argv[1:]))

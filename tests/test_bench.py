@@ -1,0 +1,274 @@
+"""`gpurt bench` (launch/bench.py): real sweeps under mpiexec, baselines, the checker.
+
+Every real run is tiny (a few sizes, 1-3 iterations, a small ceiling buffer): the whole file
+runs in well under a minute on 2 cores.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, mpiexec
+
+from gpurt.launch import bench as B
+
+GPURT = Path(sys.executable).parent / "gpurt"
+
+
+def run_bench(args: list[str], *, env: dict | None = None, timeout: float = 120,
+              check: bool = True) -> subprocess.CompletedProcess:
+    cmd = ([str(GPURT)] if GPURT.exists() else [sys.executable, "-m", "gpurt.launch.cli"]) + \
+        ["bench"] + args
+    e = dict(os.environ, GPURT_TIMEOUT="60", GPURT_MPIEXEC=mpiexec())
+    e.update(env or {})
+    proc = subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True,
+                          timeout=timeout)
+    if check and proc.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\nstdout:\n{proc.stdout}\n"
+                    f"stderr:\n{proc.stderr[-6000:]}")
+    return proc
+
+
+QUICK = ["-w", "1", "-i", "3", "--ceiling-size", "4M"]
+
+
+# -- real runs -----------------------------------------------------------------------------
+
+def test_allreduce_sweep_json(tmp_path):
+    out = tmp_path / "ar.json"
+    proc = run_bench(["allreduce", "-n", "2", "-b", "8", "-e", "64K", "-f", "16", "-w", "1",
+                      "-i", "3", "-c", "--json", str(out), "--ceiling-size", "4M"])
+    rep = json.loads(out.read_text())
+    want = B.sweep_sizes("allreduce", 2, 4, 8, 64 << 10, 16)
+    assert want == [8, 128, 2048, 32768]
+    assert [r["size"] for r in rep["rows"]] == want
+    assert rep["config"]["sizes"] == want
+    n = rep["nranks"]
+    assert n == 2
+    for r in rep["rows"]:
+        g = r["gpurt"]
+        assert g["wrong"] == 0
+        assert g["p50_s"] > 0 and g["p99_s"] >= g["p50_s"] and g["mean_s"] > 0
+        assert g["algbw_GBps"] == pytest.approx(r["size"] / g["p50_s"] / 1e9)
+        assert g["busbw_GBps"] == pytest.approx(g["algbw_GBps"] * 2 * (n - 1) / n)
+        assert g["algo"] and g["algo"] != "-"
+        assert g["ceiling_fraction"] > 0
+    launch = rep["libraries"]["gpurt"]["launches"][0]
+    assert all(len(r["iter_max_s"]) == 3 for r in launch["rows"])
+    assert rep["ceiling"]["per_rank_Bps"] > 0
+    assert rep["command"][1:3] == ["bench", "allreduce"]
+    assert rep["machine"]["cpus"] and rep["machine"]["mpi_library"]
+    # the table: a row per size on stdout, progress on stderr
+    rows = [ln for ln in proc.stdout.splitlines() if ln and not ln.startswith("#")]
+    assert [int(ln.split()[0]) for ln in rows] == want
+    assert "out of bounds values : 0 OK" in proc.stdout
+    assert proc.stderr.count("[gpurt 1/1] allreduce") == len(want)
+
+
+def test_no_check_prints_na(tmp_path):
+    out = tmp_path / "b.json"
+    proc = run_bench(["broadcast", "-n", "2", "-b", "1K", "-e", "1K", "--json", str(out)]
+                     + QUICK)
+    row = [ln for ln in proc.stdout.splitlines() if ln and not ln.startswith("#")][0]
+    assert " n/a " in row
+    assert json.loads(out.read_text())["rows"][0]["gpurt"]["wrong"] is None
+
+
+def test_baseline_mpi(tmp_path):
+    out = tmp_path / "mpi.json"
+    proc = run_bench(["allreduce", "-n", "2", "-b", "1K", "-e", "4K", "-f", "4", "-c",
+                      "--baseline", "mpi", "--repeat", "2", "--json", str(out)] + QUICK)
+    assert "mpi p50(us)" in proc.stdout and "ratio" in proc.stdout
+    rep = json.loads(out.read_text())
+    assert len(rep["libraries"]["mpi"]["launches"]) == 2
+    assert len(rep["libraries"]["gpurt"]["launches"]) == 2
+    for r in rep["rows"]:
+        m, g = r["mpi"], r["gpurt"]
+        assert m["p50_s"] > 0 and m["wrong"] == 0 and g["wrong"] == 0
+        assert m["algo"] == "MPI_Allreduce"
+        assert r["ratio"]["mpi"] == pytest.approx(g["busbw_GBps"] / m["busbw_GBps"])
+        # the combined p50 is the median of the repeats' p50s
+        reps = [L["rows"][rep["rows"].index(r)]["p50_s"]
+                for L in rep["libraries"]["gpurt"]["launches"]]
+        assert g["p50_s"] == pytest.approx(float(np.median(reps)))
+    # alternation: gpurt 1, mpi 1, gpurt 2, mpi 2
+    order = [ln.split("]")[0] + "]" for ln in proc.stderr.splitlines()
+             if ln.startswith("[") and "allreduce" in ln]
+    firsts = list(dict.fromkeys(order))
+    assert firsts == ["[gpurt 1/2]", "[mpi 1/2]", "[gpurt 2/2]", "[mpi 2/2]"]
+
+
+@pytest.mark.parametrize("coll", B.COLLECTIVES)
+def test_every_collective_checked_on_3_ranks(coll, tmp_path):
+    out = tmp_path / f"{coll}.json"
+    # 96 B = 24 float32: a multiple of 3 ranks; root 1 for the rooted ones
+    args = [coll, "-n", "3", "-b", "96", "-e", "96", "-w", "1", "-i", "2", "-c",
+            "--ceiling-size", "0", "--json", str(out)]
+    if coll in B.ROOTED:
+        args += ["-r", "1"]
+    run_bench(args)
+    rep = json.loads(out.read_text())
+    assert len(rep["rows"]) == 1
+    g = rep["rows"][0]["gpurt"]
+    assert g["wrong"] == 0, rep["rows"]
+    assert g["p50_s"] > 0
+
+
+def test_in_place_under_mpiexec():
+    """Under a launcher with >1 rank, `gpurt bench` runs on the launch's ranks."""
+    cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "gpurt.launch.cli", "bench",
+           "reduce_scatter", "-b", "64", "-e", "256", "-f", "4", "-c", "-w", "1", "-i", "2",
+           "--ceiling-size", "0"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, GPURT_TIMEOUT="60"))
+    assert proc.returncode == 0, proc.stderr
+    assert "2 ranks" in proc.stdout
+    assert proc.stdout.count("# gpurt bench") == 1          # rank 0 prints, once
+    assert "out of bounds values : 0 OK" in proc.stdout
+    bad = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-m", "gpurt.launch.cli",
+                          "bench", "allreduce", "--baseline", "mpi"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "separate launch" in bad.stderr
+
+
+# -- gloo ------------------------------------------------------------------------------------
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None,
+                    reason="torch is not importable: the gloo baseline cannot run")
+def test_baseline_gloo(tmp_path):
+    out = tmp_path / "gloo.json"
+    proc = run_bench(["allreduce", "-n", "2", "-b", "1K", "-e", "1K", "-c",
+                      "--baseline", "gloo", "--json", str(out)] + QUICK)
+    rep = json.loads(out.read_text())
+    r = rep["rows"][0]
+    assert r["gloo"]["p50_s"] > 0 and r["gloo"]["wrong"] == 0 and r["ratio"]["gloo"] > 0
+    assert "torch" in rep["libraries"]["gloo"]["info"]
+    assert "gloo p50(us)" in proc.stdout
+
+
+def test_baseline_gloo_skipped_without_torch(tmp_path):
+    """A torch that cannot be imported: one clear line, and gpurt's sweep still runs."""
+    fake = tmp_path / "site" / "torch"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'torch'\", name='torch')\n")
+    out = tmp_path / "skip.json"
+    pp = os.pathsep.join([str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")])
+    proc = run_bench(["allreduce", "-n", "2", "-b", "1K", "-e", "1K", "--baseline", "gloo",
+                      "--json", str(out)] + QUICK, env={"PYTHONPATH": pp})
+    assert "skipping the gloo baseline" in proc.stderr
+    assert "cannot import torch" in proc.stderr
+    rep = json.loads(out.read_text())
+    assert "gloo" in rep["skipped"] and "gloo" not in rep["libraries"]
+    assert rep["rows"][0]["gpurt"]["p50_s"] > 0
+
+
+# -- the checker can fail -------------------------------------------------------------------
+
+@pytest.mark.parametrize("coll", [c for c in B.COLLECTIVES if c != "barrier"])
+@pytest.mark.parametrize("dtype,op", [("float32", "sum"), ("int8", "prod"),
+                                      ("bfloat16", "max"), ("float16", "avg"),
+                                      ("uint16", "bxor")])
+def test_checker_detects_wrong_output(coll, dtype, op):
+    n, c, root = 3, 5000, 1
+    dt = B.parse_dtype(dtype)
+    for r in range(n):
+        want = B.expected_output(coll, n, r, c, dt, op, root)
+        if want is None:
+            assert coll in ("reduce", "gather") and r != root
+            continue
+        assert B.check_output(coll, n, r, c, dt, op, root, want) == 0
+        bad = want.copy()
+        bad[len(bad) // 2] = B.sentinel(dt)              # one element never written
+        assert B.check_output(coll, n, r, c, dt, op, root, bad) == 1
+        bad[:3] = want[:3] + dt.type(1)                 # three more wrong
+        assert B.check_output(coll, n, r, c, dt, op, root, bad) == 4
+
+
+def test_checker_against_numpy_and_chunks(monkeypatch):
+    """Expected values agree with a direct NumPy computation from the inputs, also across
+    the checker's chunk boundaries (shrunk here) and blocks that straddle them."""
+    monkeypatch.setattr(B, "_CHUNK", 64)
+    n, c, dt = 3, 1000, np.dtype(np.float32)
+    xs = []
+    for q in range(n):
+        x = np.empty(n * c, dt)
+        B.fill_input(x, q, dt, "sum", n, c)
+        xs.append(x)
+    total = sum(x[:c] for x in xs)
+    for r in range(n):
+        assert B.check_output("allreduce", n, r, c, dt, "sum", 0, total) == 0
+        rs = sum(x[r * c:(r + 1) * c] for x in xs)
+        assert B.check_output("reduce_scatter", n, r, c, dt, "sum", 0, rs) == 0
+        other = sum(x[(r + 1) % n * c:((r + 1) % n + 1) * c] for x in xs)
+        assert B.check_output("reduce_scatter", n, r, c, dt, "sum", 0, other) > 0
+    # moves use another pattern (no reduction: larger modulus)
+    ys = []
+    for q in range(n):
+        y = np.empty(n * c, dt)
+        B.fill_input(y, q, dt, None, n, c)
+        ys.append(y)
+    for r in range(n):
+        a2a = np.concatenate([ys[q][r * c:(r + 1) * c] for q in range(n)])
+        assert B.check_output("alltoall", n, r, c, dt, None, 0, a2a) == 0
+        s = (r + 1) % n   # the blocks meant for another rank
+        assert B.check_output("alltoall", n, r, c, dt, None, 0,
+                              np.concatenate([ys[q][s * c:(s + 1) * c] for q in range(n)])) > 0
+        ag = np.concatenate([ys[q][:c] for q in range(n)])
+        assert B.check_output("allgather", n, r, c, dt, None, 0, ag) == 0
+        # swapping two ranks' blocks is caught
+        swapped = np.concatenate([ys[1][:c], ys[0][:c], ys[2][:c]])
+        assert B.check_output("allgather", n, r, c, dt, None, 0, swapped) > 0
+
+
+def test_count_wrong_nan():
+    assert B.count_wrong(np.array([1.0, np.nan, 3.0]), np.array([1.0, 2.0, 3.0])) == 1
+    assert B.count_wrong(np.array([np.nan]), np.array([np.nan])) == 1
+
+
+# -- pure helpers -------------------------------------------------------------------------
+
+def test_sizes_and_formulas():
+    assert B.parse_size("8") == 8 and B.parse_size("64K") == 65536
+    assert B.parse_size("256M") == 256 << 20 and B.parse_size("1G") == 1 << 30
+    assert B.parse_size("4KiB") == 4096 and B.parse_size("2kb") == 2048
+    with pytest.raises(ValueError):
+        B.parse_size("lots")
+    # blocked collectives round down to itemsize x nranks; zero becomes one unit
+    assert B.sweep_sizes("allgather", 3, 4, 8, 100, 2) == [12, 24, 60]
+    assert B.sweep_sizes("allreduce", 3, 4, 8, 64, 2) == [8, 16, 32, 64]
+    assert B.sweep_sizes("barrier", 3, 4, 8, 1 << 20, 2) == [0]
+    with pytest.raises(ValueError):
+        B.sweep_sizes("allreduce", 2, 4, 8, 64, 1)
+    assert B.busbw_factor("allreduce", 4) == pytest.approx(1.5)
+    assert B.busbw_factor("alltoall", 4) == pytest.approx(0.75)
+    assert B.busbw_factor("broadcast", 4) == 1.0
+    assert B.min_bytes_per_rank("allreduce", 4, 1000) == 2000
+    assert B.min_bytes_per_rank("allgather", 4, 1000) == 1250
+    assert B.min_bytes_per_rank("gather", 4, 1000) == 500
+    assert B.ceiling_busbw("allreduce", 4, 10e9) == pytest.approx(7.5)
+    assert B.layout("scatter", 3, 0, 96, 4, root=0) == (8, 24, 8)
+    assert B.layout("scatter", 3, 1, 96, 4, root=0) == (8, 0, 8)
+    assert B.launcher_size({"PMI_SIZE": "4"}) == 4
+    assert B.launcher_size({"OMPI_COMM_WORLD_SIZE": "3"}) == 3
+    assert B.launcher_size({}) == 1
+
+
+def test_plot_is_written(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [{"size": s, "p50_s": 1e-4 * (i + 1), "busbw_GBps": 0.1 * (i + 1)}
+            for i, s in enumerate([8, 1024, 1 << 20])]
+    rep = {"collective": "allreduce", "nranks": 2, "config": {"dtype": "float32"},
+           "machine": {"hostname": "h"}, "rows": rows,
+           "ceiling": {"busbw_equivalent_GBps": 2.0},
+           "libraries": {"gpurt": {"rows": rows}, "mpi": {"rows": rows}}}
+    B.plot(rep, str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
