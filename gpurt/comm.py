@@ -30,7 +30,7 @@ import numpy as np
 from . import config
 from .buffers import Buf, as_buf, check_writable, empty_like, overlaps, same
 from .errors import CollectiveTimeout, CommunicatorClosed, GpurtError, TransportError
-from .executor import Engine, Request, _Run
+from .executor import Engine, Request, _Run, check_timeout
 from .ops import DTYPES, Op, as_op, check_op, host_finalize, reducer
 from .schedule import Recv, Schedule, Send, Slice
 from .topology import Topology
@@ -208,15 +208,18 @@ class Communicator:
     def _submit(self, coll: str, xb: Buf | None, ob: Buf | None, n: int, dtype: np.dtype,
                 op: Op | None, root: int, result: Any, algo: str | None = None,
                 finish_root_only: bool = False) -> Request:
-        self._seq += 1
+        if self.size == 1 and coll == "barrier":
+            alg, sched = None, Schedule()
+        else:
+            try:
+                alg, sched = self.tuner.plan(coll, n, dtype.itemsize, root, algo)
+            except ValueError as e:   # a bad algo=: nothing has happened yet
+                raise ValueError(_prefix(self.rank, e)) from None
+        self._seq += 1                # from here on the call is part of the sequence
         seq = self._seq
         sig = _signature(coll, dtype.str, n, op, root)
         alias = xb is not None and ob is not None and same(xb, ob)
         red = reducer(op) if op is not None else None
-        if self.size == 1 and coll == "barrier":
-            alg, sched = None, Schedule()
-        else:
-            alg, sched = self.tuner.plan(coll, n, dtype.itemsize, root, algo)
         empty = np.empty(0, dtype)
 
         if sched is None:  # a native protocol: the shm board
@@ -254,6 +257,12 @@ class Communicator:
             return _Run(sched, bufs, alias, red, self.endpoints, 0, seq, sig)
 
         return start
+
+    def _timeout_arg(self, timeout) -> float | None:
+        try:
+            return check_timeout(timeout)
+        except ValueError as e:
+            raise ValueError(f"rank {self.rank}: {e}") from None
 
     def _blocking(self, req: Request, timeout: float | None) -> Any:
         try:
@@ -332,6 +341,7 @@ class Communicator:
 
     def allreduce(self, x: Any, out: Any = None, op: Any = Op.SUM, *,
                   timeout: float | None = None, algo: str | None = None) -> Any:
+        timeout = self._timeout_arg(timeout)
         if self._fastpath and algo is None and type(x) is np.ndarray and \
                 (out is None or type(out) is np.ndarray):
             done = self._board_inline("allreduce", x, op, 0, timeout, out)
@@ -345,10 +355,12 @@ class Communicator:
         into a separate ``out`` of the same shape) that the tuner gives to the shm board,
         run inline while nothing else is queued.  Returns None whenever the general path
         must decide (which also raises the errors)."""
-        if self._closed or self.engine.colls or self.engine.poisoned is not None:
-            return None
+        eng = self.engine
+        if self._closed or eng.colls or eng.p2p or eng.poisoned is not None:
+            return None   # keep call order; let pending send/recv progress in the queue
         dtype = x.dtype
-        if op is not None and (op, dtype) not in _FAST_OPS:
+        if dtype not in _SUPPORTED_DTYPES or \
+                (op is not None and (type(op) not in (Op, str) or (op, dtype) not in _FAST_OPS)):
             return None
         res = x
         if out is not None and out is not x:
@@ -391,16 +403,19 @@ class Communicator:
         return xb
 
     def ibroadcast(self, x: Any, root: int = 0, *, algo: str | None = None) -> Request:
-        """Copy ``x`` of ``root`` into ``x`` on every rank (in place)."""
+        """Copy ``x`` of ``root`` into ``x`` on every rank (in place; ``x`` must be
+        writable on every rank, the root included)."""
         self._check_open()
         root = self._root(root)
         xb = self._in(x)
-        if self.rank != root:
-            self._in_place(xb, x)
+        # writable on the root too: some algorithms (scatter_allgather) pass the root's
+        # own blocks back through it
+        self._in_place(xb, x)
         return self._submit("broadcast", xb, xb, xb.count, xb.dtype, None, root, x, algo)
 
     def broadcast(self, x: Any, root: int = 0, *, timeout: float | None = None,
                   algo: str | None = None) -> Any:
+        timeout = self._timeout_arg(timeout)
         if self._fastpath and algo is None and type(x) is np.ndarray and \
                 type(root) is int and 0 <= root < self.size:
             done = self._board_inline("broadcast", x, None, root, timeout)
@@ -409,6 +424,7 @@ class Communicator:
         return self._blocking(self.ibroadcast(x, root, algo=algo), timeout)
 
     bcast = broadcast
+    ibcast = ibroadcast
 
     def ireduce(self, x: Any, out: Any = None, op: Any = Op.SUM, root: int = 0, *,
                 algo: str | None = None) -> Request:
@@ -435,6 +451,7 @@ class Communicator:
 
     def reduce(self, x: Any, out: Any = None, op: Any = Op.SUM, root: int = 0, *,
                timeout: float | None = None, algo: str | None = None) -> Any:
+        timeout = self._timeout_arg(timeout)
         return self._blocking(self.ireduce(x, out, op, root, algo=algo), timeout)
 
     def iallgather(self, x: Any, out: Any = None, *, algo: str | None = None) -> Request:
@@ -451,6 +468,7 @@ class Communicator:
 
     def allgather(self, x: Any, out: Any = None, *, timeout: float | None = None,
                   algo: str | None = None) -> Any:
+        timeout = self._timeout_arg(timeout)
         return self._blocking(self.iallgather(x, out, algo=algo), timeout)
 
     def ireduce_scatter(self, x: Any, out: Any = None, op: Any = Op.SUM, *,
@@ -469,6 +487,7 @@ class Communicator:
 
     def reduce_scatter(self, x: Any, out: Any = None, op: Any = Op.SUM, *,
                        timeout: float | None = None, algo: str | None = None) -> Any:
+        timeout = self._timeout_arg(timeout)
         return self._blocking(self.ireduce_scatter(x, out, op, algo=algo), timeout)
 
     def _blocks(self, xb: Buf, coll: str) -> int:
@@ -491,6 +510,7 @@ class Communicator:
 
     def alltoall(self, x: Any, out: Any = None, *, timeout: float | None = None,
                  algo: str | None = None) -> Any:
+        timeout = self._timeout_arg(timeout)
         return self._blocking(self.ialltoall(x, out, algo=algo), timeout)
 
     def igather(self, x: Any, out: Any = None, root: int = 0, *, algo: str | None = None
@@ -513,6 +533,7 @@ class Communicator:
 
     def gather(self, x: Any, out: Any = None, root: int = 0, *, timeout: float | None = None,
                algo: str | None = None) -> Any:
+        timeout = self._timeout_arg(timeout)
         return self._blocking(self.igather(x, out, root, algo=algo), timeout)
 
     def iscatter(self, x: Any, out: Any = None, root: int = 0, *, algo: str | None = None
@@ -551,6 +572,7 @@ class Communicator:
 
     def scatter(self, x: Any, out: Any = None, root: int = 0, *, timeout: float | None = None,
                 algo: str | None = None) -> Any:
+        timeout = self._timeout_arg(timeout)
         return self._blocking(self.iscatter(x, out, root, algo=algo), timeout)
 
     def ibarrier(self, *, algo: str | None = None) -> Request:
@@ -559,6 +581,7 @@ class Communicator:
         return self._submit("barrier", None, None, 0, np.dtype(np.uint8), None, 0, None, algo)
 
     def barrier(self, *, timeout: float | None = None, algo: str | None = None) -> None:
+        timeout = self._timeout_arg(timeout)
         if self._fastpath and algo is None and \
                 self._board_inline("barrier", _EMPTY_U8, None, 0, timeout) is not None:
             return
@@ -600,6 +623,7 @@ class Communicator:
         return self._p2p("send", self._in(x), self._peer(peer, "send"), tag)
 
     def send(self, x: Any, peer: int, tag: int = 0, *, timeout: float | None = None) -> None:
+        timeout = self._timeout_arg(timeout)
         self._blocking(self.isend(x, peer, tag), timeout)
 
     def irecv(self, out: Any, peer: int, tag: int = 0) -> Request:
@@ -613,6 +637,7 @@ class Communicator:
         return self._p2p("recv", ob, self._peer(peer, "recv"), tag)
 
     def recv(self, out: Any, peer: int, tag: int = 0, *, timeout: float | None = None) -> Any:
+        timeout = self._timeout_arg(timeout)
         return self._blocking(self.irecv(out, peer, tag), timeout)
 
     # -- communicators ------------------------------------------------------------
@@ -677,6 +702,7 @@ class Communicator:
 
 
 _EMPTY_U8 = np.empty(0, np.uint8)
+_SUPPORTED_DTYPES = frozenset(DTYPES)
 
 # (op as the user passes it, dtype) -> Op, for the pairs that are valid: the fast path's
 # whole argument check of op x dtype is one dict lookup

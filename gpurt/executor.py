@@ -30,6 +30,20 @@ from .wait import Backoff
 _U8 = np.dtype(np.uint8)
 
 
+def check_timeout(timeout) -> float | None:
+    """``timeout=`` as given by a user: None, or a number of seconds >= 0."""
+    if timeout is None:
+        return None
+    try:
+        t = float(timeout)
+    except (TypeError, ValueError):
+        raise ValueError(f"timeout must be a number of seconds or None, got {timeout!r}") \
+            from None
+    if not t >= 0:  # also rejects NaN
+        raise ValueError(f"timeout must be >= 0 seconds, got {timeout!r}")
+    return t
+
+
 class _CopySink:
     """Receives a plain message: chunks are copied into ``dst``; a transport that can
     write into ``dst`` itself (single-copy) uses it directly."""
@@ -169,7 +183,7 @@ class Request:
         return self.done
 
     def wait(self, timeout: float | None = None):
-        self.engine.wait(self, timeout)
+        self.engine.wait(self, check_timeout(timeout))
         return self.result
 
     def __repr__(self) -> str:
@@ -195,10 +209,11 @@ class Engine:
             req._begin()
             if not req.done:
                 self.p2p.append(req)
+                self._step(req)   # publish an isend now: the peer may be in a blocking call
         else:
             self.colls.append(req)
             if len(self.colls) == 1:
-                self._begin_head()
+                self._step_begin()
         return req
 
     def _begin_head(self) -> None:
@@ -229,37 +244,57 @@ class Engine:
         if self.poisoned is not None:
             return False
         moved = False
-        try:
-            while self.colls:
-                head = self.colls[0]
-                if head.run is not None and head.run.advance():
-                    moved = True
-                if head.run is not None and head.run.done:
-                    head._complete()
-                if not head.done:
-                    break
-                self.colls.popleft()
-                self._begin_head()
+        while self.colls:
+            head = self.colls[0]
+            if self._step(head):
                 moved = True
-            if self.p2p:
-                for r in self.p2p:
-                    if r.run is not None and r.run.advance():
-                        moved = True
-                    if r.run is not None and r.run.done:
-                        r._complete()
-                self.p2p = [r for r in self.p2p if not r.done]
-        except GpurtError as e:
-            self._annotate(e)
-            self.poison(e)
-            raise
+            if not head.done:
+                break
+            self.colls.popleft()
+            self._step_begin()
+            moved = True
+        if self.p2p:
+            for r in self.p2p:
+                if self._step(r):
+                    moved = True
+            self.p2p = [r for r in self.p2p if not r.done]
         return moved
+
+    def _step_begin(self) -> None:
+        try:
+            self._begin_head()
+        except BaseException as e:
+            self._fail(e, self.colls[0] if self.colls else None)
+            raise
+
+    def _step(self, req: Request) -> bool:
+        """Advance one request.  Any exception — a mismatch, a dead peer, but also a NumPy
+        error or a KeyboardInterrupt in the middle of a transfer — leaves the transports in
+        an unknown state: it poisons the engine, annotated with the request, and is raised."""
+        run = req.run
+        if run is None:
+            return False
+        try:
+            moved = run.advance()
+            if run.done:
+                req._complete()
+            return moved
+        except BaseException as e:
+            self._fail(e, req)
+            raise
+
+    def _fail(self, e: BaseException, req: Request | None) -> None:
+        if isinstance(e, Exception):
+            self._annotate(e, f"in {req.name} (call #{req.seq}): " if req is not None
+                           and not req.p2p else f"in {req.name} (tag {req.seq}): " if req
+                           is not None else "")
+        self.poison(e)
 
     def _annotate(self, e: BaseException, where: str = "") -> None:
         prefix = f"rank {self.rank}: "
+        if not isinstance(e, GpurtError):
+            return  # keep foreign exceptions (NumPy's, KeyboardInterrupt) as they are
         if e.args and isinstance(e.args[0], str) and not e.args[0].startswith(prefix):
-            if not where and self.colls:
-                h = self.colls[0]
-                where = f"in {h.name} (call #{h.seq}): "
             e.args = (prefix + where + e.args[0],) + e.args[1:]
 
     def run_inline(self, run, name: str, seq: int, timeout: float | None) -> None:
@@ -295,7 +330,7 @@ class Engine:
                             f"rank {self.rank}: {name} (call #{seq}) did not complete within "
                             f"{timeout:g} s; still waiting for rank(s) {missing}",
                             collective=name, seq=seq, missing=tuple(missing))
-        except GpurtError as e:
+        except BaseException as e:
             self._annotate(e, where)
             self.poison(e)
             raise
@@ -336,7 +371,7 @@ class Engine:
                 try:
                     self._check_peers(self.pending_peers())
                 except PeerFailure as e:
-                    self._annotate(e)
+                    self._annotate(e, "" if req.p2p else f"in {req.name} (call #{req.seq}): ")
                     self.poison(e)
                     raise
                 if now >= deadline:

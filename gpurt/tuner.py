@@ -27,6 +27,11 @@ DEFAULT_COSTS: dict[str, Cost] = {
 }
 
 
+# protocols that transports provide only on some communicators (GPURT_ALGO may name them
+# everywhere; where they are not available the tuner chooses)
+NATIVE_NAMES = frozenset({"shm_board"})
+
+
 @dataclass(frozen=True)
 class Native:
     """A collective a transport runs by its own protocol rather than as a schedule (e.g.
@@ -66,6 +71,8 @@ class Tuner:
             if coll not in SPECS:
                 raise ValueError(f"GPURT_ALGO names unknown collective {coll!r} "
                                  f"(known: {', '.join(SPECS)})")
+            if name in NATIVE_NAMES and name not in self.natives.get(coll, {}):
+                continue   # e.g. shm_board on a communicator spanning nodes: tuner's choice
             self.forced[coll] = self._lookup(coll, name).name  # raises on unknown names
         self._plan = lru_cache(maxsize=512)(self._plan_uncached)
         self.choose = lru_cache(maxsize=512)(self._choose)  # type: ignore[method-assign]

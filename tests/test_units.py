@@ -155,3 +155,24 @@ def test_cma_reads_this_process_and_explains_failures():
     assert (dst == src).all()
     assert cma.probe(os.getpid(), cma.address(src), src[:2].tobytes()) == ""
     assert "exited" in cma.probe(2 ** 22 + 12345, cma.address(src), b"x" * 8)
+
+
+def test_forced_native_protocol_falls_back_where_unavailable(monkeypatch):
+    """GPURT_ALGO may name shm_board for every communicator; one without the board (a
+    single rank, or several nodes) uses the tuner's choice instead of failing."""
+    monkeypatch.setenv("GPURT_ALGO", "allreduce:shm_board")
+    config.reload()
+    try:
+        t = Tuner(1, 0, (0,), Cost(1e-6, 1e-9, 1e-9))
+        assert "allreduce" not in t.forced
+        assert t.choose("allreduce", 4, 4).name in REGISTRY["allreduce"]
+    finally:
+        monkeypatch.delenv("GPURT_ALGO")
+        config.reload()
+
+
+def test_shm_header_grows_with_local_ranks():
+    from gpurt.transports.shm import header_bytes
+
+    assert header_bytes(4) == 4096
+    assert header_bytes(300) >= (8 + 600) * 8 and header_bytes(300) % 4096 == 0

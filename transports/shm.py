@@ -20,8 +20,8 @@ sender never needs more than ``nslots`` slots of buffer: large messages are pipe
 Small messages cost one copy in and one copy (or reduce) out.
 
 Ordering: x86-64 keeps stores in order (TSO), so data written before the counter is
-visible before it.  On other CPUs ``_fence`` issues a lock acquire/release pair (a
-full barrier in CPython's lock implementation) between the data and the counter.
+visible before it (``fence.py``); on other CPUs the transport declares itself
+unavailable, since pure Python cannot issue the barriers they need.
 
 Liveness: every rank writes its pid into the segment header; a waiting endpoint checks
 that the peer's pid still exists (``check``), so a peer that died becomes ``PeerFailure``
@@ -38,7 +38,6 @@ import itertools
 import logging
 import mmap
 import os
-import platform
 import re
 import struct
 import time
@@ -50,31 +49,26 @@ from gpurt import config
 from gpurt.errors import CollectiveMismatchError, PeerFailure, ResourceError, TransportError
 
 from . import cma, shm_board
+from .fence import ORDERED, WHY_NOT
+from .fence import fence as _fence
 from .base import LANE_NAMES, LANES, Sink
 
 log = logging.getLogger("gpurt.shm")
 
 PREFIX = "gpurt-"
 _MAGIC = 0x67707572745F7368  # "gpurt_sh"
-_HDR = 4096                  # segment header: magic, geometry, pid table
+_HDR = 4096                  # segment header (at least): magic, pid and probe tables
 _CTRL = 128                  # ring control: head (+0), tail (+64)
 _SLOT_HDR = 64
 _BOUNCE = 256 * 1024          # reductions of single-copy data go through this much cache
-_PROBE = 2048 // 8            # segment header: per local rank, a probe address (+2048)
+
+
+def header_bytes(nlocal: int) -> int:
+    """Header: word 0 magic, words 8.. one pid per local rank, then one probe address per
+    local rank; page-aligned, one page at least."""
+    words = 8 + 2 * nlocal
+    return max(_HDR, -(-words * 8 // 4096) * 4096)
 _names = itertools.count()
-
-if platform.machine() in ("x86_64", "AMD64", "i686", "i386"):
-    def _fence() -> None:
-        """x86 is TSO: stores become visible in program order."""
-else:  # pragma: no cover - not exercised on x86 CI
-    import threading
-
-    _fence_lock = threading.Lock()
-
-    def _fence() -> None:
-        _fence_lock.acquire()
-        _fence_lock.release()
-
 
 def _pid_alive(pid: int) -> bool:
     if pid <= 0:
@@ -133,7 +127,8 @@ def geometry(nlocal: int) -> tuple[int, int, int, int]:
     board = int(config.get("GPURT_SHM_BOARD")) // 64 * 64
 
     def size(s: int, k: int) -> int:
-        return (_HDR + pairs * (2 * _CTRL + (k + max(2, k // 2)) * (s + _SLOT_HDR))
+        rings = pairs * (2 * _CTRL + (k + max(2, k // 2)) * (s + _SLOT_HDR))
+        return (header_bytes(nlocal) + rings
                 + (shm_board.region_bytes(nlocal, board) if board else 0))
 
     while size(slot, nslots) > budget and slot > 16384:
@@ -154,10 +149,19 @@ class _Segment:
         self.u8 = np.frombuffer(self.mm, dtype=np.uint8)
         self.q = memoryview(self.mm).cast("Q")
         self.ring_bytes = [_CTRL + k * (slot + _SLOT_HDR) for k in nslots]
+        self.hdr = header_bytes(nlocal)
+
+    def pid_i(self, k: int) -> int:
+        """Word index of local rank k's pid."""
+        return 8 + k
+
+    def probe_i(self, k: int) -> int:
+        """Word index of local rank k's single-copy probe address."""
+        return 8 + self.nlocal + k
 
     def ring_offset(self, src: int, dst: int, lane: int) -> int:
         pair = src * (self.nlocal - 1) + (dst if dst < src else dst - 1)
-        return _HDR + pair * sum(self.ring_bytes) + sum(self.ring_bytes[:lane])
+        return self.hdr + pair * sum(self.ring_bytes) + sum(self.ring_bytes[:lane])
 
     def close(self) -> None:
         try:
@@ -266,6 +270,7 @@ class _Ring:
                     self.seen = q[self.head_i]
                     if self.count == self.seen:
                         return moved
+                _fence()
                 k = self.count % self.nslots
                 h = self.hdr_i[k]
                 tag, sig, total, off, n = q[h], q[h + 1], q[h + 2], q[h + 3], q[h + 4]
@@ -354,7 +359,8 @@ class ShmEndpoint:
 
     def check(self) -> None:
         if not self._pid:
-            self._pid = self.owner.seg.q[8 + self.local_peer]
+            seg = self.owner.seg
+            self._pid = seg.q[seg.pid_i(self.local_peer)]
         if not _pid_alive(self._pid):
             raise PeerFailure(f"rank {self.peer} (pid {self._pid}, same node) has exited",
                               rank=self.peer)
@@ -367,6 +373,8 @@ class ShmTransport:
 
     @classmethod
     def probe(cls) -> tuple[bool, str]:
+        if not ORDERED:
+            return False, WHY_NOT
         d = str(config.get("GPURT_SHM_DIR"))
         try:
             st = os.statvfs(d)
@@ -393,7 +401,7 @@ class ShmTransport:
         self.endpoints: dict[int, ShmEndpoint] = {}
 
     def can_connect(self, topo, me: int, peer: int) -> bool:
-        return topo.node_of[me] == topo.node_of[peer]
+        return ORDERED and topo.node_of[me] == topo.node_of[peer]
 
     def connect(self, peers: list[int], comm) -> dict[int, ShmEndpoint]:
         """Collective over the node communicator ``comm.node_comm`` (every local rank calls
@@ -406,7 +414,7 @@ class ShmTransport:
         slot, k_coll, k_p2p, board = node.bcast(geometry(nlocal) if self.local_rank == 0
                                                 else None, 0)
         ring_bytes = _CTRL + k_coll * (slot + _SLOT_HDR) + _CTRL + k_p2p * (slot + _SLOT_HDR)
-        board_off = _HDR + nlocal * (nlocal - 1) * ring_bytes
+        board_off = header_bytes(nlocal) + nlocal * (nlocal - 1) * ring_bytes
         size = board_off + (shm_board.region_bytes(nlocal, board) if board else 0)
         directory = str(config.get("GPURT_SHM_DIR"))
         path, err, fd = "", "", -1
@@ -446,7 +454,7 @@ class ShmTransport:
             self.seg = _Segment(fd, size, nlocal, slot, (k_coll, k_p2p))
             os.close(fd)
             fd = -1
-            self.seg.q[8 + self.local_rank] = os.getpid()
+            self.seg.q[self.seg.pid_i(self.local_rank)] = os.getpid()
             ok = ""
         except OSError as e:
             ok = f"local rank {self.local_rank} (rank {comm.rank}) cannot map {path}: {e}"
@@ -469,7 +477,7 @@ class ShmTransport:
         self.endpoints = {p: ShmEndpoint(self, p, node_ranks.index(p)) for p in peers}
         threshold = int(config.get("GPURT_SHM_CMA"))
         for ep in self.endpoints.values():
-            pid = self.seg.q[8 + ep.local_peer]
+            pid = self.seg.q[self.seg.pid_i(ep.local_peer)]
             for ring in ep.rx:
                 ring.peer_pid = pid
             if not self.cma_why and threshold:
@@ -480,15 +488,17 @@ class ShmTransport:
     def _probe_cma(self, node, rank: int) -> str:
         """Can every local rank read every other's memory with process_vm_readv?  ''
         if so (agreed by all), else the first reason it cannot.  Collective on ``node``."""
-        me, nlocal, q = self.local_rank, node.Get_size(), self.seg.q
+        me, nlocal, seg = self.local_rank, node.Get_size(), self.seg
+        q = seg.q
         token = np.frombuffer(struct.pack("<QQ", os.getpid(), _MAGIC), np.uint8).copy()
-        q[_PROBE + me] = cma.address(token)
+        q[seg.probe_i(me)] = cma.address(token)
         node.Barrier()
         why = ""
         for k in range(nlocal):
             if k != me and not why:
-                expect = struct.pack("<QQ", q[8 + k], _MAGIC)
-                why = cma.probe(q[8 + k], q[_PROBE + k], expect)
+                pid = q[seg.pid_i(k)]
+                expect = struct.pack("<QQ", pid, _MAGIC)
+                why = cma.probe(pid, q[seg.probe_i(k)], expect)
                 if why:
                     why = f"local rank {me} (rank {rank}) cannot read local rank {k}: {why}"
         whys = [w for w in node.allgather(why) if w]
@@ -497,7 +507,33 @@ class ShmTransport:
             log.info("shm: single-copy (CMA) disabled: %s", whys[0])
         return whys[0] if whys else ""
 
+    def _drain_single_copy(self, bound: float = 5.0) -> None:
+        """A single-copy send's data is read by the peer from *our* memory after we have
+        published its address; before unmapping and returning to the caller (who may then
+        reuse or free the buffer), wait — boundedly — for the peers to finish reading."""
+        if self.seg is None:
+            return
+        q = self.seg.q
+        rings = [(ep.peer, ring) for ep in self.endpoints.values() for ring in ep.tx]
+        deadline = time.monotonic() + bound
+        while True:
+            late = [(peer, ring) for peer, ring in rings if q[ring.ack_i] < ring.acks]
+            if not late:
+                return
+            if time.monotonic() > deadline or not all(
+                    _pid_alive(self.endpoints[p]._pid or q[self.seg.pid_i(
+                        self.endpoints[p].local_peer)]) for p, _ in late):
+                log.warning("shm: closing with single-copy sends that rank(s) %s have not "
+                            "finished reading; their buffers must stay untouched",
+                            sorted({p for p, _ in late}))
+                return
+            time.sleep(1e-4)
+
     def close(self) -> None:
+        try:
+            self._drain_single_copy()
+        except Exception:  # noqa: BLE001 - closing must not fail
+            pass
         for ep in self.endpoints.values():
             ep.tx = ep.rx = []
         self.endpoints = {}

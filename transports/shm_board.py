@@ -21,6 +21,10 @@ the ``direct`` schedule over the rings, each rank's data is written once instead
 times and there are no per-message headers, slots or acknowledgements: one store to
 publish, one load per peer to wait.
 
+Broadcast and scatter: the non-roots publish a header without data and the root waits
+for all of them, so ranks that disagree on the root all raise instead of one keeping a
+stale buffer.
+
 Cost (S bytes written per rank): α_board + S·β + (bytes read)·β + (bytes reduced)·γ,
 with α_board ≈ 1.5 µs.  Used only while S fits a board buffer (``GPURT_SHM_BOARD``).
 """
@@ -32,6 +36,8 @@ from typing import Callable
 import numpy as np
 
 from gpurt.errors import CollectiveMismatchError
+
+from .fence import fence as _fence
 from gpurt.ops import DTYPES, Op
 
 CTRL = 64            # per rank: flag (+0), done (+8)
@@ -79,12 +85,15 @@ class Board:
         got = self._roles.get(key)
         if got is None:
             p, r = self.nlocal, self.me
+            others = [k for k in range(p) if k != r]
             if coll in ("broadcast", "scatter"):
-                got = (r == root, [root] if r != root else [])
+                # the root waits for everyone's header (not data): a rank that believes
+                # another root is then an error everywhere, not a silent stale buffer
+                got = (True, others if r == root else [root])
             elif coll in ("reduce", "gather"):
-                got = (True, [k for k in range(p) if k != r] if r == root else [])
+                got = (True, others if r == root else [])
             else:
-                got = (True, [k for k in range(p) if k != r])
+                got = (True, others)
             self._roles[key] = got
         return got
 
@@ -115,8 +124,9 @@ class BoardRun:
         self.p, self.r = board.nlocal, board.me
         self.b = seq & 1
         self.writes, self.need = board.roles(coll, root)
-        self.nbytes = x.nbytes if self.writes else 0
-        self.phase = 0 if self.writes else 1
+        # broadcast and scatter: only the root has data; the others publish a header
+        self.nbytes = 0 if coll in ("broadcast", "scatter") and self.r != root else x.nbytes
+        self.phase = 0
 
     @property
     def done(self) -> bool:
@@ -140,6 +150,7 @@ class BoardRun:
             h = bd.hdr[self.r][self.b]
             if self.nbytes:
                 bd.data[self.r][self.b][:self.nbytes] = self.x.view(_U8)
+                _fence()
             meta = self.meta
             q[h] = self.seq
             q[h + 1] = self.sig
@@ -157,6 +168,7 @@ class BoardRun:
             for k in self.need:
                 if q[bd.ctrl[k]] < seq:
                     return moved
+            _fence()
             for k in self.need:
                 h = bd.hdr[k][self.b]
                 if q[h] != seq or q[h + 1] != self.sig:

@@ -388,3 +388,76 @@ def test_single_copy_is_probed_and_used(comm):
     for q in range(p):
         assert (out[q] == np.arange(1 << 19) * (q + 1)).all()
     assert ep.tx[0].acks > before        # the ring steps went single-copy
+
+
+def test_pending_isend_does_not_block_a_small_blocking_collective(comm):
+    """A small blocking collective may run inline on the board; a send/recv posted before
+    it must still make progress (review finding: it used to deadlock)."""
+    p, r = comm.size, comm.rank
+    if p == 1:
+        pytest.skip("needs 2 ranks")
+    right, left = (r + 1) % p, (r - 1) % p
+    req = comm.isend(np.full(4, r, np.float32), right, tag=9)
+    got = comm.recv(np.empty(4, np.float32), left, tag=9, timeout=20)
+    x = np.ones(2, np.float32)
+    comm.allreduce(x, timeout=20)
+    req.wait(timeout=20)
+    assert (got == left).all() and (x == p).all()
+    # the other order: isend, then the collective, then the matching receive
+    req = comm.isend(np.full(3, r, np.int64), right)
+    comm.barrier(timeout=20)
+    got = comm.recv(np.empty(3, np.int64), left, timeout=20)
+    req.wait(timeout=20)
+    assert (got == left).all()
+
+
+def test_bad_timeout_and_dtype_are_rejected_before_the_call_counts(comm):
+    p, r = comm.size, comm.rank
+    x = np.ones(4, np.float32)
+    with pytest.raises(ValueError, match=rf"rank {r}: timeout must be a number"):
+        comm.allreduce(x, timeout="5s")
+    with pytest.raises(ValueError, match="timeout must be >= 0"):
+        comm.barrier(timeout=-1)
+    with pytest.raises(ValueError, match="timeout must be >= 0"):
+        comm.iallreduce(np.ones(2)).wait(timeout=float("nan"))
+    with pytest.raises(TypeError, match="dtype >f8 is not supported"):
+        comm.broadcast(np.ones(3, ">f8"))
+    with pytest.raises(ValueError, match=rf"rank {r}: unknown algorithm 'nope'"):
+        comm.allreduce(x, algo="nope")
+    ro = np.ones(3, np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="x is read-only"):
+        comm.broadcast(ro, root=0)      # the root's x too: algorithms may write through it
+    seq = comm._seq
+    comm.allreduce(x, timeout=20)       # still in step with every rank
+    assert (x == p).all() and comm._seq == seq + 1
+
+
+@pytest.mark.parametrize("coll", ["broadcast", "scatter"])
+def test_root_disagreement_is_an_error_on_the_board(comm, coll):
+    """Ranks that disagree on the root: both would-be roots raise, so none keeps a stale
+    buffer silently; a rank in between gets what its own call asked for (rank 0's data)
+    or raises too.  (Making every rank raise is the reliability issue's job.)"""
+    p, r = comm.size, comm.rank
+    if p == 1:
+        pytest.skip("needs 2 ranks")
+    c = comm.dup()
+    try:
+        root = p - 1 if r == p - 1 else 0    # the last rank thinks it is the root
+        x = np.full(4 * (p if coll == "scatter" else 1), r, np.float32)
+        out = np.full(4, -1, np.float32)
+        try:
+            if coll == "broadcast":
+                c.broadcast(x, root=root, timeout=20)
+            else:
+                c.scatter(x, out, root=root, timeout=20)
+            raised = None
+        except gpurt.CollectiveMismatchError as e:
+            raised = str(e)
+        if r in (0, p - 1):
+            assert raised is not None and "root=" in raised, raised
+        elif raised is None:
+            assert ((x if coll == "broadcast" else out) == 0).all()
+    finally:
+        c.close()
+        comm.mpi.Barrier()
