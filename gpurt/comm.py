@@ -83,6 +83,7 @@ class Communicator:
         self._seq = 0
         self._scratch = np.empty(0, np.uint8)
         self.board = None
+        self._fastplans: dict = {}
         #: the algorithm (or native protocol) the last collective call used
         self.last_algorithm = ""
         try:
@@ -358,42 +359,56 @@ class Communicator:
         eng = self.engine
         if self._closed or eng.colls or eng.p2p or eng.poisoned is not None:
             return None   # keep call order; let pending send/recv progress in the queue
-        dtype = x.dtype
-        if dtype not in _SUPPORTED_DTYPES or \
-                (op is not None and (type(op) not in (Op, str) or (op, dtype) not in _FAST_OPS)):
+        if op is not None and type(op) is not Op and type(op) is not str:
             return None
+        dtype = x.dtype
+        n = x.size
+        key = (coll, dtype, n, op, root)
+        fp = self._fastplans.get(key)
+        if fp is None:
+            fp = self._fastplans[key] = self._fastplan(coll, dtype, n, op, root)
+        if not fp:
+            return None
+        o, sig, meta, red = fp
         res = x
         if out is not None and out is not x:
             of = out.flags
             if not (x.flags.c_contiguous and of.c_contiguous and of.writeable) or \
-                    out.dtype != dtype or out.size != x.size or np.may_share_memory(x, out):
+                    out.dtype != dtype or out.size != n or np.may_share_memory(x, out):
                 return None
             res = out
         else:
             flags = x.flags
             if not (flags.c_contiguous and flags.writeable):
                 return None
-        n = x.size
-        if self.tuner.choose(coll, n, dtype.itemsize, None).name != "shm_board":
-            return None
-        o = _FAST_OPS[(op, dtype)] if op is not None else None
         self.last_algorithm = "shm_board"
         self._seq += 1
         seq = self._seq
-        sig = _signature(coll, dtype.str, n, o, root)
-        meta = _board_meta(coll, dtype, n, o, root)
-        flat = x.reshape(-1)
         oflat = res.reshape(-1)
-        run = shm_board.BoardRun(self.board, coll, seq, sig, meta, flat, oflat, root,
-                                 reducer(o) if o is not None else None, n)
+        run = shm_board.BoardRun(self.board, coll, seq, sig, meta, x.reshape(-1), oflat, root,
+                                 red, n)
         try:
-            self.engine.run_inline(run, coll, seq, timeout)
+            eng.run_inline(run, coll, seq, timeout)
         except CollectiveTimeout as e:
-            self.engine.poison(e)
+            eng.poison(e)
             raise
         if o is Op.AVG:
             host_finalize(o, oflat, self.size)
         return res
+
+    def _fastplan(self, coll: str, dtype: np.dtype, n: int, op: Any, root: int):
+        """For the inline path: (op, signature, header meta, reducer) when this call goes
+        to the board, else False (then the general path decides, and raises the errors).
+        Cached per (collective, dtype, count, op, root): the choice depends on nothing else."""
+        if dtype not in _SUPPORTED_DTYPES or (op is not None and (op, dtype) not in _FAST_OPS):
+            return False
+        if self.tuner.choose(coll, n, dtype.itemsize, None).name != "shm_board":
+            return False
+        if len(self._fastplans) > 4096:
+            self._fastplans.clear()
+        o = _FAST_OPS[(op, dtype)] if op is not None else None
+        return (o, _signature(coll, dtype.str, n, o, root), _board_meta(coll, dtype, n, o, root),
+                reducer(o) if o is not None else None)
 
     def _in_place(self, xb: Buf, x: Any) -> Buf:
         try:

@@ -33,6 +33,10 @@ class Op(enum.Enum):
     def __repr__(self) -> str:
         return f"gpurt.{self.name}"
 
+    # members are singletons compared by identity: hash them in C, not through Enum's
+    # Python-level __hash__ (ops are dictionary keys on every call's hot path)
+    __hash__ = object.__hash__
+
 
 SUM, PROD, MIN, MAX, AVG, BAND, BOR, BXOR = (Op.SUM, Op.PROD, Op.MIN, Op.MAX, Op.AVG,
                                              Op.BAND, Op.BOR, Op.BXOR)
