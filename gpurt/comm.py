@@ -34,7 +34,7 @@ from .executor import Engine, Request, _Run, check_timeout
 from .ops import DTYPES, Op, as_op, check_op, host_finalize, reducer
 from .schedule import Recv, Schedule, Send, Slice
 from .topology import Topology
-from .tuner import Native, Tuner, transport_cost
+from .tuner import Native, Tuner, load_profile, oversubscribed, transport_cost
 from .wait import spin_seconds
 
 from gpurt.transports import shm_board  # noqa: E402  (after the core imports)
@@ -90,8 +90,9 @@ class Communicator:
             self._connect()
             self.engine = Engine(self.rank, lambda: float(config.get("GPURT_TIMEOUT")),
                                  self._check_peers, spin_seconds(self.local_size))
-            self.tuner = Tuner(self.size, self.rank, tuple(range(self.size)), self._cost(),
-                               self._natives())
+            cost, forced, profile = self._tuner_inputs()
+            self.tuner = Tuner(self.size, self.rank, tuple(range(self.size)), cost,
+                               self._natives(), self.nnodes, forced, profile)
         except BaseException:
             self._release()
             raise
@@ -163,10 +164,27 @@ class Communicator:
     def _shm(self):
         return next((t for t in self._transports if t.name == "shm"), None)
 
-    def _cost(self):
-        used = set(self.transport_of.values()) or {"self"}
-        costs = [transport_cost(n) for n in used]
-        return max(costs, key=lambda c: (c.alpha, c.beta))
+    def _tuner_inputs(self):
+        """(cost, GPURT_ALGO, profile entries), decided on rank 0 and broadcast: environment
+        variables, CPU counts or files that differ between ranks must not make ranks choose
+        different algorithms for the same call.  Errors are raised on every rank."""
+        used = set().union(*self.mpi.allgather(set(self.transport_of.values())))
+        inputs, err = None, ""
+        if self.rank == 0:
+            try:
+                costs = [transport_cost(n) for n in used or {"self"}]
+                cost = max(costs, key=lambda c: (c.alpha, c.beta))
+                busiest = max(len(rs) for rs in self.topo.local_ranks)
+                cost = oversubscribed(cost, busiest, os.cpu_count() or 1)
+                profile = load_profile(str(config.get("GPURT_PROFILE")), self.size,
+                                       self.nnodes)
+                inputs = (cost, dict(config.get("GPURT_ALGO")), profile)
+            except ValueError as e:
+                err = str(e)
+        inputs, err = self.mpi.bcast((inputs, err), 0)
+        if err:
+            raise ValueError(f"rank {self.rank}: (decided on rank 0) {err}")
+        return inputs
 
     def _check_peers(self, peers: list[int]) -> None:
         for p in peers:
@@ -343,15 +361,16 @@ class Communicator:
     def allreduce(self, x: Any, out: Any = None, op: Any = Op.SUM, *,
                   timeout: float | None = None, algo: str | None = None) -> Any:
         timeout = self._timeout_arg(timeout)
-        if self._fastpath and algo is None and type(x) is np.ndarray and \
-                (out is None or type(out) is np.ndarray):
-            done = self._board_inline("allreduce", x, op, 0, timeout, out)
+        if self._fastpath and (algo is None or algo == "shm_board") and \
+                type(x) is np.ndarray and (out is None or type(out) is np.ndarray):
+            done = self._board_inline("allreduce", x, op, 0, timeout, out, algo)
             if done is not None:
                 return done
         return self._blocking(self.iallreduce(x, out, op, algo=algo), timeout)
 
     def _board_inline(self, coll: str, x: np.ndarray, op: Any, root: int,
-                      timeout: float | None, out: np.ndarray | None = None) -> Any:
+                      timeout: float | None, out: np.ndarray | None = None,
+                      algo: str | None = None) -> Any:
         """The blocking small-message fast path: a collective on NumPy arrays (in place, or
         into a separate ``out`` of the same shape) that the tuner gives to the shm board,
         run inline while nothing else is queued.  Returns None whenever the general path
@@ -363,10 +382,10 @@ class Communicator:
             return None
         dtype = x.dtype
         n = x.size
-        key = (coll, dtype, n, op, root)
+        key = (coll, dtype, n, op, root, algo)
         fp = self._fastplans.get(key)
         if fp is None:
-            fp = self._fastplans[key] = self._fastplan(coll, dtype, n, op, root)
+            fp = self._fastplans[key] = self._fastplan(coll, dtype, n, op, root, algo)
         if not fp:
             return None
         o, sig, meta, red = fp
@@ -396,13 +415,17 @@ class Communicator:
             host_finalize(o, oflat, self.size)
         return res
 
-    def _fastplan(self, coll: str, dtype: np.dtype, n: int, op: Any, root: int):
+    def _fastplan(self, coll: str, dtype: np.dtype, n: int, op: Any, root: int,
+                  algo: str | None = None):
         """For the inline path: (op, signature, header meta, reducer) when this call goes
         to the board, else False (then the general path decides, and raises the errors).
         Cached per (collective, dtype, count, op, root): the choice depends on nothing else."""
         if dtype not in _SUPPORTED_DTYPES or (op is not None and (op, dtype) not in _FAST_OPS):
             return False
-        if self.tuner.choose(coll, n, dtype.itemsize, None).name != "shm_board":
+        try:
+            if self.tuner.choose(coll, n, dtype.itemsize, algo).name != "shm_board":
+                return False
+        except ValueError:   # e.g. shm_board forced for a call too large for it
             return False
         if len(self._fastplans) > 4096:
             self._fastplans.clear()
@@ -431,9 +454,9 @@ class Communicator:
     def broadcast(self, x: Any, root: int = 0, *, timeout: float | None = None,
                   algo: str | None = None) -> Any:
         timeout = self._timeout_arg(timeout)
-        if self._fastpath and algo is None and type(x) is np.ndarray and \
-                type(root) is int and 0 <= root < self.size:
-            done = self._board_inline("broadcast", x, None, root, timeout)
+        if self._fastpath and (algo is None or algo == "shm_board") and \
+                type(x) is np.ndarray and type(root) is int and 0 <= root < self.size:
+            done = self._board_inline("broadcast", x, None, root, timeout, None, algo)
             if done is not None:
                 return done
         return self._blocking(self.ibroadcast(x, root, algo=algo), timeout)
@@ -597,8 +620,9 @@ class Communicator:
 
     def barrier(self, *, timeout: float | None = None, algo: str | None = None) -> None:
         timeout = self._timeout_arg(timeout)
-        if self._fastpath and algo is None and \
-                self._board_inline("barrier", _EMPTY_U8, None, 0, timeout) is not None:
+        if self._fastpath and (algo is None or algo == "shm_board") and \
+                self._board_inline("barrier", _EMPTY_U8, None, 0, timeout, None, algo) \
+                is not None:
             return
         self._blocking(self.ibarrier(algo=algo), timeout)
 
@@ -741,7 +765,7 @@ def _board_meta(coll: str, dtype: np.dtype, n: int, op: Op | None, root: int) ->
 def _board_cost(coll: str):
     """α-β-γ cost of the board protocol: one publication, then reads (W written, R read,
     G reduced bytes per rank, for a call of size S on p ranks)."""
-    alpha = 1.5e-6
+    alpha = 15e-6   # one inline round of Python: write, publish, poll, read
 
     def cost(p: int, S: float, c) -> float:
         W = shm_board.written_bytes(coll, p, S)

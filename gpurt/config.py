@@ -58,6 +58,9 @@ VARIABLES: tuple[Var, ...] = (
         "Default deadline in seconds for every blocking call and wait (per call: timeout=)."),
     Var("GPURT_ALGO", "", _algo,
         "Force algorithms, e.g. 'allreduce:ring,broadcast:tree'. Names: see `gpurt info`."),
+    Var("GPURT_PROFILE", "", str,
+        "A profile written by `gpurt tune`: the tuner picks its measured winners for "
+        "communicators of the same shape (GPURT_ALGO and algo= still override)."),
     Var("GPURT_TRANSPORTS", "", _list,
         "Order and filter the transport registry, e.g. 'shm,tcp'. Empty: all, default order."),
     Var("GPURT_SHM_SLOT", "256K", _bytes,

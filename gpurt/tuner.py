@@ -10,6 +10,8 @@ schedule — are cached per (collective, algorithm, count, root).
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable
@@ -18,10 +20,13 @@ from . import config
 from .algorithms import REGISTRY, Algorithm, Cost, lookup
 from .schedule import SPECS, Schedule
 
-# defaults per transport, from measurements on 2-vCPU VMs (FIELD-NOTES.md): a message
-# costs a few µs of Python; copies stream at ~4 GB/s; a NumPy add at ~2 GB/s.
+# defaults per transport, fitted roughly to `gpurt tune` runs on 2-vCPU VMs (noisy; a
+# profile from `gpurt tune` on the target machine beats them); `GPURT_COST` overrides.
+# When a node runs more ranks than it has CPUs, α grows by that factor (every step
+# waits for the scheduler to run the peers), see ``oversubscribed``.
 DEFAULT_COSTS: dict[str, Cost] = {
-    "shm": Cost(alpha=4e-6, beta=1 / 4e9, gamma=1 / 2e9),
+    # α is dominated by Python: ~30 µs per step of a schedule (posting, polling, binding)
+    "shm": Cost(alpha=30e-6, beta=1 / 5e9, gamma=1 / 4e9),
     "tcp": Cost(alpha=30e-6, beta=1 / 1e9, gamma=1 / 2e9),
     "self": Cost(alpha=1e-6, beta=1 / 8e9, gamma=1 / 2e9),
 }
@@ -44,6 +49,27 @@ class Native:
     doc: str = ""
 
 
+def load_profile(path: str, p: int, nnodes: int) -> dict:
+    """The entries of a ``gpurt tune`` profile that apply to a communicator of ``p`` ranks
+    on ``nnodes`` nodes ({} when none: no file, another shape).  A profile that cannot be
+    read is an error: silently ignoring it would hide a typo in GPURT_PROFILE."""
+    if not path:
+        return {}
+    try:
+        with open(path) as f:
+            prof = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"GPURT_PROFILE={path!r} cannot be read: {e}") from None
+    if prof.get("version") != 1 or prof.get("nranks") != p or prof.get("nnodes") != nnodes:
+        return {}
+    return prof.get("entries", {})
+
+
+def oversubscribed(cost: Cost, ranks_on_node: int, cpus: int) -> Cost:
+    f = max(1.0, ranks_on_node / max(1, cpus))
+    return Cost(cost.alpha * f, cost.beta, cost.gamma)
+
+
 def transport_cost(name: str) -> Cost:
     over = config.get("GPURT_COST")
     if name in over:
@@ -60,20 +86,29 @@ def collective_bytes(coll: str, p: int, n: int, itemsize: int) -> int:
 
 
 class Tuner:
+    """Every input that decides a choice — costs, forced names, the profile — must be the
+    same on every rank of the group (the communicator broadcasts them from rank 0), or
+    ranks would run different algorithms for the same call."""
+
     def __init__(self, p: int, rank_index: int, group: tuple[int, ...], cost: Cost,
-                 natives: list[Native] | tuple = ()):
+                 natives: list[Native] | tuple = (), nnodes: int = 1,
+                 forced: dict[str, str] | None = None, profile: dict | None = None):
         self.p, self.r, self.group, self.cost = p, rank_index, group, cost
         self.natives: dict[str, dict[str, Native]] = {}
         for nat in natives:
             self.natives.setdefault(nat.coll, {})[nat.name] = nat
         self.forced: dict[str, str] = {}
-        for coll, name in config.get("GPURT_ALGO").items():
+        if forced is None:
+            forced = config.get("GPURT_ALGO")
+        for coll, name in forced.items():
             if coll not in SPECS:
                 raise ValueError(f"GPURT_ALGO names unknown collective {coll!r} "
                                  f"(known: {', '.join(SPECS)})")
             if name in NATIVE_NAMES and name not in self.natives.get(coll, {}):
                 continue   # e.g. shm_board on a communicator spanning nodes: tuner's choice
             self.forced[coll] = self._lookup(coll, name).name  # raises on unknown names
+        self.profile = profile if profile is not None else \
+            load_profile(str(config.get("GPURT_PROFILE")), p, nnodes)
         self._plan = lru_cache(maxsize=512)(self._plan_uncached)
         self.choose = lru_cache(maxsize=512)(self._choose)  # type: ignore[method-assign]
 
@@ -104,7 +139,25 @@ class Tuner:
                 raise ValueError(f"{coll}:{alg.name} cannot take {S} bytes on {self.p} ranks "
                                  f"(too large for it)")
             return alg
+        measured = self._measured(coll, S)
+        if measured is not None:
+            return measured
         return self.candidates(coll, S)[0][1]
+
+    def _measured(self, coll: str, S: int) -> "Algorithm | Native | None":
+        """The profile's winner at the measured size nearest to S (log scale), if the
+        profile covers ``coll`` and that algorithm can take S here."""
+        rows = self.profile.get(coll) if self.profile else None
+        if not rows:
+            return None
+        best = min(rows, key=lambda row: abs(math.log2(max(row[0], 1)) - math.log2(max(S, 1))))
+        try:
+            alg = self._lookup(coll, best[1])
+        except ValueError:
+            return None
+        if isinstance(alg, Native) and not alg.fits(self.p, S):
+            return None
+        return alg
 
     def plan(self, coll: str, n: int, itemsize: int, root: int = 0,
              algo: str | None = None) -> "tuple[Algorithm | Native, Schedule | None]":
@@ -122,7 +175,8 @@ class Tuner:
         if coll not in REGISTRY:
             raise ValueError(f"unknown collective {coll!r} (known: {', '.join(REGISTRY)})")
         cands = self.candidates(coll, nbytes)
-        chosen = self.forced.get(coll) or cands[0][1].name
+        measured = self._measured(coll, nbytes)
+        chosen = self.forced.get(coll) or (measured.name if measured else cands[0][1].name)
         return [{"algorithm": a.name, "predicted_s": t, "chosen": a.name == chosen}
                 for t, a in cands]
 
@@ -133,13 +187,15 @@ class Tuner:
             raise ValueError(f"unknown collective {coll!r} (known: {', '.join(REGISTRY)})")
         cands = self.candidates(coll, nbytes)
         forced = self.forced.get(coll)
-        chosen = forced or cands[0][1].name
+        measured = None if forced else self._measured(coll, nbytes)
+        chosen = forced or (measured.name if measured else cands[0][1].name)
+        why = " (GPURT_ALGO)" if forced else " (measured: GPURT_PROFILE)" if measured else ""
         c = self.cost
         lines = [f"{coll} of {nbytes} bytes on {self.p} ranks "
                  f"(α={c.alpha * 1e6:.2f} µs, β={1 / c.beta / 1e9:.2f} GB/s, "
                  f"γ={1 / c.gamma / 1e9:.2f} GB/s)",
                  f"  {'algorithm':<20} {'predicted':>12}"]
         for t, a in cands:
-            mark = ("  <- chosen" + (" (GPURT_ALGO)" if forced else "")) if a.name == chosen else ""
+            mark = ("  <- chosen" + why) if a.name == chosen else ""
             lines.append(f"  {a.name:<20} {t * 1e6:>9.1f} µs{mark}")
         return "\n".join(lines)

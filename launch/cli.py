@@ -3,6 +3,7 @@
     gpurt --version
     gpurt info [--json] [--env]
     gpurt bench COLLECTIVE -n NRANKS [-b 8 -e 256M -f 2 ...]   (launch/bench.py)
+    gpurt tune -n NRANKS -o profile.json                      (launch/tune.py)
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ def main() -> None:
       gpurt info --env            every GPURT_* variable with its value
       gpurt bench allreduce -n 4 -b 8 -e 256M -f 2 --baseline mpi
                                   nccl-tests-style sweep (gpurt bench --help)
+      gpurt tune -n 4 -o prof.json  measure every algorithm; GPURT_PROFILE=prof.json
     """
 
 
@@ -135,8 +137,10 @@ def info(as_json: bool, show_env: bool) -> None:
 
 
 from gpurt.launch.bench import bench_command  # noqa: E402 - after main, to attach to it
+from gpurt.launch.tune import tune_command  # noqa: E402
 
 main.add_command(bench_command, "bench")
+main.add_command(tune_command(), "tune")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,0 +1,216 @@
+"""``gpurt tune``: measure every algorithm, write a profile the tuner reads.
+
+The tuner's α-β-γ model ranks algorithms from constants; on a given machine the ranking
+can be wrong (Python overheads, oversubscribed cores, caches).  ``gpurt tune`` runs, for
+each collective and size, every candidate the tuner knows (schedules and native
+protocols such as ``shm_board``), forced one after another inside one launch, takes the
+median over iterations of the slowest rank's time, and writes the winner per size to a
+JSON profile.  With ``GPURT_PROFILE=FILE`` the tuner then picks, for a communicator of
+the same shape (ranks and nodes), the measured winner at the nearest measured size
+(log scale); ``GPURT_ALGO`` and ``algo=`` still override it.
+
+It also prints, per size, the model's own choice against the measured best, so
+``gpurt tune`` doubles as the check that the model picks within 10 % of the best.
+
+    gpurt tune -n 4 -o profile.json                 # allreduce, broadcast, allgather, ...
+    gpurt tune -n 2 -c allreduce -b 8 -e 16M -f 4 -o p2.json
+    GPURT_PROFILE=profile.json mpiexec -n 4 python train.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from time import perf_counter
+
+import numpy as np
+
+DEFAULT_COLLS = ("allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall",
+                 "reduce", "barrier")
+
+
+def _layout(coll: str, p: int, S: int, itemsize: int) -> tuple[int, int, int]:
+    """(per-rank count n, input elements, output elements) for size S (nccl-tests S)."""
+    if coll in ("allgather", "gather"):
+        n = max(0, S // itemsize // p)
+        return n, n, p * n
+    if coll in ("reduce_scatter", "scatter"):
+        n = max(0, S // itemsize // p)
+        return n, p * n, n
+    if coll == "alltoall":
+        n = max(0, S // itemsize // p)
+        return n, p * n, p * n
+    if coll == "barrier":
+        return 0, 0, 0
+    n = max(0, S // itemsize)
+    return n, n, n
+
+
+def _call(comm, coll: str, x, y, algo: str):
+    if coll == "allreduce":
+        return lambda: comm.allreduce(x, y, algo=algo)
+    if coll == "reduce":
+        return lambda: comm.reduce(x, y, algo=algo)
+    if coll == "broadcast":
+        return lambda: comm.broadcast(x, algo=algo)
+    if coll == "allgather":
+        return lambda: comm.allgather(x, y, algo=algo)
+    if coll == "reduce_scatter":
+        return lambda: comm.reduce_scatter(x, y, algo=algo)
+    if coll == "alltoall":
+        return lambda: comm.alltoall(x, y, algo=algo)
+    if coll == "barrier":
+        return lambda: comm.barrier(algo=algo)
+    raise ValueError(f"gpurt tune does not time {coll}")
+
+
+def worker(cfg: dict) -> dict | None:
+    """Runs on every rank; rank 0 returns the profile."""
+    import gpurt
+    from mpi4py import MPI
+
+    comm = gpurt.init()
+    ctl = comm.mpi
+    p, r = comm.size, comm.rank
+    dtype = np.dtype(cfg.get("dtype", "float32"))
+    entries: dict = {}
+    report = []
+    for coll in cfg["collectives"]:
+        rows = []
+        for S in cfg["sizes"] if coll != "barrier" else [0]:
+            n, nin, nout = _layout(coll, p, S, dtype.itemsize)
+            x = np.zeros(nin, dtype)
+            y = np.zeros(nout, dtype)
+            Sreal = S if coll == "barrier" else (
+                p * n * dtype.itemsize if coll in ("allgather", "gather", "reduce_scatter",
+                                                   "scatter", "alltoall") else n * dtype.itemsize)
+            cands = comm.candidates(coll, Sreal)
+            model = next(c["algorithm"] for c in cands if c["chosen"])
+            times = {}
+            for c in cands:
+                name = c["algorithm"]
+                call = _call(comm, coll, x, y, name)
+                for _ in range(cfg["warmup"]):
+                    call()
+                t = np.empty(cfg["iters"])
+                ctl.Barrier()
+                for i in range(cfg["iters"]):
+                    t0 = perf_counter()
+                    call()
+                    t[i] = perf_counter() - t0
+                worst = np.empty_like(t)
+                ctl.Allreduce(t, worst, op=MPI.MAX)
+                times[name] = float(np.median(worst))
+            best = min(times, key=times.get)
+            rows.append([Sreal, best, times])
+            report.append((coll, Sreal, model, times[model], best, times[best]))
+            if r == 0:
+                print(f"[tune] {coll:<14} {Sreal:>10} B  best {best:<20} "
+                      f"{times[best] * 1e6:9.1f} us   model {model:<20} "
+                      f"{times[model] * 1e6:9.1f} us  ({times[model] / times[best]:.2f}x)",
+                      file=sys.stderr, flush=True)
+        entries[coll] = rows
+    if r != 0:
+        return None
+    return {"version": 1, "nranks": p, "nnodes": comm.nnodes, "local_size": comm.local_size,
+            "dtype": str(dtype), "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "host": os.uname().nodename, "entries": entries,
+            "model_vs_best": [{"collective": c, "size": s, "model": m, "model_s": mt,
+                               "best": b, "best_s": bt} for c, s, m, mt, b, bt in report]}
+
+
+def run(nranks: int, collectives: list[str], sizes: list[int], out: str, warmup: int,
+        iters: int, dtype: str) -> dict:
+    """Launch the tuning ranks and write the profile to ``out``."""
+    from gpurt.launch.bench import mpiexec_command  # the bench's launcher discovery
+
+    cfg = {"collectives": collectives, "sizes": sizes, "warmup": warmup, "iters": iters,
+           "dtype": dtype}
+    with tempfile.TemporaryDirectory(prefix="gpurt-tune-") as d:
+        cpath, rpath = os.path.join(d, "cfg.json"), os.path.join(d, "profile.json")
+        with open(cpath, "w") as f:
+            json.dump({**cfg, "result": rpath}, f)
+        env = dict(os.environ)
+        env.pop("GPURT_PROFILE", None)   # measure the candidates, not a previous profile
+        env.pop("GPURT_ALGO", None)
+        cmd = mpiexec_command() + ["-n", str(nranks), sys.executable, "-m", "gpurt.launch.tune",
+                                   cpath]
+        proc = subprocess.run(cmd, env=env)
+        if proc.returncode != 0:
+            raise SystemExit(f"gpurt tune: the tuning launch failed (exit {proc.returncode})")
+        with open(rpath) as f:
+            prof = json.load(f)
+    with open(out, "w") as f:
+        json.dump(prof, f, indent=1)
+    return prof
+
+
+def _main(path: str) -> int:
+    with open(path) as f:
+        cfg = json.load(f)
+    prof = worker(cfg)
+    if prof is not None:
+        with open(cfg["result"], "w") as f:
+            json.dump(prof, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1]))
+
+
+def _sizes(lo: int, hi: int, factor: int) -> list[int]:
+    out, s = [], max(1, lo)
+    while s <= hi:
+        out.append(s)
+        if factor <= 1:
+            break
+        s *= factor
+    return out
+
+
+def tune_command():
+    import click
+
+    from gpurt.launch.bench import _SizeType
+
+    @click.command("tune", context_settings={"help_option_names": ["-h", "--help"]})
+    @click.option("-n", "--nranks", type=click.IntRange(1), default=2, show_default=True,
+                  help="Ranks to launch (the profile applies to communicators of this size).")
+    @click.option("-c", "--collective", "colls", multiple=True,
+                  type=click.Choice(DEFAULT_COLLS), help="Repeatable; default: all of them.")
+    @click.option("-b", "--minbytes", type=_SizeType(), default="8", show_default=True)
+    @click.option("-e", "--maxbytes", type=_SizeType(), default="16M", show_default=True)
+    @click.option("-f", "--stepfactor", "factor", type=click.IntRange(2), default=8,
+                  show_default=True)
+    @click.option("-w", "--warmup", type=click.IntRange(0), default=3, show_default=True)
+    @click.option("-i", "--iters", type=click.IntRange(1), default=10, show_default=True)
+    @click.option("-d", "--datatype", "dtype", default="float32", show_default=True)
+    @click.option("-o", "--out", "out", required=True, type=click.Path(dir_okay=False),
+                  help="Where to write the profile (JSON).")
+    def tune(nranks, colls, minbytes, maxbytes, factor, warmup, iters, dtype, out):
+        """Time every algorithm per collective and size; write the winners to a profile
+        that the tuner reads when GPURT_PROFILE points to it.
+
+        \b
+        Examples:
+          gpurt tune -n 4 -o profile.json
+          gpurt tune -n 2 -c allreduce -b 1K -e 64M -f 4 -o p2.json
+          GPURT_PROFILE=profile.json mpiexec -n 4 python train.py
+        """
+        prof = run(nranks, list(colls or DEFAULT_COLLS), _sizes(minbytes, maxbytes, factor),
+                   out, warmup, iters, dtype)
+        rows = prof["model_vs_best"]
+        off = [r for r in rows if r["model_s"] > 1.1 * r["best_s"]]
+        click.echo(f"wrote {out}: {len(rows)} (collective, size) points on {nranks} ranks; "
+                   f"the model's own choice was within 10% of the best at "
+                   f"{len(rows) - len(off)}/{len(rows)}")
+        for r in off:
+            click.echo(f"  {r['collective']:<14} {r['size']:>10} B: model {r['model']} "
+                       f"{r['model_s'] * 1e6:.1f} us, best {r['best']} {r['best_s'] * 1e6:.1f} us")
+
+    return tune
