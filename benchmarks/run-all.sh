@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The measurements behind docs/performance.md (about 5 minutes on 2 cores).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+B=${GPURT:-gpurt}
+out=benchmarks/out
+mkdir -p "$out"
+$B bench allreduce -n 2 -b 4 -e 64M -f 4 --baseline mpi --repeat 2 \
+    --json "$out/allreduce2.json" --plot "$out/allreduce2.png" | tee "$out/allreduce2.txt"
+$B bench allreduce -n 4 -b 4 -e 64M -f 4 --baseline mpi --repeat 2 \
+    --json "$out/allreduce4.json" | tee "$out/allreduce4.txt"
+for c in allgather reduce_scatter broadcast alltoall; do
+  for n in 2 4; do
+    $B bench "$c" -n "$n" -b 16M -e 16M --baseline mpi --repeat 2 | tee "$out/$c$n.txt"
+  done
+done
+$B bench allreduce -n 2 -b 8 -e 256M -f 32 --baseline gloo | tee "$out/gloo2.txt"
+$B bench allreduce -n 2 -b 16M -e 256M -f 4 -c | tee "$out/ceiling2.txt"
