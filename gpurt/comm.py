@@ -769,10 +769,13 @@ def _board_cost(coll: str):
 
     def cost(p: int, S: float, c) -> float:
         W = shm_board.written_bytes(coll, p, S)
-        R = {"allreduce": p * S, "reduce": p * S, "barrier": 0, "scatter": S / p}.get(coll, S)
+        # reads: the reductions read the peers' buffers in place (that is γ); the first
+        # buffer is copied
+        R = {"barrier": 0, "scatter": S / p}.get(coll, S)
         G = {"allreduce": (p - 1) * S, "reduce": (p - 1) * S,
              "reduce_scatter": (p - 1) * S / p}.get(coll, 0)
-        return alpha + 0.2e-6 * (p - 1) + (W + R) * c.beta + G * c.gamma
+        # W and R are single copies (into / out of shared memory): half a message's β
+        return alpha + 0.2e-6 * (p - 1) + (W + R) * c.beta / 2 + G * c.gamma
 
     return cost
 

@@ -66,7 +66,7 @@ VARIABLES: tuple[Var, ...] = (
     Var("GPURT_SHM_SLOT", "256K", _bytes,
         "shm: bytes per ring slot (a message larger than a slot streams through the ring)."),
     Var("GPURT_SHM_SLOTS", "8", int, "shm: slots per ring (per ordered pair of ranks and lane)."),
-    Var("GPURT_SHM_BOARD", "64K", _bytes,
+    Var("GPURT_SHM_BOARD", "256K", _bytes,
         "shm: bytes per board buffer; collectives whose per-rank data fits use the one-round "
         "board protocol when all ranks share a node (0 disables it)."),
     Var("GPURT_SHM_CMA", "128K", _bytes,

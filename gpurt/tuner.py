@@ -25,8 +25,10 @@ from .schedule import SPECS, Schedule
 # When a node runs more ranks than it has CPUs, α grows by that factor (every step
 # waits for the scheduler to run the peers), see ``oversubscribed``.
 DEFAULT_COSTS: dict[str, Cost] = {
-    # α is dominated by Python: ~30 µs per step of a schedule (posting, polling, binding)
-    "shm": Cost(alpha=30e-6, beta=1 / 5e9, gamma=1 / 4e9),
+    # α is dominated by Python: ~30 µs per step of a schedule (posting, polling, binding);
+    # β is a message's cost per byte: a copy into a ring slot and one out (single-copy
+    # halves it for large messages, which the model ignores); γ a NumPy add
+    "shm": Cost(alpha=30e-6, beta=1 / 2.5e9, gamma=1 / 4e9),
     "tcp": Cost(alpha=30e-6, beta=1 / 1e9, gamma=1 / 2e9),
     "self": Cost(alpha=1e-6, beta=1 / 8e9, gamma=1 / 2e9),
 }

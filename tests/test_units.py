@@ -126,7 +126,7 @@ def test_shm_geometry_shrinks_to_fit(monkeypatch):
     from gpurt.transports import shm
 
     slot, k1, k2, board = shm.geometry(4)
-    assert slot == 256 * 1024 and k1 == 8 and k2 == 4 and board == 64 * 1024
+    assert slot == 256 * 1024 and k1 == 8 and k2 == 4 and board == 256 * 1024
     slot64, k64, _, board64 = shm.geometry(256)  # 65280 rings must fit in 1/4 of /dev/shm
     assert slot64 <= slot and k64 >= 2 and 4096 <= board64 <= board
 
