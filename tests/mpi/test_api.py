@@ -9,6 +9,7 @@ argument error is raised before anything moves, so the ranks stay in step).
 from __future__ import annotations
 
 import array
+import contextlib
 import os
 import time
 
@@ -25,6 +26,18 @@ pytestmark = pytest.mark.mpi(min_size=1)
 @pytest.fixture(scope="module")
 def comm():
     return gpurt.init()
+
+
+@contextlib.contextmanager
+def scratch(comm):
+    """A communicator of its own for a test that breaks it on purpose (mismatch, timeout);
+    closed afterwards, and every rank waits for the others before the next test."""
+    c = comm.dup()
+    try:
+        yield c
+    finally:
+        c.close()
+        comm.mpi.Barrier()
 
 
 def test_init_is_idempotent_and_describes_the_world(comm):
@@ -227,8 +240,7 @@ def test_p2p_mismatch_is_an_error_not_garbage(comm):
     p, r = comm.size, comm.rank
     if p == 1:
         pytest.skip("needs 2 ranks")
-    c = comm.dup()
-    try:
+    with scratch(comm) as c:
         if r == 0:
             c.send(np.ones(4, np.float32), 1, tag=3)
         elif r == 1:
@@ -236,34 +248,26 @@ def test_p2p_mismatch_is_an_error_not_garbage(comm):
                 c.recv(np.empty(4, np.float32), 0, tag=4)
             with pytest.raises(gpurt.CommunicatorClosed):
                 c.recv(np.empty(4, np.float32), 0, tag=4)
-    finally:
-        c.close()
-        comm.mpi.Barrier()
 
 
 def test_collective_size_mismatch_is_detected(comm):
     p, r = comm.size, comm.rank
     if p == 1:
         pytest.skip("needs 2 ranks")
-    c = comm.dup()
     t0 = time.monotonic()
-    try:
+    with scratch(comm) as c:
         with pytest.raises((gpurt.CollectiveMismatchError, gpurt.CollectiveTimeout)) as ei:
             c.allreduce(np.ones(4 + (r == 0), np.float32), algo="direct", timeout=10)
         kinds = comm.mpi.allgather(type(ei.value).__name__)
         assert "CollectiveMismatchError" in kinds
         assert time.monotonic() - t0 < 15
-    finally:
-        c.close()
-        comm.mpi.Barrier()
 
 
 def test_timeout_names_the_missing_ranks(comm):
     p, r = comm.size, comm.rank
     if p == 1:
         pytest.skip("needs 2 ranks")
-    c = comm.dup()
-    try:
+    with scratch(comm) as c:
         if r == 0:
             t0 = time.monotonic()
             with pytest.raises(gpurt.CollectiveTimeout) as ei:
@@ -274,9 +278,6 @@ def test_timeout_names_the_missing_ranks(comm):
             assert "rank 0: allreduce (call #1) did not complete within 0.5 s" in str(ei.value)
             with pytest.raises(gpurt.CommunicatorClosed):   # poisoned
                 c.barrier()
-    finally:
-        c.close()
-        comm.mpi.Barrier()
 
 
 def test_split_dup_close(comm):
@@ -349,8 +350,7 @@ def test_board_mismatch_names_both_calls(comm, what):
     p, r = comm.size, comm.rank
     if p == 1:
         pytest.skip("needs 2 ranks")
-    c = comm.dup()
-    try:
+    with scratch(comm) as c:
         n = 5 if (what == "count" and r == 0) else 4
         dt = np.float64 if (what == "dtype" and r == 0) else np.float32
         op = gpurt.MAX if (what == "op" and r == 0) else gpurt.SUM
@@ -368,9 +368,6 @@ def test_board_mismatch_names_both_calls(comm, what):
              "dtype": "allreduce(float64, count=4, op=SUM)"}[what]
         assert other in msg, msg
         assert (x == 1).all()                 # nothing written into the user's buffer
-    finally:
-        c.close()
-        comm.mpi.Barrier()
 
 
 def test_single_copy_is_probed_and_used(comm):
@@ -441,8 +438,7 @@ def test_root_disagreement_is_an_error_on_the_board(comm, coll):
     p, r = comm.size, comm.rank
     if p == 1:
         pytest.skip("needs 2 ranks")
-    c = comm.dup()
-    try:
+    with scratch(comm) as c:
         root = p - 1 if r == p - 1 else 0    # the last rank thinks it is the root
         x = np.full(4 * (p if coll == "scatter" else 1), r, np.float32)
         out = np.full(4, -1, np.float32)
@@ -458,6 +454,3 @@ def test_root_disagreement_is_an_error_on_the_board(comm, coll):
             assert raised is not None and "root=" in raised, raised
         elif raised is None:
             assert ((x if coll == "broadcast" else out) == 0).all()
-    finally:
-        c.close()
-        comm.mpi.Barrier()
