@@ -29,7 +29,8 @@ import numpy as np
 
 from . import config
 from .buffers import Buf, as_buf, check_writable, empty_like, overlaps, same
-from .errors import CollectiveTimeout, CommunicatorClosed, GpurtError, TransportError
+from .errors import (CollectiveTimeout, CommunicatorClosed, GpurtError, ResourceError,
+                     TransportError)
 from .executor import Engine, Request, _Run, check_timeout
 from .ops import DTYPES, Op, as_op, check_op, host_finalize, reducer
 from .schedule import Recv, Schedule, Send, Slice
@@ -119,20 +120,21 @@ class Communicator:
                 missing.append(peer)
         # every rank calls every transport's connect: each is collective in its own scope
         self.endpoints: dict[int, Any] = {}
-        errors = []
+        errors: list[tuple[str, str]] = []
         for name, _ in classes:
             try:
                 self.endpoints.update(instances[name].connect(chosen[name], self))
                 self._transports.append(instances[name])
             except GpurtError as e:
-                errors.append(str(e))
-        errors = [e for errs in self.mpi.allgather(errors) for e in errs]
+                errors.append((type(e).__name__, str(e)))
         if missing:
-            errors.append(self._unreachable(missing, [n for n, _ in classes]))
-        errors = [e for errs in self.mpi.allgather(errors if missing else []) for e in errs] \
-            if not errors or missing else errors
-        if errors:
-            raise TransportError("; ".join(dict.fromkeys(errors)))
+            errors.append(("TransportError",
+                           self._unreachable(missing, [n for n, _ in classes])))
+        # one exchange, so every rank raises the same error (or none does)
+        every = [e for errs in self.mpi.allgather(errors) for e in errs]
+        if every:
+            cls = ResourceError if any(t == "ResourceError" for t, _ in every) else TransportError
+            raise cls("; ".join(dict.fromkeys(m for _, m in every)))
 
     def _unreachable(self, missing: list[int], names: list[str]) -> str:
         from gpurt.transports import PLANNED

@@ -56,6 +56,9 @@ def _cost(s: str) -> dict[str, tuple[float, float, float]]:
 VARIABLES: tuple[Var, ...] = (
     Var("GPURT_TIMEOUT", "300", float,
         "Default deadline in seconds for every blocking call and wait (per call: timeout=)."),
+    Var("GPURT_PEER_STOPPED", "5", float,
+        "Seconds a local peer may stay stopped (SIGSTOP, a debugger) while others wait for "
+        "it before they raise PeerFailure."),
     Var("GPURT_ALGO", "", _algo,
         "Force algorithms, e.g. 'allreduce:ring,broadcast:tree'. Names: see `gpurt info`."),
     Var("GPURT_PROFILE", "", str,

@@ -159,8 +159,11 @@ def _alive(pid: int) -> bool:
 
 
 PEER_EXIT = """
-import numpy as np, gpurt, os, time
+import numpy as np, gpurt, os, sys, time
 c = gpurt.init()
+def report(text):   # one file per rank: the launcher interleaves stdout
+    with open(os.path.join(sys.argv[1], f"rank{c.rank}"), "a") as f:
+        f.write(text + "\\n")
 x = np.ones(10, np.float32)
 c.allreduce(x)
 if c.rank == 1:
@@ -168,31 +171,108 @@ if c.rank == 1:
 t = time.monotonic()
 try:
     c.allreduce(x, timeout=30)
-    print(f"rank {c.rank}: no error", flush=True)
+    report(f"rank {c.rank}: no error")
 except gpurt.PeerFailure as e:
-    print(f"rank {c.rank}: PeerFailure rank={e.rank} after {time.monotonic() - t:.2f}s: {e}",
-          flush=True)
+    report(f"rank {c.rank}: PeerFailure rank={e.rank} after {time.monotonic() - t:.2f}s: {e}")
     try:
         c.allreduce(x)
     except gpurt.CommunicatorClosed:
-        print(f"rank {c.rank}: poisoned", flush=True)
+        report(f"rank {c.rank}: poisoned")
 os._exit(0)                           # MPI_Finalize would wait for the dead rank
 """
 
 
-def test_local_peer_exit_is_a_peer_failure_not_a_hang():
+def test_local_peer_exit_is_a_peer_failure_not_a_hang(tmp_path):
     """With the launcher's clean-up off (so nothing kills the survivors for us), a local
     rank that exits mid-job becomes PeerFailure(rank=1) on every survivor within a second,
     and the communicator is poisoned."""
     if not is_hydra():
         pytest.skip("uses MPICH hydra's -disable-auto-cleanup; this launcher is not hydra")
     proc = subprocess.run([mpiexec(), "-disable-auto-cleanup", "-n", "3", sys.executable, "-c",
-                           PEER_EXIT], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    out = proc.stdout
+                           PEER_EXIT, str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    got = {f.name: f.read_text() for f in tmp_path.iterdir()}
     for r in (0, 2):
-        line = next((ln for ln in out.splitlines() if ln.startswith(f"rank {r}: PeerFailure")),
-                    None)
-        assert line is not None, out + proc.stderr
+        text = got.get(f"rank{r}", "")
+        line = next((ln for ln in text.splitlines() if "PeerFailure" in ln), None)
+        assert line is not None, (got, proc.stdout, proc.stderr)
         assert "rank=1 " in line and "rank 1 (pid" in line and "has exited" in line
         assert float(line.split(" after ")[1].split("s:")[0]) < 1.0
-        assert f"rank {r}: poisoned" in out
+        assert f"rank {r}: poisoned" in text
+
+
+STOPPED_PEER = """
+import numpy as np, gpurt, os, signal, sys, time
+freeze, outdir = float(sys.argv[1]), sys.argv[2]
+c = gpurt.init()
+def report(text):   # one file per rank: the launcher interleaves stdout
+    with open(os.path.join(outdir, f"rank{c.rank}"), "w") as f:
+        f.write(text)
+x = np.ones(8, np.float32)
+c.allreduce(x)
+if c.rank == 1:
+    os.kill(os.getpid(), signal.SIGSTOP)   # with freeze > 0, rank 2 wakes us up
+    c.allreduce(x, timeout=60)
+    report("rank 1: resumed and done")
+    os._exit(0)
+if c.rank == 2 and freeze > 0:
+    time.sleep(freeze)
+    os.kill(c.pids[1], signal.SIGCONT)
+t = time.monotonic()
+try:
+    c.allreduce(x, timeout=60)
+    report(f"rank {c.rank}: done after {time.monotonic() - t:.1f}s")
+except gpurt.PeerFailure as e:
+    report(f"rank {c.rank}: PeerFailure rank={e.rank} after {time.monotonic() - t:.1f}s: {e}")
+    if c.rank == 0:   # once rank 2 has reported too, don't leave rank 1 stopped
+        deadline = time.monotonic() + 20
+        while not os.path.exists(os.path.join(outdir, "rank2")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(c.pids[1], signal.SIGKILL)
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("freeze", [0, 1.0])
+def test_stopped_peer_is_a_failure_after_the_bound_and_a_short_freeze_is_not(freeze, tmp_path):
+    """A local rank stopped (SIGSTOP) longer than GPURT_PEER_STOPPED (3 s here) becomes
+    PeerFailure(rank=1) on the survivors; one stopped for 1 s and continued is waited for."""
+    if not is_hydra():
+        pytest.skip("uses MPICH hydra's -disable-auto-cleanup; this launcher is not hydra")
+    proc = subprocess.run([mpiexec(), "-disable-auto-cleanup", "-n", "3", sys.executable, "-c",
+                           STOPPED_PEER, str(freeze), str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, GPURT_PEER_STOPPED="3"))
+    got = {f.name: f.read_text() for f in tmp_path.iterdir()}
+    for r in (0, 2):
+        line = got.get(f"rank{r}")
+        assert line is not None, (got, proc.stdout, proc.stderr)
+        if freeze:
+            assert "done" in line, got
+        else:
+            assert "PeerFailure rank=1 " in line and "stopped for more than 3 s" in line, got
+            assert 3.0 <= float(line.split(" after ")[1].split("s:")[0]) < 8.0, line
+    if freeze:
+        assert got.get("rank1") == "rank 1: resumed and done", got
+
+
+def test_full_dev_shm_is_a_resource_error_at_creation(tmp_path):
+    """A /dev/shm too small for the segment: ResourceError on every rank when the
+    communicator is created (posix_fallocate), not a SIGBUS later."""
+    d = tmp_path / "tinyshm"
+    d.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32k", "tmpfs", str(d)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a private tmpfs here (needs root)")
+    try:
+        code = ("import gpurt, sys\n"
+                "try:\n"
+                "    gpurt.init()\n"
+                "except gpurt.ResourceError as e:\n"
+                "    print('ResourceError', e, flush=True)\n")
+        res = run_mpi(2, ["-c", code], env={"GPURT_SHM_DIR": str(d)})
+        assert res.stdout.count("ResourceError") == 2, res.stdout + res.stderr
+        assert "cannot reserve" in res.stdout and "--shm-size" in res.stdout
+        assert os.listdir(d) == []
+    finally:
+        subprocess.run(["umount", str(d)], capture_output=True)

@@ -70,6 +70,19 @@ def header_bytes(nlocal: int) -> int:
     return max(_HDR, -(-words * 8 // 4096) * 4096)
 _names = itertools.count()
 
+def _pid_state(pid: int) -> str:
+    """The process state letter from /proc (R, S, D, T, t, Z, ...), or "gone"."""
+    if pid <= 0:
+        return "?"
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0].decode()
+    except FileNotFoundError:
+        return "gone"
+    except (OSError, IndexError):
+        return "?"
+
+
 def _pid_alive(pid: int) -> bool:
     if pid <= 0:
         return True  # unknown: not provably dead
@@ -342,6 +355,7 @@ class ShmEndpoint:
         self.tx = [_Ring(seg, me, local_peer, lane, True) for lane in range(LANES)]
         self.rx = [_Ring(seg, local_peer, me, lane, False) for lane in range(LANES)]
         self._pid = 0
+        self._stopped_since: float | None = None
 
     def send(self, src: np.ndarray, lane: int, tag: int, sig: int) -> _Msg:
         ring = self.tx[lane]
@@ -358,12 +372,26 @@ class ShmEndpoint:
         return m
 
     def check(self) -> None:
+        """PeerFailure if the peer process is gone, or has been stopped (SIGSTOP, a
+        debugger) for longer than GPURT_PEER_STOPPED; a shorter freeze is not a failure."""
         if not self._pid:
             seg = self.owner.seg
             self._pid = seg.q[seg.pid_i(self.local_peer)]
-        if not _pid_alive(self._pid):
+        state = _pid_state(self._pid)
+        if state in ("gone", "Z", "X"):
             raise PeerFailure(f"rank {self.peer} (pid {self._pid}, same node) has exited",
                               rank=self.peer)
+        if state in ("T", "t"):
+            now = time.monotonic()
+            if self._stopped_since is None:
+                self._stopped_since = now
+            bound = float(config.get("GPURT_PEER_STOPPED"))
+            if now - self._stopped_since > bound:
+                raise PeerFailure(f"rank {self.peer} (pid {self._pid}, same node) has been "
+                                  f"stopped for more than {bound:g} s (SIGSTOP or a "
+                                  f"debugger)", rank=self.peer)
+        else:
+            self._stopped_since = None
 
 
 class ShmTransport:

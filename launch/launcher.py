@@ -1,0 +1,590 @@
+"""``gpurt launch``: run a program on N ranks through an existing launcher, and say clearly
+which rank failed, where, how, and with what last words.
+
+Three pieces live here:
+
+* **the launcher command line** (``Launcher``, ``find_launcher``, ``build_command``):
+  MPICH's hydra ``mpiexec`` (the one beside ``sys.executable`` by default, or
+  ``$GPURT_MPIEXEC``), Open MPI's ``mpirun``, or Slurm's ``srun`` (the default when
+  ``SLURM_JOB_ID`` is set).  Hosts, host files and environment variables are translated
+  into each launcher's syntax.
+* **the rank wrapper** (``python -m gpurt.launch.launcher --rank-wrapper -- CMD ...``):
+  what the launcher actually starts on every rank.  It runs CMD as a child (inheriting
+  every file descriptor: hydra's PMI_FD must reach it), forwards SIGINT/SIGTERM to it, tags
+  its output with ``[rank N]`` on request, keeps its last stderr lines, and when the child
+  ends writes a status record (rank, host, pid, exit code or signal, time, last stderr
+  lines) into the job's directory — or, on a host where that directory does not exist
+  (another node, no shared file system), as one marker line on its stderr which the parent
+  intercepts.  Then it ends the way the child ended (same exit code, same signal).
+* **the parent** (``run_job``): starts the launcher in its own session (so its process
+  group holds every local process of the job), passes its output through, watches for a
+  failed rank, the deadline and SIGINT/SIGTERM, stops everything in steps (the signal, then
+  SIGTERM, then SIGKILL to the whole process group), reads the records, reports, and
+  removes its directory.
+
+Exit code of ``gpurt launch``: 0 when every rank exited 0; else the exit code of the first
+rank that failed (128 + N for a rank killed by signal N); 124 on ``--timeout``; 130/143
+when it was interrupted by SIGINT/SIGTERM itself.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import json
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+DIR_VAR = "_GPURT_LAUNCH_DIR"       # the job's status directory (internal)
+TAG_VAR = "_GPURT_LAUNCH_TAG"       # "1": prefix every output line with [rank N]
+MARKER = b"\x1egpurt-launch-status "  # a status record sent through stderr
+LAST_LINES = 10
+KINDS = ("mpich", "openmpi", "srun")
+RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
+SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS")
+STOP_GRACE = 3.0   # seconds between the steps of stopping a job
+FAIL_GRACE = 5.0   # seconds a launcher gets to stop the job itself after a rank failed
+
+
+class LaunchError(Exception):
+    """A problem with the launch itself (bad arguments, no launcher): exit 2."""
+
+
+# ---------------------------------------------------------------------------------------
+# the launcher's command line
+# ---------------------------------------------------------------------------------------
+
+@dataclass
+class Launcher:
+    kind: str                 # mpich | openmpi | srun
+    argv: list[str]           # the launcher executable and any flags it came with
+
+
+def _detect_kind(argv: list[str]) -> str:
+    """mpich or openmpi, from ``--version``; mpich if it cannot tell."""
+    try:
+        out = subprocess.run(argv + ["--version"], capture_output=True, text=True,
+                             timeout=20)
+        text = (out.stdout + out.stderr).lower()
+    except (OSError, subprocess.TimeoutExpired):
+        return "mpich"
+    if "open mpi" in text or "openrte" in text or "open-rte" in text:
+        return "openmpi"
+    return "mpich"
+
+
+def find_launcher(kind: str | None = None, env: dict | None = None) -> Launcher:
+    """The launcher to drive.  ``kind`` None: ``srun`` inside a Slurm job (SLURM_JOB_ID),
+    else $GPURT_MPIEXEC / the mpiexec beside this Python / PATH's, its kind read from
+    ``--version``."""
+    env = os.environ if env is None else env
+    if kind is None and env.get("SLURM_JOB_ID"):
+        kind = "srun"
+    if kind == "srun":
+        exe = shutil.which("srun")
+        if not exe:
+            raise LaunchError("--launcher srun: no srun on PATH")
+        return Launcher("srun", [exe])
+    if kind not in (None, "mpich", "openmpi"):
+        raise LaunchError(f"unknown launcher {kind!r} (use one of {', '.join(KINDS)})")
+    if env.get("GPURT_MPIEXEC"):
+        argv = shlex.split(env["GPURT_MPIEXEC"])
+    elif kind == "openmpi":
+        exe = shutil.which("mpirun") or shutil.which("mpiexec")
+        if not exe:
+            raise LaunchError("--launcher openmpi: no mpirun on PATH (or set GPURT_MPIEXEC)")
+        argv = [exe]
+    else:
+        here = Path(sys.executable).parent / "mpiexec"
+        exe = str(here) if here.exists() else (shutil.which("mpiexec") or shutil.which("mpirun"))
+        if not exe:
+            raise LaunchError("no mpiexec found: pip install mpich (or set GPURT_MPIEXEC)")
+        argv = [exe]
+    return Launcher(kind or _detect_kind(argv), argv)
+
+
+def parse_hosts(text: str) -> list[tuple[str, int | None]]:
+    """``a:4,b:4`` (or ``a,b``) -> [("a", 4), ("b", 4)]."""
+    out: list[tuple[str, int | None]] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        host, _, count = part.partition(":")
+        if not host:
+            raise LaunchError(f"--hosts: empty host name in {text!r}")
+        if count and not (count.isdigit() and int(count) > 0):
+            raise LaunchError(f"--hosts: bad slot count {count!r} in {text!r} "
+                              f"(use host:N with N > 0)")
+        out.append((host, int(count) if count else None))
+    if not out:
+        raise LaunchError("--hosts: no host given")
+    return out
+
+
+def program_argv(script: str, args: Sequence[str], module: bool = False) -> list[str]:
+    """What runs on each rank: a ``.py`` under this Python, ``-m`` a module, else as is."""
+    if module:
+        return [sys.executable, "-m", script, *args]
+    if script.endswith(".py"):
+        return [sys.executable, script, *args]
+    return [script, *args]
+
+
+def build_command(launcher: Launcher, nranks: int, program: Sequence[str], *,
+                  hosts: str | None = None, hostfile: str | None = None,
+                  env: dict[str, str] | None = None) -> list[str]:
+    """The launcher's command line for ``program`` on ``nranks`` ranks, every variable of
+    ``env`` set on every rank."""
+    if nranks < 1:
+        raise LaunchError(f"-n must be at least 1 (got {nranks})")
+    env = env or {}
+    k = launcher.kind
+    cmd = list(launcher.argv)
+    if k == "mpich":
+        cmd += ["-n", str(nranks)]
+        if hosts:
+            cmd += ["-hosts", ",".join(h if c is None else f"{h}:{c}"
+                                      for h, c in parse_hosts(hosts))]
+        if hostfile:
+            cmd += ["-f", hostfile]
+        for name, val in env.items():
+            cmd += ["-genv", name, val]
+    elif k == "openmpi":
+        cmd += ["-n", str(nranks)]
+        if hosts:
+            cmd += ["--host", ",".join(h if c is None else f"{h}:{c}"
+                                       for h, c in parse_hosts(hosts))]
+        if hostfile:
+            cmd += ["--hostfile", hostfile]
+        for name, val in env.items():
+            cmd += ["-x", f"{name}={val}"]
+    elif k == "srun":
+        cmd += ["-n", str(nranks), "--kill-on-bad-exit=1"]
+        if hosts:
+            hs = parse_hosts(hosts)
+            counts = {c for _, c in hs}
+            cmd += ["--nodelist=" + ",".join(h for h, _ in hs), f"--nodes={len(hs)}"]
+            if counts != {None}:
+                if len(counts) != 1 or None in counts:
+                    raise LaunchError("--launcher srun: --hosts needs the same slot count on "
+                                      "every host (srun places ranks per node); use "
+                                      "--hostfile for anything else")
+                cmd += [f"--ntasks-per-node={counts.pop()}"]
+        if hostfile:
+            cmd += [f"--nodefile={hostfile}"]
+        bad = [n for n, v in env.items() if "," in v]
+        if bad:
+            raise LaunchError(f"--launcher srun: cannot pass {', '.join(bad)}: srun's "
+                              f"--export cannot carry a value with a comma")
+        cmd += ["--export=" + ",".join(["ALL"] + [f"{n}={v}" for n, v in env.items()])]
+    else:
+        raise LaunchError(f"unknown launcher kind {k!r}")
+    return cmd + list(program)
+
+
+def parse_env(items: Iterable[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        name, sep, val = item.partition("=")
+        if not sep or not name or not name.replace("_", "a").isalnum() or name[0].isdigit():
+            raise LaunchError(f"--env {item!r}: use NAME=VALUE")
+        out[name] = val
+    return out
+
+
+def job_env(extra: dict[str, str], environ: dict | None = None) -> dict[str, str]:
+    """Every GPURT_* variable of the caller, then ``extra`` (which wins)."""
+    environ = os.environ if environ is None else environ
+    out = {k: v for k, v in sorted(environ.items()) if k.startswith("GPURT_")}
+    out.pop("GPURT_MPIEXEC", None)   # the launcher's, not the ranks'
+    out.update(extra)
+    return out
+
+
+def quote(cmd: Sequence[str]) -> str:
+    return " ".join(shlex.quote(c) for c in cmd)
+
+
+# ---------------------------------------------------------------------------------------
+# the rank wrapper: runs on every rank, around the user's program
+# ---------------------------------------------------------------------------------------
+
+def _rank_from_env() -> int | None:
+    for v in RANK_VARS:
+        if os.environ.get(v, "").isdigit():
+            return int(os.environ[v])
+    return None
+
+
+def _set_pdeathsig(sig: int) -> None:
+    """Linux: deliver ``sig`` to this process when its parent dies."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, sig)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        pass
+
+
+def _pump(src, dst, prefix: bytes, keep: collections.deque | None) -> None:
+    """Copy lines from ``src`` to ``dst``, each prefixed; remember the last ones."""
+    for line in iter(src.readline, b""):
+        if keep is not None:
+            keep.append(line.rstrip(b"\n").decode("utf-8", "replace"))
+        try:
+            dst.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
+            dst.flush()
+        except (BrokenPipeError, ValueError):
+            pass
+    src.close()
+
+
+def rank_wrapper(cmd: list[str]) -> int:
+    """Run ``cmd`` as this rank; see the module docstring."""
+    _set_pdeathsig(signal.SIGTERM)     # our launcher's proxy died: stop too
+    rank = _rank_from_env()
+    tag = os.environ.get(TAG_VAR) == "1"
+    prefix = f"[rank {rank if rank is not None else '?'}] ".encode() if tag else b""
+    last: collections.deque = collections.deque(maxlen=LAST_LINES)
+    env = dict(os.environ)
+    env.pop(DIR_VAR, None)
+    env.pop(TAG_VAR, None)
+
+    def child_setup() -> None:   # in the child, before exec: die with the wrapper
+        _set_pdeathsig(signal.SIGKILL)
+
+    started = time.time()
+    try:
+        child = subprocess.Popen(cmd, env=env, close_fds=False, preexec_fn=child_setup,
+                                 stdout=subprocess.PIPE if tag else None,
+                                 stderr=subprocess.PIPE)
+    except OSError as e:
+        msg = f"gpurt launch: cannot run {quote(cmd)}: {e}"
+        sys.stderr.write(prefix.decode() + msg + "\n")
+        _write_record({"rank": rank, "host": socket.gethostname(), "pid": None,
+                       "exit_code": 127, "signal": None, "time": time.time(),
+                       "started": started, "stderr_tail": [msg]})
+        return 127
+
+    def forward(signum, _frame) -> None:
+        try:
+            child.send_signal(signum)
+        except ProcessLookupError:
+            pass
+
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(s, forward)
+    pumps = [threading.Thread(target=_pump, args=(child.stderr, sys.stderr.buffer, prefix, last),
+                              daemon=True)]
+    if tag:
+        pumps.append(threading.Thread(target=_pump, daemon=True,
+                                      args=(child.stdout, sys.stdout.buffer, prefix, None)))
+    for t in pumps:
+        t.start()
+    while True:
+        try:
+            rc = child.wait()
+            break
+        except InterruptedError:  # pragma: no cover
+            continue
+    ended = time.time()
+    for t in pumps:   # a grandchild may keep the pipes open: don't wait for it forever
+        t.join(timeout=2.0)
+    sig = -rc if rc < 0 else None
+    _write_record({"rank": rank, "host": socket.gethostname(), "pid": child.pid,
+                   "exit_code": rc if rc >= 0 else None,
+                   "signal": signal.Signals(sig).name if sig else None,
+                   "time": ended, "started": started, "stderr_tail": list(last)})
+    if sig:   # end as the child ended: the launcher sees the same signal
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+            signal.signal(s, signal.SIG_DFL)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.kill(os.getpid(), sig)
+        time.sleep(1)
+        return 128 + sig
+    return rc
+
+
+def _write_record(rec: dict) -> None:
+    d = os.environ.get(DIR_VAR)
+    data = json.dumps(rec)
+    if d and os.path.isdir(d):
+        name = f"rank-{rec['rank'] if rec['rank'] is not None else 'x'}-{os.getpid()}.json"
+        tmp = os.path.join(d, name + ".tmp")
+        with open(tmp, "w") as f:
+            f.write(data)
+        os.replace(tmp, os.path.join(d, name))   # atomic: the parent never reads half
+        return
+    try:   # another node: tell the parent through our stderr
+        sys.stderr.buffer.write(MARKER + data.encode() + b"\n")
+        sys.stderr.flush()
+    except (BrokenPipeError, ValueError):
+        pass
+
+
+# ---------------------------------------------------------------------------------------
+# the parent
+# ---------------------------------------------------------------------------------------
+
+@dataclass
+class Result:
+    returncode: int
+    records: list[dict] = field(default_factory=list)
+    reason: str = "done"        # done | failed | timeout | interrupted
+    launcher_rc: int | None = None
+
+    @property
+    def first_failure(self) -> dict | None:
+        bad = [r for r in self.records if r.get("exit_code") != 0]
+        return min(bad, key=lambda r: r["time"]) if bad else None
+
+
+def _how(rec: dict) -> str:
+    if rec.get("signal"):
+        num = getattr(signal, rec["signal"], None)
+        return f"signal {rec['signal']}" + (f" ({int(num)})" if num is not None else "")
+    return f"exit code {rec.get('exit_code')}"
+
+
+def _rc_of(rec: dict) -> int:
+    if rec.get("signal"):
+        return 128 + int(getattr(signal, rec["signal"], 0))
+    return int(rec.get("exit_code") or 1)
+
+
+def _read_records(d: Path, extra: list[dict]) -> list[dict]:
+    recs = list(extra)
+    for p in sorted(d.glob("rank-*.json")):
+        try:
+            recs.append(json.loads(p.read_text()))
+        except (OSError, ValueError):
+            pass
+    return sorted(recs, key=lambda r: (r.get("rank") is None, r.get("rank") or 0))
+
+
+def _has_failure(d: Path, extra: list[dict]) -> bool:
+    return any(r.get("exit_code") != 0 for r in _read_records(d, extra))
+
+
+def _pass_through(src, dst, records: list[dict]) -> None:
+    for line in iter(src.readline, b""):
+        if line.startswith(MARKER):
+            try:
+                records.append(json.loads(line[len(MARKER):]))
+                continue
+            except ValueError:
+                pass
+        try:
+            dst.write(line)
+            dst.flush()
+        except (BrokenPipeError, ValueError):
+            pass
+    src.close()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # pragma: no cover
+        return True
+
+
+def run_job(launcher: Launcher, nranks: int, program: Sequence[str], *,
+            hosts: str | None = None, hostfile: str | None = None,
+            env: dict[str, str] | None = None, tag_output: bool = False,
+            timeout: float | None = None, report: Callable[[str], None] | None = None,
+            stdout=None, stderr=None) -> Result:
+    """Run ``program`` on ``nranks`` ranks through ``launcher``; see the module docstring.
+    ``report`` receives gpurt launch's own messages (default: stderr)."""
+    report = report or (lambda m: print(m, file=sys.stderr, flush=True))
+    stdout = stdout or sys.stdout.buffer
+    stderr = stderr or sys.stderr.buffer
+    shm_before = set(_mpich_shm_files())
+    jobdir = Path(tempfile.mkdtemp(prefix="gpurt-launch-"))
+    marker_records: list[dict] = []
+    try:
+        ranks_env = dict(env or {})
+        ranks_env[DIR_VAR] = str(jobdir)
+        if tag_output:
+            ranks_env[TAG_VAR] = "1"
+        wrapped = [sys.executable, "-m", "gpurt.launch.launcher", "--rank-wrapper", "--",
+                   *program]
+        cmd = build_command(launcher, nranks, wrapped, hosts=hosts, hostfile=hostfile,
+                            env=ranks_env)
+        penv = dict(os.environ)
+        penv.update(ranks_env)   # also in the launcher's own environment (srun's ALL, ...)
+        try:
+            proc = subprocess.Popen(cmd, env=penv, stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    start_new_session=True)
+        except OSError as e:
+            raise LaunchError(f"cannot start {quote(cmd)}: {e}") from None
+        pgid = proc.pid
+        pumps = [threading.Thread(target=_pass_through, args=(proc.stdout, stdout, marker_records),
+                                  daemon=True),
+                 threading.Thread(target=_pass_through, args=(proc.stderr, stderr, marker_records),
+                                  daemon=True)]
+        for t in pumps:
+            t.start()
+
+        got_signal: list[int] = []
+
+        def on_signal(signum, _frame) -> None:
+            got_signal.append(signum)
+
+        old = {}
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM):
+                old[s] = signal.signal(s, on_signal)
+        reason = "done"
+        deadline = time.monotonic() + timeout if timeout else None
+        failed_at: float | None = None
+        next_check = 0.0
+        try:
+            while proc.poll() is None:
+                now = time.monotonic()
+                if got_signal:
+                    reason = "interrupted"
+                    _stop(proc, pgid, got_signal[0])
+                    break
+                if deadline is not None and now >= deadline:
+                    reason = "timeout"
+                    _stop(proc, pgid, signal.SIGTERM)
+                    break
+                if now >= next_check:   # a rank failed and the launcher keeps the rest?
+                    next_check = now + 0.25
+                    if failed_at is None and _has_failure(jobdir, marker_records):
+                        failed_at = now
+                    if failed_at is not None and now - failed_at > FAIL_GRACE:
+                        reason = "failed"
+                        report(f"gpurt launch: a rank failed and the launcher did not stop "
+                               f"the others in {FAIL_GRACE:.0f} s: stopping them")
+                        _stop(proc, pgid, signal.SIGTERM)
+                        break
+                time.sleep(0.05)
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+        launcher_rc = proc.wait()
+        # whatever of the job is still here (a rank that ignored every signal, a daemon it
+        # left): the launcher's session is ours, end it
+        if _group_alive(pgid):
+            time.sleep(0.2)
+            if _group_alive(pgid):
+                try:
+                    os.killpg(pgid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for t in pumps:
+            t.join(timeout=2.0)
+        records = _read_records(jobdir, marker_records)
+    finally:
+        shutil.rmtree(jobdir, ignore_errors=True)
+
+    res = Result(0, records, reason, launcher_rc)
+    first = res.first_failure
+    if reason == "timeout":
+        res.returncode = 124
+        report(f"gpurt launch: timed out after {timeout:g} s: stopped every rank")
+    elif reason == "interrupted":
+        sig = got_signal[0]
+        res.returncode = 128 + sig
+        report(f"gpurt launch: {signal.Signals(sig).name}: stopped every rank")
+    elif first is not None:
+        res.returncode = _rc_of(first) or 1
+        if reason == "done":
+            res.reason = "failed"
+    elif launcher_rc != 0:
+        res.returncode = launcher_rc if launcher_rc > 0 else 128 - launcher_rc
+        res.reason = "failed"
+        report(f"gpurt launch: the launcher ({launcher.kind}) exited "
+               f"{'with signal ' + signal.Signals(-launcher_rc).name if launcher_rc < 0 else launcher_rc}"
+               f" and no rank reported a failure")
+    if first is not None and reason in ("done", "failed"):
+        report(failure_report(first, res.records, nranks))
+    if res.returncode != 0:
+        left = [f for f in _mpich_shm_files() if f not in shm_before]
+        if left:
+            report(f"gpurt launch: note: /dev/shm holds MPICH segments ({', '.join(left[:5])}"
+                   f"{' ...' if len(left) > 5 else ''}); a rank killed by SIGKILL can leave "
+                   f"them (gpurt's own segments never stay)")
+    return res
+
+
+def failure_report(first: dict, records: list[dict], nranks: int) -> str:
+    lines = [f"gpurt launch: rank {first.get('rank')} (host {first.get('host')}, pid "
+             f"{first.get('pid')}) failed first: {_how(first)}"]
+    tail = first.get("stderr_tail") or []
+    if tail:
+        lines.append(f"  its last {len(tail)} line(s) of stderr:")
+        lines += [f"    | {t}" for t in tail]
+    else:
+        lines.append("  it wrote nothing to stderr")
+    others = [r for r in records if r is not first and r.get("exit_code") != 0]
+    if others:
+        lines.append("  then: " + "; ".join(f"rank {r.get('rank')} {_how(r)}" for r in others))
+    known = {r.get("rank") for r in records}
+    gone = [r for r in range(nranks) if r not in known]
+    if gone:
+        lines.append(f"  stopped by the launcher (no status): rank(s) "
+                     f"{', '.join(map(str, gone))}")
+    return "\n".join(lines)
+
+
+def _mpich_shm_files() -> list[str]:
+    try:
+        return sorted(f for f in os.listdir("/dev/shm") if f.startswith("mpich_shm_"))
+    except OSError:
+        return []
+
+
+def _stop(proc: subprocess.Popen, pgid: int, first_signal: int) -> None:
+    """Stop the job: ``first_signal`` to the launcher (which forwards it to every rank),
+    then SIGTERM, then SIGKILL to the launcher's whole process group."""
+    steps = [(first_signal, False), (signal.SIGTERM, False), (signal.SIGKILL, True)]
+    for sig, group in steps:
+        try:
+            if group:
+                os.killpg(pgid, sig)
+            else:
+                proc.send_signal(sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=STOP_GRACE)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--rank-wrapper"]:
+        rest = argv[1:]
+        if rest[:1] == ["--"]:
+            rest = rest[1:]
+        if not rest:
+            print("gpurt.launch.launcher --rank-wrapper: no command", file=sys.stderr)
+            return 2
+        return rank_wrapper(rest)
+    print("usage: python -m gpurt.launch.launcher --rank-wrapper -- CMD [ARGS...]\n"
+          "(use `gpurt launch` to start a job)", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
