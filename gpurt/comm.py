@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import os
 import socket
+import sys
 import weakref
 import zlib
 from functools import lru_cache
@@ -98,6 +99,7 @@ class Communicator:
             self._release()
             raise
         _LIVE.add(self)
+        _install_excepthook()
 
     # -- set-up ----------------------------------------------------------------
     def _connect(self) -> None:
@@ -801,6 +803,35 @@ def init() -> Communicator:
     if _WORLD is None or _WORLD.closed:
         _WORLD = Communicator(_mpi().COMM_WORLD)
     return _WORLD
+
+
+_HOOKED = False
+
+
+def _install_excepthook() -> None:
+    """With ``GPURT_EXCEPTHOOK=1`` (the default), an unhandled exception in the main thread
+    is published to every live communicator's peers before the process dies, so they
+    raise ``PeerFailure`` naming this rank and the exception instead of waiting; then the
+    previous hook runs as before."""
+    global _HOOKED
+    if _HOOKED or not config.get("GPURT_EXCEPTHOOK"):
+        return
+    _HOOKED = True
+    previous = sys.excepthook
+
+    def hook(etype, value, tb):
+        text = f"{etype.__name__}: {value}"
+        for c in list(_LIVE):
+            for t in c._transports:
+                publish = getattr(t, "publish_error", None)
+                if publish is not None:
+                    try:
+                        publish(text)
+                    except Exception:  # noqa: BLE001 - never mask the user's error
+                        pass
+        previous(etype, value, tb)
+
+    sys.excepthook = hook
 
 
 @atexit.register

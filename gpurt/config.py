@@ -82,6 +82,9 @@ VARIABLES: tuple[Var, ...] = (
     Var("GPURT_COST", "", _cost,
         "Override the tuner's cost constants: 'shm=ALPHA_S/BW_Bps/REDUCE_Bps', e.g. "
         "'shm=3e-6/4e9/2e9'."),
+    Var("GPURT_EXCEPTHOOK", "1", lambda s: s.strip().lower() not in ("0", "false", "no", "off"),
+        "Publish an unhandled exception to the peers (they raise PeerFailure naming this "
+        "rank and the exception) before the usual traceback; 0 leaves sys.excepthook alone."),
     Var("GPURT_LOG", "warning", lambda s: s.strip().upper(),
         "Level of the 'gpurt' logger: debug, info, warning, error."),
 )

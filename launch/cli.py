@@ -4,6 +4,8 @@
     gpurt info [--json] [--env]
     gpurt bench COLLECTIVE -n NRANKS [-b 8 -e 256M -f 2 ...]   (launch/bench.py)
     gpurt tune -n NRANKS -o profile.json                      (launch/tune.py)
+    gpurt launch -n NRANKS [--hosts a:4,b:4] PROGRAM [ARGS...]  (launch/launcher.py)
+    gpurt topo [-n NRANKS] [--json]                          (launch/topo.py)
 """
 
 from __future__ import annotations
@@ -85,6 +87,13 @@ def main() -> None:
       gpurt bench allreduce -n 4 -b 8 -e 256M -f 2 --baseline mpi
                                   nccl-tests-style sweep (gpurt bench --help)
       gpurt tune -n 4 -o prof.json  measure every algorithm; GPURT_PROFILE=prof.json
+      gpurt launch -n 4 train.py --lr 0.1
+                                  run on 4 ranks; a failed rank is named, with its stderr
+      gpurt topo -n 4             nodes, ranks, rails, leaders, transport matrix
+
+    \b
+    Shell completion (bash; zsh/fish: zsh_source/fish_source):
+      eval "$(_GPURT_COMPLETE=bash_source gpurt)"
     """
 
 
@@ -141,6 +150,12 @@ from gpurt.launch.tune import tune_command  # noqa: E402
 
 main.add_command(bench_command, "bench")
 main.add_command(tune_command(), "tune")
+
+from gpurt.launch.launcher import launch_command  # noqa: E402
+from gpurt.launch.topo import topo_command  # noqa: E402
+
+main.add_command(launch_command(), "launch")
+main.add_command(topo_command(), "topo")
 
 
 if __name__ == "__main__":  # pragma: no cover

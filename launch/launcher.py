@@ -54,7 +54,7 @@ KINDS = ("mpich", "openmpi", "srun")
 RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
 SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS")
 STOP_GRACE = 3.0   # seconds between the steps of stopping a job
-FAIL_GRACE = 5.0   # seconds a launcher gets to stop the job itself after a rank failed
+FAIL_GRACE = 2.0   # seconds a launcher gets to stop the job itself after a rank failed
 
 
 class LaunchError(Exception):
@@ -480,6 +480,7 @@ def run_job(launcher: Launcher, nranks: int, program: Sequence[str], *,
             for s, h in old.items():
                 signal.signal(s, h)
         launcher_rc = proc.wait()
+        killed_group = launcher_rc == -signal.SIGKILL
         # whatever of the job is still here (a rank that ignored every signal, a daemon it
         # left): the launcher's session is ours, end it
         if _group_alive(pgid):
@@ -487,6 +488,7 @@ def run_job(launcher: Launcher, nranks: int, program: Sequence[str], *,
             if _group_alive(pgid):
                 try:
                     os.killpg(pgid, signal.SIGKILL)
+                    killed_group = True
                 except ProcessLookupError:
                     pass
         for t in pumps:
@@ -516,7 +518,9 @@ def run_job(launcher: Launcher, nranks: int, program: Sequence[str], *,
                f" and no rank reported a failure")
     if first is not None and reason in ("done", "failed"):
         report(failure_report(first, res.records, nranks))
-    if res.returncode != 0:
+    killed = killed_group or any(r.get("signal") == "SIGKILL" for r in res.records) or (
+        first is None and launcher_rc not in (0, None))
+    if res.returncode != 0 and killed:
         left = [f for f in _mpich_shm_files() if f not in shm_before]
         if left:
             report(f"gpurt launch: note: /dev/shm holds MPICH segments ({', '.join(left[:5])}"
@@ -569,6 +573,80 @@ def _stop(proc: subprocess.Popen, pgid: int, first_signal: int) -> None:
             return
         except subprocess.TimeoutExpired:
             continue
+
+
+# ---------------------------------------------------------------------------------------
+# the click command
+# ---------------------------------------------------------------------------------------
+
+def launch_options(f):
+    """The options ``gpurt launch`` and ``gpurt topo -n`` share."""
+    import click
+
+    for opt in reversed([
+        click.option("--hosts", metavar="H:N,H:N", help="Hosts and their slots, e.g. a:4,b:4."),
+        click.option("--hostfile", type=click.Path(dir_okay=False),
+                     help="A host file in the launcher's own syntax."),
+        click.option("--launcher", "launcher_kind", type=click.Choice(KINDS),
+                     help="Which launcher to drive (default: srun inside a Slurm job, else "
+                          "$GPURT_MPIEXEC or the mpiexec beside this Python)."),
+    ]):
+        f = opt(f)
+    return f
+
+
+def launch_command():
+    import click
+
+    @click.command(context_settings={"ignore_unknown_options": True,
+                                     "allow_interspersed_args": False})
+    @click.option("-n", "--nranks", "-np", type=click.IntRange(min=1), required=True,
+                  help="Number of ranks.")
+    @launch_options
+    @click.option("-m", "module", is_flag=True,
+                  help="PROGRAM is a module: run `python -m PROGRAM` on every rank.")
+    @click.option("--env", "env_items", multiple=True, metavar="K=V",
+                  help="Set K=V on every rank (repeatable). Every GPURT_* variable of the "
+                       "caller is passed too.")
+    @click.option("--tag-output", is_flag=True, help="Prefix every output line with [rank N].")
+    @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS",
+                  help="Bound the whole job: stop every rank and exit 124 after SECONDS.")
+    @click.option("--dry-run", is_flag=True, help="Print the launcher's command; run nothing.")
+    @click.argument("program")
+    @click.argument("args", nargs=-1, type=click.UNPROCESSED)
+    def launch(nranks, hosts, hostfile, launcher_kind, module, env_items, tag_output, timeout,
+               dry_run, program, args):
+        """Run PROGRAM on N ranks through mpiexec (MPICH), mpirun (Open MPI) or srun.
+
+        A .py PROGRAM runs under this Python, `-m PROGRAM` as a module, anything else as
+        is; everything after PROGRAM is passed to it.  When a rank fails, the others are
+        stopped and gpurt launch says which rank, on which host, how it died and what it
+        last wrote to stderr; its exit code is that rank's (128+N for signal N; 124 on
+        --timeout).
+
+        \b
+        Examples:
+          gpurt launch -n 4 train.py --lr 0.1
+          gpurt launch -n 4 -m mypkg.train --epochs 3
+          gpurt launch -n 8 --hosts a:4,b:4 --tag-output train.py
+          gpurt launch -n 4 --env GPURT_ALGO=allreduce:ring --timeout 600 train.py
+          gpurt launch -n 2 --dry-run train.py      (print the command only)
+        """
+        try:
+            launcher = find_launcher(launcher_kind)
+            prog = program_argv(program, args, module)
+            env = job_env(parse_env(env_items))
+            if dry_run:
+                click.echo(quote(build_command(launcher, nranks, prog, hosts=hosts,
+                                               hostfile=hostfile, env=env)))
+                return
+            res = run_job(launcher, nranks, prog, hosts=hosts, hostfile=hostfile, env=env,
+                          tag_output=tag_output, timeout=timeout)
+        except LaunchError as e:
+            raise click.UsageError(str(e)) from None
+        sys.exit(res.returncode)
+
+    return launch
 
 
 def main(argv: list[str] | None = None) -> int:

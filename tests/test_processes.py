@@ -276,3 +276,48 @@ def test_full_dev_shm_is_a_resource_error_at_creation(tmp_path):
         assert os.listdir(d) == []
     finally:
         subprocess.run(["umount", str(d)], capture_output=True)
+
+
+REMOTE_ERROR = """
+import numpy as np, gpurt, os, sys, time
+c = gpurt.init()
+def report(text):
+    with open(os.path.join(sys.argv[1], f"rank{c.rank}"), "w") as f:
+        f.write(text)
+x = np.ones(10, np.float32)
+c.allreduce(x)
+if c.rank == 1:
+    raise ValueError("bad batch 17")   # unhandled: the hook tells the peers
+t = time.monotonic()
+try:
+    c.allreduce(x, timeout=4)
+    report("no error")
+except gpurt.GpurtError as e:
+    report(f"{type(e).__name__} rank={getattr(e, 'rank', None)} "
+           f"after {time.monotonic() - t:.2f}s: {e}")
+sys.exit(0)       # a normal exit: MPI_Finalize with rank 1, which is finalizing too
+"""
+
+
+@pytest.mark.parametrize("hook", ["1", "0"])
+def test_unhandled_exception_reaches_the_peers(hook, tmp_path):
+    """An unhandled exception on rank 1 becomes PeerFailure(rank=1) on its peers within a
+    second, carrying the exception's type and message (GPURT_EXCEPTHOOK=1).  Without the
+    hook (=0) rank 1 sits in MPI_Finalize, alive, and its peers only learn of it by their
+    deadline — the hang the hook exists to avoid."""
+    if not is_hydra():
+        pytest.skip("uses MPICH hydra's -disable-auto-cleanup; this launcher is not hydra")
+    proc = subprocess.run([mpiexec(), "-disable-auto-cleanup", "-n", "3", sys.executable, "-c",
+                           REMOTE_ERROR, str(tmp_path)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env=dict(os.environ, GPURT_EXCEPTHOOK=hook))
+    assert "ValueError: bad batch 17" in proc.stderr          # the usual traceback still
+    got = {f.name: f.read_text() for f in tmp_path.iterdir()}
+    for r in (0, 2):
+        line = got.get(f"rank{r}", "")
+        took = float(line.split(" after ")[1].split("s:")[0]) if " after " in line else -1
+        if hook == "1":
+            assert line.startswith("PeerFailure rank=1 "), (got, proc.stderr[-2000:])
+            assert "failed: ValueError: bad batch 17" in line and 0 <= took < 1.0, line
+        else:
+            assert line.startswith("CollectiveTimeout"), (got, proc.stderr[-2000:])
+            assert "[1]" in line and took >= 4.0, line

@@ -63,11 +63,16 @@ _SLOT_HDR = 64
 _BOUNCE = 256 * 1024          # reductions of single-copy data go through this much cache
 
 
+_ERR = 256                    # per local rank: length word + the text of its fatal error
+
+
 def header_bytes(nlocal: int) -> int:
     """Header: word 0 magic, words 8.. one pid per local rank, then one probe address per
-    local rank; page-aligned, one page at least."""
-    words = 8 + 2 * nlocal
-    return max(_HDR, -(-words * 8 // 4096) * 4096)
+    local rank, then one error record per local rank; page-aligned, one page at least."""
+    nbytes = (8 + 2 * nlocal) * 8 + _ERR * nlocal
+    return max(_HDR, -(-nbytes // 4096) * 4096)
+
+
 _names = itertools.count()
 
 def _pid_state(pid: int) -> str:
@@ -171,6 +176,25 @@ class _Segment:
     def probe_i(self, k: int) -> int:
         """Word index of local rank k's single-copy probe address."""
         return 8 + self.nlocal + k
+
+    def err_off(self, k: int) -> int:
+        """Byte offset of local rank k's error record (length word, then UTF-8 text)."""
+        return (8 + 2 * self.nlocal) * 8 + _ERR * k
+
+    def write_error(self, k: int, text: str) -> None:
+        data = text.encode("utf-8", "replace")[:_ERR - 8]
+        off = self.err_off(k)
+        self.u8[off + 8:off + 8 + len(data)] = np.frombuffer(data, np.uint8)
+        _fence()
+        self.q[off // 8] = len(data)
+
+    def read_error(self, k: int) -> str:
+        off = self.err_off(k)
+        n = self.q[off // 8]
+        if not n:
+            return ""
+        _fence()
+        return bytes(self.u8[off + 8:off + 8 + min(n, _ERR - 8)]).decode("utf-8", "replace")
 
     def ring_offset(self, src: int, dst: int, lane: int) -> int:
         pair = src * (self.nlocal - 1) + (dst if dst < src else dst - 1)
@@ -374,9 +398,13 @@ class ShmEndpoint:
     def check(self) -> None:
         """PeerFailure if the peer process is gone, or has been stopped (SIGSTOP, a
         debugger) for longer than GPURT_PEER_STOPPED; a shorter freeze is not a failure."""
+        seg = self.owner.seg
         if not self._pid:
-            seg = self.owner.seg
             self._pid = seg.q[seg.pid_i(self.local_peer)]
+        err = seg.read_error(self.local_peer)
+        if err:
+            raise PeerFailure(f"rank {self.peer} (pid {self._pid}, same node) failed: {err}",
+                              rank=self.peer)
         state = _pid_state(self._pid)
         if state in ("gone", "Z", "X"):
             raise PeerFailure(f"rank {self.peer} (pid {self._pid}, same node) has exited",
@@ -534,6 +562,11 @@ class ShmTransport:
         if whys:
             log.info("shm: single-copy (CMA) disabled: %s", whys[0])
         return whys[0] if whys else ""
+
+    def publish_error(self, text: str) -> None:
+        """Tell the local peers why this rank is going down (read by their ``check``)."""
+        if self.seg is not None and self.local_rank >= 0:
+            self.seg.write_error(self.local_rank, text)
 
     def _drain_single_copy(self, bound: float = 5.0) -> None:
         """A single-copy send's data is read by the peer from *our* memory after we have

@@ -1,0 +1,281 @@
+"""``gpurt launch``, ``gpurt topo`` and examples/ddp_numpy.py, on real processes.
+
+Each job is small and bounded; every test that starts ranks also checks that none of its
+processes is left (their command lines carry the test's own temporary directory).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, mpiexec
+
+from gpurt.launch import launcher as L
+from gpurt.launch.topo import _ranges, render
+
+RANK = ("int(next(os.environ[v] for v in ('PMI_RANK', 'OMPI_COMM_WORLD_RANK', "
+        "'SLURM_PROCID') if v in os.environ))")
+
+
+def gpurt_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "gpurt.launch.cli", *args]
+
+
+def env_for_tests(**extra: str) -> dict:
+    e = dict(os.environ)
+    e.setdefault("GPURT_MPIEXEC", mpiexec())
+    e.setdefault("GPURT_TIMEOUT", "60")
+    e.pop("SLURM_JOB_ID", None)   # the local launcher even inside a Slurm allocation
+    e.update(extra)
+    return e
+
+
+def run(args: list[str], *, timeout: float = 60, **extra: str) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(gpurt_cmd(*args), cwd=ROOT, env=env_for_tests(**extra),
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"gpurt {' '.join(args)} did not finish in {timeout} s\n"
+                    f"stdout:\n{e.stdout}\nstderr:\n{e.stderr}")
+
+
+def script(tmp_path: Path, name: str, body: str) -> str:
+    p = tmp_path / name
+    p.write_text("import os, sys, time\n" + textwrap.dedent(body))
+    return str(p)
+
+
+def left_running(token: str) -> list[str]:
+    """Processes (other than this one) whose command line mentions ``token``."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if token in cmd:
+            out.append(f"{pid}: {cmd}")
+    return out
+
+
+def assert_nothing_left(token: str, within: float = 3.0) -> None:
+    deadline = time.monotonic() + within
+    while left_running(token) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert left_running(token) == []
+
+
+def both(p: subprocess.CompletedProcess) -> str:
+    return p.stdout + p.stderr
+
+
+# -- pure functions ------------------------------------------------------------------------
+
+def test_command_lines_per_launcher():
+    prog = ["python", "t.py", "--lr", "0.1"]
+    env = {"GPURT_ALGO": "allreduce:ring", "K": "v w"}
+    m = L.build_command(L.Launcher("mpich", ["mpiexec"]), 8, prog, hosts="a:4,b:4",
+                        hostfile="hf", env=env)
+    assert m == ["mpiexec", "-n", "8", "-hosts", "a:4,b:4", "-f", "hf",
+                 "-genv", "GPURT_ALGO", "allreduce:ring", "-genv", "K", "v w"] + prog
+    o = L.build_command(L.Launcher("openmpi", ["mpirun"]), 8, prog, hosts="a:4,b:4",
+                        hostfile="hf", env=env)
+    assert o == ["mpirun", "-n", "8", "--host", "a:4,b:4", "--hostfile", "hf",
+                 "-x", "GPURT_ALGO=allreduce:ring", "-x", "K=v w"] + prog
+    s = L.build_command(L.Launcher("srun", ["srun"]), 8, prog, hosts="a:4,b:4", env=env)
+    assert s == ["srun", "-n", "8", "--kill-on-bad-exit=1", "--nodelist=a,b", "--nodes=2",
+                 "--ntasks-per-node=4", "--export=ALL,GPURT_ALGO=allreduce:ring,K=v w"] + prog
+    with pytest.raises(L.LaunchError, match="same slot count"):
+        L.build_command(L.Launcher("srun", ["srun"]), 6, prog, hosts="a:4,b:2")
+    with pytest.raises(L.LaunchError, match="comma"):
+        L.build_command(L.Launcher("srun", ["srun"]), 2, prog, env={"X": "a,b"})
+    with pytest.raises(L.LaunchError, match="slot count"):
+        L.parse_hosts("a:x")
+    assert L.parse_hosts("a, b:2") == [("a", None), ("b", 2)]
+
+
+def test_program_env_and_launcher_choice(monkeypatch):
+    assert L.program_argv("t.py", ["-x"]) == [sys.executable, "t.py", "-x"]
+    assert L.program_argv("pkg.mod", ["-x"], module=True) == [sys.executable, "-m", "pkg.mod", "-x"]
+    assert L.program_argv("hostname", []) == ["hostname"]
+    assert L.parse_env(["A=1", "B=x=y", "C="]) == {"A": "1", "B": "x=y", "C": ""}
+    for bad in ("A", "=1", "1A=2", "A-B=1"):
+        with pytest.raises(L.LaunchError):
+            L.parse_env([bad])
+    env = L.job_env({"GPURT_LOG": "debug"}, {"GPURT_LOG": "info", "GPURT_TIMEOUT": "9",
+                                             "GPURT_MPIEXEC": "x", "HOME": "/h"})
+    assert env == {"GPURT_LOG": "debug", "GPURT_TIMEOUT": "9"}
+    if L.shutil.which("srun") is None:
+        with pytest.raises(L.LaunchError, match="srun"):
+            L.find_launcher(None, {"SLURM_JOB_ID": "1"})
+    monkeypatch.setenv("GPURT_MPIEXEC", "/bin/echo -x")
+    assert L.find_launcher("openmpi").argv == ["/bin/echo", "-x"]
+
+
+def test_failure_report_text():
+    first = {"rank": 1, "host": "h", "pid": 7, "exit_code": None, "signal": "SIGKILL",
+             "time": 1.0, "stderr_tail": ["a", "b"]}
+    other = {"rank": 0, "host": "h", "pid": 8, "exit_code": None, "signal": "SIGTERM",
+             "time": 2.0, "stderr_tail": []}
+    text = L.failure_report(first, [other, first], 3)
+    assert "rank 1 (host h, pid 7) failed first: signal SIGKILL (9)" in text
+    assert "| b" in text and "rank 0 signal SIGTERM" in text
+    assert "no status): rank(s) 2" in text
+
+
+# -- gpurt launch on real processes ----------------------------------------------------------
+
+def test_launch_three_ranks(tmp_path):
+    s = script(tmp_path, "hello.py", f"print('hello', {RANK}, sys.argv[1:])\n")
+    t0 = time.monotonic()
+    p = run(["launch", "-n", "3", s, "--lr", "0.1", "-n", "9"])
+    assert p.returncode == 0, both(p)
+    lines = sorted(l for l in p.stdout.splitlines() if l.startswith("hello"))
+    assert lines == [f"hello {r} ['--lr', '0.1', '-n', '9']" for r in range(3)], both(p)
+    assert time.monotonic() - t0 < 30
+    assert_nothing_left(str(tmp_path))
+
+
+def test_dry_run_prints_the_command(tmp_path):
+    p = run(["launch", "-n", "3", "--launcher", "mpich", "--env", "K=V", "--dry-run",
+             "t.py", "--x", "1"], GPURT_ALGO="allreduce:ring")
+    assert p.returncode == 0, both(p)
+    out = p.stdout.strip()
+    assert " -n 3 " in out and "-genv K V" in out and "-genv GPURT_ALGO allreduce:ring" in out
+    assert out.endswith(f"{sys.executable} t.py --x 1")
+    assert "gpurt.launch.launcher" not in out   # what the user asked for, not the wrapper
+    p = run(["launch", "-n", "2", "--launcher", "openmpi", "--env", "K=V", "--dry-run",
+             "-m", "pkg.mod"])
+    assert "-x K=V" in p.stdout and p.stdout.strip().endswith(f"{sys.executable} -m pkg.mod")
+
+
+def test_env_and_gpurt_variables_reach_every_rank(tmp_path):
+    s = script(tmp_path, "env.py", f"print('env', {RANK}, os.environ.get('K'), "
+                                   f"os.environ.get('GPURT_LAUNCH_TEST_VAR'))\n")
+    p = run(["launch", "-n", "3", "--env", "K=a b", s], GPURT_LAUNCH_TEST_VAR="yes")
+    assert p.returncode == 0, both(p)
+    lines = sorted(l for l in p.stdout.splitlines() if l.startswith("env"))
+    assert lines == [f"env {r} a b yes" for r in range(3)], both(p)
+
+
+def test_tag_output(tmp_path):
+    s = script(tmp_path, "tag.py", "print('out line'); print('err line', file=sys.stderr)\n")
+    p = run(["launch", "-n", "2", "--tag-output", s])
+    assert p.returncode == 0, both(p)
+    assert sorted(l for l in p.stdout.splitlines() if "out line" in l) == \
+        ["[rank 0] out line", "[rank 1] out line"]
+    assert sorted(l for l in p.stderr.splitlines() if "err line" in l) == \
+        ["[rank 0] err line", "[rank 1] err line"]
+
+
+def test_rank_exit_code_is_reported_and_others_stopped(tmp_path):
+    s = script(tmp_path, "exit3.py", f"""
+        r = {RANK}
+        if r == 1:
+            print('some context', file=sys.stderr)
+            print('the last words of rank 1', file=sys.stderr)
+            sys.exit(3)
+        time.sleep(60)
+        """)
+    t0 = time.monotonic()
+    p = run(["launch", "-n", "3", s], timeout=40)
+    took = time.monotonic() - t0
+    assert p.returncode == 3, both(p)
+    assert "rank 1 " in p.stderr and "exit code 3" in p.stderr, p.stderr
+    assert "| the last words of rank 1" in p.stderr
+    assert took < 20, f"the other ranks were not stopped quickly ({took:.1f} s)"
+    assert_nothing_left(str(tmp_path))
+
+
+def test_rank_killed_by_sigkill(tmp_path):
+    s = script(tmp_path, "kill9.py", """
+        from mpi4py import MPI
+        if MPI.COMM_WORLD.rank == 1:
+            print('about to be killed', file=sys.stderr, flush=True)
+            os.kill(os.getpid(), 9)
+        time.sleep(60)
+        """)
+    t0 = time.monotonic()
+    p = run(["launch", "-n", "3", s], timeout=40)
+    assert p.returncode != 0, both(p)
+    assert "rank 1 " in p.stderr and "signal SIGKILL" in p.stderr, p.stderr
+    assert "| about to be killed" in p.stderr
+    assert time.monotonic() - t0 < 20
+    assert_nothing_left(str(tmp_path))
+
+
+def test_timeout_stops_everything(tmp_path):
+    s = script(tmp_path, "sleepy.py", "print('up', flush=True); time.sleep(60)\n")
+    t0 = time.monotonic()
+    p = run(["launch", "-n", "2", "--timeout", "2", s], timeout=40)
+    took = time.monotonic() - t0
+    assert p.returncode == 124, both(p)
+    assert "timed out after 2 s" in p.stderr
+    assert took < 12, took
+    assert_nothing_left(str(tmp_path))
+
+
+def test_sigint_stops_everything(tmp_path):
+    s = script(tmp_path, "ready.py", "print('ready', flush=True); time.sleep(60)\n")
+    proc = subprocess.Popen(gpurt_cmd("launch", "-n", "2", s), cwd=ROOT, env=env_for_tests(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        seen = 0
+        deadline = time.monotonic() + 30
+        while seen < 2 and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            seen += line.startswith("ready")
+        assert seen == 2
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc == 130, proc.stderr.read()
+    assert "SIGINT: stopped every rank" in proc.stderr.read()
+    assert_nothing_left(str(tmp_path))
+
+
+# -- gpurt topo ---------------------------------------------------------------------------
+
+def test_topo_three_ranks():
+    p = run(["topo", "-n", "3", "--json"])
+    assert p.returncode == 0, both(p)
+    d = json.loads(p.stdout)
+    assert d["size"] == 3 and d["nnodes"] == 1 and d["leaders"] == [0]
+    assert [n["ranks"] for n in d["nodes"]] == [[0, 1, 2]]
+    assert [r["local_rank"] for r in d["ranks"]] == [0, 1, 2]
+    assert d["rails"] == [[0], [1], [2]]
+    for i, row in enumerate(d["transport"]):
+        assert row == ["self" if j == i else "shm" for j in range(3)]
+    text = render(d)
+    assert "3 rank(s) on 1 node(s)" in text
+    assert text.splitlines()[-2 if d["error"] else -1].startswith("Legend")
+    matrix = [l.split() for l in text.splitlines() if l.startswith("r") and "rank" not in l
+              and not l.startswith("rail")]
+    assert matrix[1:] == [["r0", "self", "shm", "shm"], ["r1", "shm", "self", "shm"],
+                          ["r2", "shm", "shm", "self"]]
+    assert _ranges([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+
+
+# -- examples/ddp_numpy.py ------------------------------------------------------------------
+
+def test_ddp_numpy_example():
+    p = run(["launch", "-n", "3", str(ROOT / "examples" / "ddp_numpy.py"), "--steps", "60"],
+            timeout=120)
+    assert p.returncode == 0, both(p)
+    line = next(l for l in p.stdout.splitlines() if l.startswith("initial loss"))
+    first, final = float(line.split()[2]), float(line.split()[5])
+    assert final < first / 2, line
+    assert "parameters bitwise identical on all 3 ranks" in p.stdout
