@@ -18,9 +18,11 @@ Semantics shared by every collective
 from __future__ import annotations
 
 import atexit
+import itertools
 import os
 import socket
 import sys
+import time
 import weakref
 import zlib
 from functools import lru_cache
@@ -33,6 +35,7 @@ from .buffers import Buf, as_buf, check_writable, empty_like, overlaps, same
 from .errors import (CollectiveTimeout, CommunicatorClosed, GpurtError, ResourceError,
                      TransportError)
 from .executor import Engine, Request, _Run, check_timeout
+from .flight import FlightRecorder
 from .ops import DTYPES, Op, as_op, check_op, host_finalize, reducer
 from .schedule import Recv, Schedule, Send, Slice
 from .topology import Topology
@@ -42,6 +45,8 @@ from .wait import spin_seconds
 from gpurt.transports import shm_board  # noqa: E402  (after the core imports)
 
 _LIVE: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
+_COMM_IDS = itertools.count()
+_ROOTED = frozenset({"reduce", "broadcast", "gather", "scatter"})
 _WORLD: "Communicator | None" = None
 
 
@@ -75,7 +80,8 @@ class Communicator:
         self.size: int = self.mpi.Get_size()
         self.node_comm = self.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         leader = self.node_comm.bcast(self.rank, 0)
-        info = self.mpi.allgather((leader, socket.gethostname(), os.getpid()))
+        info = self.mpi.allgather((leader, socket.gethostname(), os.getpid(), next(_COMM_IDS)))
+        self.cid = f"{info[0][2]}-{info[0][3]}"   # the same on every rank: rank 0's pid, count
         self.topo = Topology.from_ids([i[0] for i in info], [i[1] for i in info])
         self.pids = tuple(i[2] for i in info)
         self.node: int = self.topo.node_of[self.rank]
@@ -85,6 +91,7 @@ class Communicator:
         self._seq = 0
         self._scratch = np.empty(0, np.uint8)
         self.board = None
+        self.flight: FlightRecorder | None = None
         self._fastplans: dict = {}
         #: the algorithm (or native protocol) the last collective call used
         self.last_algorithm = ""
@@ -92,6 +99,11 @@ class Communicator:
             self._connect()
             self.engine = Engine(self.rank, lambda: float(config.get("GPURT_TIMEOUT")),
                                  self._check_peers, spin_seconds(self.local_size))
+            nflight = int(config.get("GPURT_FLIGHT"))
+            self.flight = FlightRecorder(self.rank, self.size, self.cid, nflight) \
+                if nflight > 0 else None
+            if self.flight is not None:
+                self.engine.on_poison = self.flight.dump
             cost, forced, profile = self._tuner_inputs()
             self.tuner = Tuner(self.size, self.rank, tuple(range(self.size)), cost,
                                self._natives(), self.nnodes, forced, profile)
@@ -256,13 +268,20 @@ class Communicator:
         else:
             start = self._schedule_start(sched, xb, ob, dtype, alias, red, seq, sig)
 
+        name = alg.name if alg else "none"
+        fl = self.flight
+        rec = fl.start(seq, coll, (dtype.str, n, op, root if coll in _ROOTED else None), name) \
+            if fl is not None else None
+
         def finish() -> Any:
             if op is Op.AVG and ob is not None and (not finish_root_only or self.rank == root):
                 host_finalize(op, ob.array, self.size)
+            if rec is not None:
+                FlightRecorder.done(rec)
             return result
 
         req = Request(self.engine, coll, seq, start, finish)
-        req.algorithm = self.last_algorithm = alg.name if alg else "none"
+        req.algorithm = self.last_algorithm = name
         return self.engine.submit(req)
 
     def _schedule_start(self, sched, xb, ob, dtype, alias, red, seq, sig):
@@ -407,6 +426,9 @@ class Communicator:
         self.last_algorithm = "shm_board"
         self._seq += 1
         seq = self._seq
+        fl = self.flight
+        rec = fl.start(seq, coll, (dtype.str, n, o, root if coll in _ROOTED else None),
+                       "shm_board") if fl is not None else None
         oflat = res.reshape(-1)
         run = shm_board.BoardRun(self.board, coll, seq, sig, meta, x.reshape(-1), oflat, root,
                                  red, n)
@@ -417,6 +439,8 @@ class Communicator:
             raise
         if o is Op.AVG:
             host_finalize(o, oflat, self.size)
+        if rec is not None:
+            rec[5], rec[6] = time.time(), "done"
         return res
 
     def _fastplan(self, coll: str, dtype: np.dtype, n: int, op: Any, root: int,
@@ -654,8 +678,17 @@ class Communicator:
         def start() -> _Run:
             return _Run(sched, bufs, False, None, self.endpoints, LANE_P2P, int(tag), sig)
 
-        req = Request(self.engine, f"{kind} {'to' if kind == 'send' else 'from'} rank {peer}",
-                      int(tag), start, lambda: b.owner, p2p=True)
+        what = f"{kind} {'to' if kind == 'send' else 'from'} rank {peer}"
+        fl = self.flight
+        rec = fl.start(int(tag), "p2p", (b.dtype.str, b.count, None, None), f"{what} tag {tag}") \
+            if fl is not None else None
+
+        def finish() -> Any:
+            if rec is not None:
+                FlightRecorder.done(rec)
+            return b.owner
+
+        req = Request(self.engine, what, int(tag), start, finish, p2p=True)
         req.algorithm = "p2p"
         return self.engine.submit(req)
 

@@ -85,6 +85,12 @@ VARIABLES: tuple[Var, ...] = (
     Var("GPURT_EXCEPTHOOK", "1", lambda s: s.strip().lower() not in ("0", "false", "no", "off"),
         "Publish an unhandled exception to the peers (they raise PeerFailure naming this "
         "rank and the exception) before the usual traceback; 0 leaves sys.excepthook alone."),
+    Var("GPURT_FLIGHT", "64", int,
+        "Calls each communicator remembers for the flight recorder (0: off); on a failure "
+        "the last ones go to stderr."),
+    Var("GPURT_FLIGHT_DIR", "", str,
+        "Also write every rank's flight records there as JSON on a failure; "
+        "`gpurt flight DIR` lines the ranks up."),
     Var("GPURT_LOG", "warning", lambda s: s.strip().upper(),
         "Level of the 'gpurt' logger: debug, info, warning, error."),
 )

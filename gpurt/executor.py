@@ -197,6 +197,7 @@ class Engine:
     def __init__(self, rank: int, default_timeout: Callable[[], float],
                  check_peers: Callable[[list[int]], None], spin: float | None = None):
         self.rank, self.spin = rank, spin
+        self.on_poison: Callable[[BaseException], None] | None = None
         self.colls: deque[Request] = deque()
         self.p2p: list[Request] = []
         self.poisoned: BaseException | None = None
@@ -233,6 +234,11 @@ class Engine:
     def poison(self, exc: BaseException) -> None:
         if self.poisoned is None:
             self.poisoned = exc
+            if self.on_poison is not None:
+                try:
+                    self.on_poison(exc)
+                except Exception:  # noqa: BLE001 - reporting must not mask the failure
+                    pass
         for r in list(self.colls) + self.p2p:
             if not r.done and r.error is None:
                 r.error = exc

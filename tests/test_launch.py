@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -229,21 +230,24 @@ def test_timeout_stops_everything(tmp_path):
 def test_sigint_stops_everything(tmp_path):
     s = script(tmp_path, "ready.py", "print('ready', flush=True); time.sleep(60)\n")
     proc = subprocess.Popen(gpurt_cmd("launch", "-n", "2", s), cwd=ROOT, env=env_for_tests(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.extend(iter(proc.stdout.readline, b"")),
+                              daemon=True)
+    reader.start()
     try:
-        seen = 0
         deadline = time.monotonic() + 30
-        while seen < 2 and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            seen += line.startswith("ready")
-        assert seen == 2
+        while b"".join(got).count(b"ready") < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert b"".join(got).count(b"ready") == 2, got
         proc.send_signal(signal.SIGINT)
         rc = proc.wait(timeout=15)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert rc == 130, proc.stderr.read()
-    assert "SIGINT: stopped every rank" in proc.stderr.read()
+    err = proc.stderr.read().decode()
+    assert rc == 130, err
+    assert "SIGINT: stopped every rank" in err
     assert_nothing_left(str(tmp_path))
 
 

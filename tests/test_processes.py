@@ -321,3 +321,39 @@ def test_unhandled_exception_reaches_the_peers(hook, tmp_path):
         else:
             assert line.startswith("CollectiveTimeout"), (got, proc.stderr[-2000:])
             assert "[1]" in line and took >= 4.0, line
+
+
+FLIGHT = """
+import numpy as np, gpurt, os, time
+c = gpurt.init()
+x = np.ones(4, np.float32)
+c.allreduce(x)
+c.broadcast(np.ones(3), root=1)
+if c.rank == 2:
+    time.sleep(4)      # misses the next call long enough for the others' deadline
+    os._exit(0)
+try:
+    c.allreduce(x, timeout=1)
+except gpurt.CollectiveTimeout:
+    pass
+os._exit(0)
+"""
+
+
+def test_flight_recorder_shows_who_is_missing(tmp_path):
+    """On a timeout each failing rank prints its last calls and writes them to
+    GPURT_FLIGHT_DIR; python -m gpurt.flight lines the ranks up."""
+    if not is_hydra():
+        pytest.skip("uses MPICH hydra's -disable-auto-cleanup; this launcher is not hydra")
+    proc = subprocess.run([mpiexec(), "-disable-auto-cleanup", "-n", "3", sys.executable, "-c",
+                           FLIGHT], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, GPURT_FLIGHT_DIR=str(tmp_path)))
+    assert "gpurt flight recorder, rank 0/3" in proc.stderr, proc.stderr
+    assert sorted(f.name.split("-rank")[1] for f in tmp_path.iterdir()) == ["0.json", "1.json"]
+    res = subprocess.run([sys.executable, "-m", "gpurt.flight", str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    assert "first call not completed everywhere: #3 allreduce (<f4 x 4 SUM" in out, out
+    assert "entered by rank(s) [0, 1]" in out and "no dump from rank(s) [2]" in out, out
+    assert "CollectiveTimeout" in out

@@ -1,0 +1,149 @@
+"""The flight recorder: each rank remembers its last calls, and tells them on failure.
+
+Every collective and point-to-point call appends a record (call number, kind, arguments,
+algorithm, start and end times, state) to a bounded ring per communicator
+(``GPURT_FLIGHT``, 64 by default; 0 turns it off).  When the communicator fails — a
+timeout, a dead or stopped peer, a mismatch — the rank prints its last few records to
+stderr and, with ``GPURT_FLIGHT_DIR`` set, writes them all as JSON there.
+``python -m gpurt.flight DIR`` (or ``gpurt flight DIR``) then lines the ranks' records
+up and says who is missing from which call.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+import time
+from collections import deque
+
+from . import config
+
+# record fields (a list, so the hot path only appends and assigns)
+SEQ, KIND, ARGS, ALGO, T0, T1, STATE = range(7)
+
+
+class FlightRecorder:
+    __slots__ = ("rank", "size", "cid", "events", "dumped")
+
+    def __init__(self, rank: int, size: int, cid: str, n: int):
+        self.rank, self.size, self.cid = rank, size, cid
+        self.events: deque = deque(maxlen=max(1, n))
+        self.dumped = False
+
+    def start(self, seq: int, kind: str, args: tuple, algo: str) -> list:
+        rec = [seq, kind, args, algo, time.time(), 0.0, "running"]
+        self.events.append(rec)
+        return rec
+
+    @staticmethod
+    def done(rec: list) -> None:
+        rec[T1] = time.time()
+        rec[STATE] = "done"
+
+    def records(self) -> list[dict]:
+        return [{"seq": e[SEQ], "kind": e[KIND], "args": _args(e[ARGS]), "algorithm": e[ALGO],
+                 "t_start": e[T0], "t_end": e[T1] or None, "state": e[STATE]}
+                for e in self.events]
+
+    def dump(self, reason: BaseException) -> str | None:
+        """Once per communicator: the last records to stderr, all of them to
+        GPURT_FLIGHT_DIR (returns the file written, if any)."""
+        if self.dumped:
+            return None
+        self.dumped = True
+        for e in self.events:
+            if e[STATE] == "running":
+                e[STATE] = f"failed: {type(reason).__name__}"
+        recs = self.records()
+        lines = [f"gpurt flight recorder, rank {self.rank}/{self.size} (communicator "
+                 f"{self.cid}): {type(reason).__name__}: {reason}"]
+        for r in recs[-8:]:
+            took = f"{(r['t_end'] - r['t_start']) * 1e3:.1f} ms" if r["t_end"] else "-"
+            lines.append(f"  #{r['seq']:<6} {r['kind']:<16} {r['args']:<36} "
+                         f"{r['algorithm']:<18} {took:>10}  {r['state']}")
+        print("\n".join(lines), file=sys.stderr, flush=True)
+        d = str(config.get("GPURT_FLIGHT_DIR"))
+        if not d:
+            return None
+        try:
+            os.makedirs(d, exist_ok=True)
+            path = os.path.join(d, f"flight-{self.cid}-rank{self.rank}.json")
+            with open(path, "w") as f:
+                json.dump({"rank": self.rank, "size": self.size, "communicator": self.cid,
+                           "pid": os.getpid(), "host": os.uname().nodename,
+                           "reason": f"{type(reason).__name__}: {reason}", "records": recs},
+                          f, indent=1)
+            return path
+        except OSError as e:
+            print(f"gpurt flight recorder: cannot write {d}: {e}", file=sys.stderr)
+            return None
+
+
+def _args(a: tuple) -> str:
+    if not a:
+        return ""
+    dtype, n, op, root = a
+    text = f"{dtype} x {n}"
+    if op is not None:
+        text += f" {op.name if hasattr(op, 'name') else op}"
+    if root is not None:
+        text += f" root={root}"
+    return text
+
+
+def line_up(paths: list[str]) -> str:
+    """Who is missing from which call, from the ranks' dumps (one communicator each)."""
+    by_comm: dict[str, list[dict]] = {}
+    for p in paths:
+        with open(p) as f:
+            d = json.load(f)
+        by_comm.setdefault(d["communicator"], []).append(d)
+    out = []
+    for cid, dumps in sorted(by_comm.items()):
+        size = dumps[0]["size"]
+        have = sorted(d["rank"] for d in dumps)
+        out.append(f"communicator {cid}: {size} ranks, dumps from {len(have)}: {have}")
+        state = {d["rank"]: {r["seq"]: r for r in d["records"] if r["kind"] != "p2p"}
+                 for d in dumps}
+        last_done = {rk: max([s for s, r in recs.items() if r["state"] == "done"], default=0)
+                     for rk, recs in state.items()}
+        first_open = min((s for recs in state.values() for s, r in recs.items()
+                          if r["state"] != "done"), default=None)
+        if first_open is None:
+            out.append("  every recorded call completed on every rank that dumped")
+        else:
+            rec = next(recs[first_open] for recs in state.values() if first_open in recs)
+            inside = sorted(rk for rk, recs in state.items() if first_open in recs)
+            out.append(f"  first call not completed everywhere: #{first_open} {rec['kind']} "
+                       f"({rec['args']}, {rec['algorithm']})")
+            out.append(f"    entered by rank(s) {inside}")
+            for rk in sorted(set(state) - set(inside)):
+                out.append(f"    rank {rk} never entered it; its last completed call: "
+                           f"#{last_done[rk]}")
+            silent = sorted(set(range(size)) - set(have))
+            if silent:
+                out.append(f"    no dump from rank(s) {silent} (dead, or GPURT_FLIGHT_DIR "
+                           f"not shared)")
+        for d in sorted(dumps, key=lambda d: d["rank"]):
+            out.append(f"  rank {d['rank']} (pid {d['pid']} on {d['host']}): {d['reason']}")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m gpurt.flight DIR   (the GPURT_FLIGHT_DIR of a failed job)",
+              file=sys.stderr)
+        return 2
+    paths = sorted(glob.glob(os.path.join(argv[0], "flight-*-rank*.json")))
+    if not paths:
+        print(f"no flight records in {argv[0]}", file=sys.stderr)
+        return 1
+    print(line_up(paths))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
