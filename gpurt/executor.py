@@ -24,7 +24,7 @@ from typing import Callable
 import numpy as np
 
 from .errors import CollectiveTimeout, CommunicatorClosed, GpurtError, PeerFailure, TransportError
-from .schedule import Copy, Recv, RecvReduce, Reduce, Schedule, Send, Slice
+from .schedule import Copy, Recv, Schedule, Send, Slice
 from .wait import Backoff
 
 _U8 = np.dtype(np.uint8)
