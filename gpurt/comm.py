@@ -148,7 +148,9 @@ class Communicator:
         every = [e for errs in self.mpi.allgather(errors) for e in errs]
         if every:
             cls = ResourceError if any(t == "ResourceError" for t, _ in every) else TransportError
-            raise cls("; ".join(dict.fromkeys(m for _, m in every)))
+            msgs = list(dict.fromkeys(m for _, m in every))
+            more = f" (and {len(msgs) - 3} more like these)" if len(msgs) > 3 else ""
+            raise cls("; ".join(msgs[:3]) + more)
 
     def _unreachable(self, missing: list[int], names: list[str]) -> str:
         from gpurt.transports import PLANNED
@@ -753,6 +755,8 @@ class Communicator:
         if self._closed:
             return
         self._closed = True
+        if self.flight is not None:
+            self.flight.dumped = True   # a plain close is no failure: nothing to report
         if hasattr(self, "engine"):
             self.engine.poison(CommunicatorClosed(f"rank {self.rank}: communicator closed"))
         self._release()

@@ -138,6 +138,8 @@ def info(as_json: bool, show_env: bool) -> None:
     click.echo("algorithms (GPURT_ALGO=collective:name):")
     for coll, names in data["algorithms"].items():
         click.echo(f"  {coll:<15} {', '.join(names)}")
+    click.echo("  (and shm_board for every collective: a one-round protocol of the shm "
+               "transport, on communicators within one node, for data up to GPURT_SHM_BOARD)")
     if show_env:
         click.echo("environment:")
         for e in data["env"]:
@@ -150,6 +152,22 @@ from gpurt.launch.tune import tune_command  # noqa: E402
 
 main.add_command(bench_command, "bench")
 main.add_command(tune_command(), "tune")
+
+
+@main.command("flight")
+@click.argument("directory", type=click.Path(exists=True, file_okay=False))
+def flight(directory: str) -> None:
+    """Line up the flight records that failed ranks wrote to GPURT_FLIGHT_DIR: the first
+    call not completed everywhere, who entered it, who never did.
+
+    \b
+    Example:
+      GPURT_FLIGHT_DIR=/tmp/fl mpiexec -n 8 python train.py   # ... a hang, a timeout
+      gpurt flight /tmp/fl
+    """
+    from gpurt.flight import main as flight_main
+
+    raise SystemExit(flight_main([directory]))
 
 from gpurt.launch.launcher import launch_command  # noqa: E402
 from gpurt.launch.topo import topo_command  # noqa: E402
