@@ -13,7 +13,9 @@ What it shows (the pattern of PyTorch's DistributedDataParallel, in NumPy):
   backward pass goes on; the update waits for all buckets;
 * rank 0 prints the loss averaged over all ranks' shards (it decreases);
 * at the end every rank hashes its parameters, the hashes are allgathered, and the program
-  exits non-zero unless they are bitwise identical everywhere.
+  exits non-zero unless they are bitwise identical everywhere;
+* rank 0 then replays the training on one process with the combined batch and exits
+  non-zero unless the loss curves match (relative difference < 1e-3: float32 rounding).
 
 gpurt progresses requests only inside gpurt calls (no background thread), so the
 backward pass calls ``Reducer.poke()`` (a non-blocking ``test()``) between layers to move
@@ -138,6 +140,40 @@ def step(params, x, y, reducer: Reducer) -> float:
     return loss
 
 
+class LocalGrads:
+    """The reducer interface for one process: keeps the gradients as they come."""
+
+    def __init__(self, n: int):
+        self.grads: list = [None] * n
+
+    def ready(self, i: int, grad: np.ndarray) -> None:
+        self.grads[i] = grad
+
+    def poke(self) -> None:
+        pass
+
+
+def serial_losses(args, nranks: int, d: int, record: list[int]) -> dict[int, float]:
+    """The same training on one process with the combined batch (every rank's minibatch
+    of every step, concatenated): data-parallel SGD with averaged gradients must follow
+    the same loss curve, up to float32 rounding."""
+    shards = [make_data(r, args.batch * 4, d) for r in range(nranks)]
+    rngs = [np.random.default_rng(99 + r) for r in range(nranks)]
+    params = init_params(d, args.hidden, args.seed)      # rank 0's, as broadcast
+    out = {}
+    for it in range(args.steps):
+        idx = [rng.choice(args.batch * 4, args.batch, replace=False) for rng in rngs]
+        xb = np.concatenate([sx[i] for (sx, _), i in zip(shards, idx)])
+        yb = np.concatenate([sy[i] for (_, sy), i in zip(shards, idx)])
+        g = LocalGrads(len(params))
+        loss = step(params, xb, yb, g)
+        for p, grad in zip(params, g.grads):
+            p -= args.lr * grad.reshape(p.shape)
+        if it in record:
+            out[it] = loss
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=150)
@@ -146,6 +182,8 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--bucket-kib", type=float, default=16)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-check-serial", dest="check_serial", action="store_false",
+                    help="skip replaying the training on one process to compare loss curves")
     args = ap.parse_args()
 
     comm = gpurt.init()
@@ -162,6 +200,7 @@ def main() -> int:
     rng = np.random.default_rng(99 + comm.rank)
     loss_buf = np.zeros(1, np.float64)
     first = last = None
+    curve: dict[int, float] = {}
     t0 = time.perf_counter()
     for it in range(args.steps):
         idx = rng.choice(x.shape[0], args.batch, replace=False)
@@ -174,6 +213,7 @@ def main() -> int:
             comm.allreduce(loss_buf, op=gpurt.AVG)
             last = float(loss_buf[0])
             first = last if first is None else first
+            curve[it] = last
             if comm.rank == 0:
                 print(f"step {it:4d}  loss {last:.6f}", flush=True)
     elapsed = time.perf_counter() - t0
@@ -190,7 +230,16 @@ def main() -> int:
         else:
             print("parameters DIFFER between ranks: " +
                   ", ".join(f"rank {r}: {int(h):016x}" for r, h in enumerate(every)))
-    ok = identical and last < first
+    matches = True
+    if comm.rank == 0 and args.check_serial:
+        ref = serial_losses(args, comm.size, d, sorted(curve))
+        worst = max(abs(curve[k] - ref[k]) / max(abs(ref[k]), 1e-12) for k in curve)
+        matches = worst < 1e-3
+        print(f"one process, combined batch: final loss {ref[max(ref)]:.6f}; loss curves "
+              f"{'match' if matches else 'DIFFER'} (largest relative difference "
+              f"{worst:.1e} over {len(curve)} points)")
+    matches = bool(comm.mpi.bcast(matches, 0))
+    ok = identical and last < first and matches
     return 0 if ok else 1
 
 

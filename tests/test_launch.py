@@ -283,3 +283,5 @@ def test_ddp_numpy_example():
     first, final = float(line.split()[2]), float(line.split()[5])
     assert final < first / 2, line
     assert "parameters bitwise identical on all 3 ranks" in p.stdout
+    # the same training on one process with the combined batch follows the same curve
+    assert "loss curves match" in p.stdout, p.stdout

@@ -358,3 +358,12 @@ def test_flight_recorder_shows_who_is_missing(tmp_path):
     assert "first call not completed everywhere: #3 allreduce (<f4 x 4 SUM" in out, out
     assert "entered by rank(s) [0, 1]" in out and "no dump from rank(s) [2]" in out, out
     assert "CollectiveTimeout" in out
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_cg_example_embedded_in_mpi4py_matches_a_serial_solve(n):
+    """examples/cg_mpi4py.py: an mpi4py program wraps its own communicator; halo exchange
+    by send/recv, dot products by allreduce; the solution must equal NumPy's serial solve."""
+    proc = run_mpi(n, ["examples/cg_mpi4py.py", "--n-per-rank", "60"])
+    assert "matches the serial solve" in proc.stdout, proc.stdout
+    assert f"CG converged in {30 * n} iterations" in proc.stdout, proc.stdout
