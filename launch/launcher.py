@@ -142,6 +142,13 @@ def program_argv(script: str, args: Sequence[str], module: bool = False) -> list
     return [script, *args]
 
 
+# mpiexec-style launchers: (hosts flag, hostfile flag, how to pass one variable)
+_MPIEXEC_FLAGS = {
+    "mpich": ("-hosts", "-f", lambda name, val: ["-genv", name, val]),
+    "openmpi": ("--host", "--hostfile", lambda name, val: ["-x", f"{name}={val}"]),
+}
+
+
 def build_command(launcher: Launcher, nranks: int, program: Sequence[str], *,
                   hosts: str | None = None, hostfile: str | None = None,
                   env: dict[str, str] | None = None) -> list[str]:
@@ -152,24 +159,16 @@ def build_command(launcher: Launcher, nranks: int, program: Sequence[str], *,
     env = env or {}
     k = launcher.kind
     cmd = list(launcher.argv)
-    if k == "mpich":
+    if k in _MPIEXEC_FLAGS:
+        hosts_flag, hostfile_flag, env_args = _MPIEXEC_FLAGS[k]
         cmd += ["-n", str(nranks)]
         if hosts:
-            cmd += ["-hosts", ",".join(h if c is None else f"{h}:{c}"
-                                      for h, c in parse_hosts(hosts))]
+            cmd += [hosts_flag, ",".join(h if c is None else f"{h}:{c}"
+                                         for h, c in parse_hosts(hosts))]
         if hostfile:
-            cmd += ["-f", hostfile]
+            cmd += [hostfile_flag, hostfile]
         for name, val in env.items():
-            cmd += ["-genv", name, val]
-    elif k == "openmpi":
-        cmd += ["-n", str(nranks)]
-        if hosts:
-            cmd += ["--host", ",".join(h if c is None else f"{h}:{c}"
-                                       for h, c in parse_hosts(hosts))]
-        if hostfile:
-            cmd += ["--hostfile", hostfile]
-        for name, val in env.items():
-            cmd += ["-x", f"{name}={val}"]
+            cmd += env_args(name, val)
     elif k == "srun":
         cmd += ["-n", str(nranks), "--kill-on-bad-exit=1"]
         if hosts:

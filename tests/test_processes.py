@@ -118,7 +118,7 @@ def test_sigkill_leaves_nothing_in_dev_shm(kill_all):
     """SIGKILL one rank (or every process of the job) in the middle of allreduces:
     no gpurt file stays in /dev/shm."""
     before = set(gpurt_shm_files())
-    mpich_before = {f for f in os.listdir("/dev/shm") if f.startswith("mpich_shm_")}
+    mpich_before = _mpich_segments()
     proc = _start_looping_job(3)
     try:
         ranks = _wait_ready(proc, 3)
@@ -134,17 +134,30 @@ def test_sigkill_leaves_nothing_in_dev_shm(kill_all):
                 time.time() < deadline:
             time.sleep(0.1)
     finally:
-        for pid in [proc.pid] + _descendants(proc.pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        proc.wait()
-        proc.stdout.close()
+        _kill_job(proc)
     assert set(gpurt_shm_files()) - before == set()
-    # MPICH's own segments do leak on SIGKILL (see FIELD-NOTES): not ours, but don't
-    # leave them on the machine either.
-    for f in {f for f in os.listdir("/dev/shm") if f.startswith("mpich_shm_")} - mpich_before:
+    _remove_new_mpich_segments(mpich_before)
+
+
+def _kill_job(proc: subprocess.Popen) -> None:
+    """SIGKILL the launcher and everything below it; reap it."""
+    for pid in [proc.pid] + _descendants(proc.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+    proc.stdout.close()
+
+
+def _mpich_segments() -> set[str]:
+    return {f for f in os.listdir("/dev/shm") if f.startswith("mpich_shm_")}
+
+
+def _remove_new_mpich_segments(before: set[str]) -> None:
+    """MPICH's own segments do leak on SIGKILL (see FIELD-NOTES): not ours, but don't
+    leave them on the machine either."""
+    for f in _mpich_segments() - before:
         try:
             os.unlink(os.path.join("/dev/shm", f))
         except OSError:
@@ -374,7 +387,7 @@ def test_fifty_rounds_of_start_and_kill_leak_nothing():
     one each round) as soon as all are running. Afterwards: no gpurt file in /dev/shm and
     no process of these jobs left."""
     before = set(gpurt_shm_files())
-    mpich_before = {f for f in os.listdir("/dev/shm") if f.startswith("mpich_shm_")}
+    mpich_before = _mpich_segments()
     seen: list[int] = []
     for i in range(50):
         proc = _start_looping_job(3)
@@ -384,22 +397,11 @@ def test_fifty_rounds_of_start_and_kill_leak_nothing():
             os.kill(sorted(ranks)[i % 3], signal.SIGKILL)
             proc.wait(timeout=60)
         finally:
-            family = [proc.pid] + _descendants(proc.pid)
-            for pid in family:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            proc.wait()
-            proc.stdout.close()
+            _kill_job(proc)
         seen += ranks
     deadline = time.time() + 10     # SIGKILL is asynchronous: give the kernel a moment
     while any(_alive(p) for p in seen) and time.time() < deadline:
         time.sleep(0.1)
     assert set(gpurt_shm_files()) - before == set()
     assert [p for p in seen if _alive(p)] == []
-    for f in {f for f in os.listdir("/dev/shm") if f.startswith("mpich_shm_")} - mpich_before:
-        try:   # MPICH's own segments leak on SIGKILL (FIELD-NOTES); ours do not
-            os.unlink(os.path.join("/dev/shm", f))
-        except OSError:
-            pass
+    _remove_new_mpich_segments(mpich_before)
