@@ -34,7 +34,7 @@ from . import config
 from .buffers import Buf, as_buf, check_writable, empty_like, overlaps, same
 from .errors import (CollectiveTimeout, CommunicatorClosed, GpurtError, ResourceError,
                      TransportError)
-from .executor import Engine, Request, _Run, check_timeout
+from .executor import Chain, Engine, Request, _Run, check_timeout
 from .flight import FlightRecorder
 from .ops import DTYPES, Op, as_op, check_op, host_finalize, reducer
 from .schedule import Recv, Schedule, Send, Slice
@@ -91,6 +91,7 @@ class Communicator:
         self._seq = 0
         self._scratch = np.empty(0, np.uint8)
         self.board = None
+        self._check = False
         self.flight: FlightRecorder | None = None
         self._fastplans: dict = {}
         #: the algorithm (or native protocol) the last collective call used
@@ -104,9 +105,11 @@ class Communicator:
                 if nflight > 0 else None
             if self.flight is not None:
                 self.engine.on_poison = self.flight.dump
-            cost, forced, profile = self._tuner_inputs()
+            cost, forced, profile, check = self._tuner_inputs()
+            natives = self._natives()             # sets self.board on one-node communicators
+            self._check = bool(check) and self.board is not None
             self.tuner = Tuner(self.size, self.rank, tuple(range(self.size)), cost,
-                               self._natives(), self.nnodes, forced, profile)
+                               natives, self.nnodes, forced, profile)
         except BaseException:
             self._release()
             raise
@@ -196,7 +199,8 @@ class Communicator:
                 cost = oversubscribed(cost, busiest, os.cpu_count() or 1)
                 profile = load_profile(str(config.get("GPURT_PROFILE")), self.size,
                                        self.nnodes)
-                inputs = (cost, dict(config.get("GPURT_ALGO")), profile)
+                inputs = (cost, dict(config.get("GPURT_ALGO")), profile,
+                          bool(config.get("GPURT_CHECK")))
             except ValueError as e:
                 err = str(e)
         inputs, err = self.mpi.bcast((inputs, err), 0)
@@ -269,6 +273,16 @@ class Communicator:
                                           red, n)
         else:
             start = self._schedule_start(sched, xb, ob, dtype, alias, red, seq, sig)
+            if self._check and sched.steps:
+                # agree first: every rank compares every rank's call before any byte moves
+                meta = _board_meta(coll, dtype, n, op, root)
+                data_start = start
+                empty8 = _EMPTY_U8
+
+                def start() -> Chain:  # noqa: F811 - the checked variant
+                    check = shm_board.BoardRun(self.board, coll, seq, sig, meta, empty8, empty8,
+                                               root, None, n, check=True)
+                    return Chain(check, data_start)
 
         name = alg.name if alg else "none"
         fl = self.flight

@@ -56,6 +56,9 @@ def _cost(s: str) -> dict[str, tuple[float, float, float]]:
 VARIABLES: tuple[Var, ...] = (
     Var("GPURT_TIMEOUT", "300", float,
         "Default deadline in seconds for every blocking call and wait (per call: timeout=)."),
+    Var("GPURT_CHECK", "1", lambda s: s.strip().lower() not in ("0", "false", "no", "off"),
+        "Before a collective moves data by a schedule, every rank checks that every rank "
+        "made the same call (one shm-board round on one-node communicators); 0 skips it."),
     Var("GPURT_PEER_STOPPED", "5", float,
         "Seconds a local peer may stay stopped (SIGSTOP, a debugger) while others wait for "
         "it before they raise PeerFailure."),

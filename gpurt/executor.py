@@ -145,6 +145,36 @@ class _Run:
         return sorted({c.peer for c in self.pending})
 
 
+class Chain:
+    """Runs one run, then the next (built only when the first is done): the agreement
+    check before a schedule."""
+
+    __slots__ = ("first", "make_next", "second")
+
+    def __init__(self, first, make_next: Callable[[], "_Run | None"]):
+        self.first, self.make_next, self.second = first, make_next, None
+
+    def advance(self) -> bool:
+        if not self.first.done:
+            moved = self.first.advance()
+            if not self.first.done:
+                return moved
+            self.second = self.make_next()
+            if self.second is None:
+                return True
+            return self.second.advance() or True
+        return self.second.advance() if self.second is not None else False
+
+    @property
+    def done(self) -> bool:
+        return self.first.done and (self.second is None or self.second.done)
+
+    def waiting_on(self) -> list[int]:
+        if not self.first.done:
+            return self.first.waiting_on()
+        return self.second.waiting_on() if self.second is not None else []
+
+
 class Request:
     """A collective or point-to-point operation in flight.
 

@@ -115,17 +115,23 @@ class BoardRun:
     """One collective on the board; ``advance`` never blocks (the executor's protocol)."""
 
     __slots__ = ("board", "coll", "seq", "sig", "meta", "x", "out", "root", "red", "p",
-                 "r", "n", "nbytes", "phase", "need", "writes", "b")
+                 "r", "n", "nbytes", "phase", "need", "writes", "b", "check")
 
     def __init__(self, board: Board, coll: str, seq: int, sig: int, meta: tuple,
-                 x: np.ndarray, out: np.ndarray, root: int, red: Callable | None, n: int):
+                 x: np.ndarray, out: np.ndarray, root: int, red: Callable | None, n: int,
+                 check: bool = False):
+        """``check=True``: only the headers go round (every rank waits for every other's
+        and compares) — the agreement check run before a collective moves its data by
+        another algorithm."""
         self.board, self.coll, self.seq, self.sig, self.meta = board, coll, seq, sig, meta
         self.x, self.out, self.root, self.red, self.n = x, out, root, red, n
         self.p, self.r = board.nlocal, board.me
         self.b = seq & 1
-        self.writes, self.need = board.roles(coll, root)
+        self.check = check
+        self.writes, self.need = board.roles("barrier" if check else coll, root)
         # broadcast and scatter: only the root has data; the others publish a header
-        self.nbytes = 0 if coll in ("broadcast", "scatter") and self.r != root else x.nbytes
+        self.nbytes = 0 if check or (coll in ("broadcast", "scatter") and self.r != root) \
+            else x.nbytes
         self.phase = 0
 
     @property
@@ -173,7 +179,8 @@ class BoardRun:
                 h = bd.hdr[k][self.b]
                 if q[h] != seq or q[h + 1] != self.sig:
                     self._mismatch(k, h)
-            self._read()
+            if not self.check:
+                self._read()
             q[bd.ctrl[self.r] + 1] = seq
             self.phase, moved = 2, True
         return moved

@@ -454,3 +454,29 @@ def test_root_disagreement_is_an_error_on_the_board(comm, coll):
             assert raised is not None and "root=" in raised, raised
         elif raised is None:
             assert ((x if coll == "broadcast" else out) == 0).all()
+
+
+@pytest.mark.parametrize("case", ["kind", "count", "root"])
+def test_every_rank_detects_a_mismatch_before_data_moves(comm, case):
+    """Large collectives (schedules, not the board) first agree on the call: every rank
+    raises CollectiveMismatchError naming both calls, and no output buffer is written."""
+    p, r = comm.size, comm.rank
+    if p == 1:
+        pytest.skip("needs 2 ranks")
+    n = 1 << 17                                   # 512 KiB of float32: past the board
+    with scratch(comm) as c:
+        x = np.ones(n, np.float32)
+        out = np.full(n, -1, np.float32)
+        odd = r == p - 1
+        with pytest.raises(gpurt.CollectiveMismatchError) as ei:
+            if case == "kind" and odd:
+                c.broadcast(x, root=0, timeout=20)
+            elif case == "count" and odd:
+                c.allreduce(x[:-p], out[:-p], timeout=20)
+            elif case == "root":
+                c.reduce(x, out, root=1 if odd else 0, timeout=20)
+            else:
+                c.allreduce(x, out, timeout=20)
+        msg = str(ei.value)
+        assert "called" in msg and msg.count("(") >= 2, msg
+        assert (out == -1).all() and (x == 1).all()     # nothing written anywhere
