@@ -28,6 +28,11 @@ def _bytes(s: str) -> int:
     return int(s)
 
 
+def _flag(s: str) -> bool:
+    """'0', 'false', 'no', 'off' (any case) are off; anything else is on."""
+    return s.strip().lower() not in ("0", "false", "no", "off")
+
+
 def _list(s: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in s.split(",") if x.strip())
 
@@ -56,7 +61,7 @@ def _cost(s: str) -> dict[str, tuple[float, float, float]]:
 VARIABLES: tuple[Var, ...] = (
     Var("GPURT_TIMEOUT", "300", float,
         "Default deadline in seconds for every blocking call and wait (per call: timeout=)."),
-    Var("GPURT_CHECK", "1", lambda s: s.strip().lower() not in ("0", "false", "no", "off"),
+    Var("GPURT_CHECK", "1", _flag,
         "Before a collective moves data by a schedule, every rank checks that every rank "
         "made the same call (one shm-board round on one-node communicators); 0 skips it."),
     Var("GPURT_PEER_STOPPED", "5", float,
@@ -85,7 +90,7 @@ VARIABLES: tuple[Var, ...] = (
     Var("GPURT_COST", "", _cost,
         "Override the tuner's cost constants: 'shm=ALPHA_S/BW_Bps/REDUCE_Bps', e.g. "
         "'shm=3e-6/4e9/2e9'."),
-    Var("GPURT_EXCEPTHOOK", "1", lambda s: s.strip().lower() not in ("0", "false", "no", "off"),
+    Var("GPURT_EXCEPTHOOK", "1", _flag,
         "Publish an unhandled exception to the peers (they raise PeerFailure naming this "
         "rank and the exception) before the usual traceback; 0 leaves sys.excepthook alone."),
     Var("GPURT_FLIGHT", "64", int,
