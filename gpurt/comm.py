@@ -186,9 +186,10 @@ class Communicator:
         return next((t for t in self._transports if t.name == "shm"), None)
 
     def _tuner_inputs(self):
-        """(cost, GPURT_ALGO, profile entries), decided on rank 0 and broadcast: environment
-        variables, CPU counts or files that differ between ranks must not make ranks choose
-        different algorithms for the same call.  Errors are raised on every rank."""
+        """(cost, GPURT_ALGO, profile entries, GPURT_CHECK), decided on rank 0 and broadcast:
+        environment variables, CPU counts or files that differ between ranks must not make
+        ranks choose different algorithms (or checks) for the same call.  Errors are raised
+        on every rank."""
         used = set().union(*self.mpi.allgather(set(self.transport_of.values())))
         inputs, err = None, ""
         if self.rank == 0:
