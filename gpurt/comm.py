@@ -18,6 +18,7 @@ Semantics shared by every collective
 from __future__ import annotations
 
 import atexit
+import functools
 import itertools
 import os
 import socket
@@ -53,6 +54,30 @@ _WORLD: "Communicator | None" = None
 def _mpi():
     from mpi4py import MPI
     return MPI
+
+
+def _announces_rejection(coll: str):
+    """For a collective's i-method: when the call is rejected as invalid input (ValueError
+    or TypeError before it counted), tell the peers on the board — so that ranks that made
+    a valid call raise CollectiveMismatchError at once instead of waiting for this rank
+    until their deadline — then raise as usual.  Ranks that rejected the same call all
+    skip it together and stay in step."""
+
+    def deco(fn):
+        @functools.wraps(fn)
+        def wrapper(self, *args, **kwargs):
+            seq = self._seq
+            try:
+                return fn(self, *args, **kwargs)
+            except (ValueError, TypeError):
+                if self._seq == seq and self.board is not None and not self._closed \
+                        and self.engine.poisoned is None:
+                    self._publish_rejection(coll)
+                raise
+
+        return wrapper
+
+    return deco
 
 
 class Communicator:
@@ -208,6 +233,21 @@ class Communicator:
         if err:
             raise ValueError(f"rank {self.rank}: (decided on rank 0) {err}")
         return inputs
+
+    def _publish_rejection(self, coll: str) -> None:
+        """The call counts (so ranks stay in step) and its board header says 'rejected'."""
+        self._seq += 1
+        seq = self._seq
+        meta = (shm_board.COLLS.index(coll), 0, 0, 0, 0)
+        req = Request(self.engine, f"{coll} (rejected)", seq,
+                      lambda: shm_board.BoardRun(self.board, coll, seq, shm_board.REJECTED,
+                                                 meta, _EMPTY_U8, _EMPTY_U8, 0, None, 0,
+                                                 publish_only=True))
+        try:   # queued in call order; published now if it can be, else by the next call
+            self.engine.submit(req)
+            self.engine.progress()
+        except GpurtError:
+            pass     # the user's own error is the one to raise
 
     def _check_peers(self, peers: list[int]) -> None:
         for p in peers:
@@ -381,6 +421,7 @@ class Communicator:
         return (b.count // size,)
 
     # -- collectives (i-variants first; the blocking ones wait on them) -----------------
+    @_announces_rejection("allreduce")
     def iallreduce(self, x: Any, out: Any = None, op: Any = Op.SUM, *, algo: str | None = None
                    ) -> Request:
         """Element-wise reduction of ``x`` over all ranks, result on every rank.
@@ -485,6 +526,7 @@ class Communicator:
             raise ValueError(_prefix(self.rank, e) + " (out=None means in place)") from None
         return xb
 
+    @_announces_rejection("broadcast")
     def ibroadcast(self, x: Any, root: int = 0, *, algo: str | None = None) -> Request:
         """Copy ``x`` of ``root`` into ``x`` on every rank (in place; ``x`` must be
         writable on every rank, the root included)."""
@@ -509,6 +551,7 @@ class Communicator:
     bcast = broadcast
     ibcast = ibroadcast
 
+    @_announces_rejection("reduce")
     def ireduce(self, x: Any, out: Any = None, op: Any = Op.SUM, root: int = 0, *,
                 algo: str | None = None) -> Request:
         """Reduction of ``x`` over all ranks into ``out`` on ``root`` (``out=None``: into
@@ -537,6 +580,7 @@ class Communicator:
         timeout = self._timeout_arg(timeout)
         return self._blocking(self.ireduce(x, out, op, root, algo=algo), timeout)
 
+    @_announces_rejection("allgather")
     def iallgather(self, x: Any, out: Any = None, *, algo: str | None = None) -> Request:
         """Concatenate every rank's ``x`` in rank order: ``out`` has ``size * x.size``
         elements (allocated with shape ``(size, *x.shape)`` when ``out=None``)."""
@@ -554,6 +598,7 @@ class Communicator:
         timeout = self._timeout_arg(timeout)
         return self._blocking(self.iallgather(x, out, algo=algo), timeout)
 
+    @_announces_rejection("reduce_scatter")
     def ireduce_scatter(self, x: Any, out: Any = None, op: Any = Op.SUM, *,
                         algo: str | None = None) -> Request:
         """Reduce ``x`` (``size`` equal blocks) over all ranks; rank r gets block r."""
@@ -579,6 +624,7 @@ class Communicator:
                              f"multiple of the communicator size {self.size}")
         return xb.count // self.size
 
+    @_announces_rejection("alltoall")
     def ialltoall(self, x: Any, out: Any = None, *, algo: str | None = None) -> Request:
         """Block i of ``x`` goes to rank i; block j of ``out`` came from rank j."""
         self._check_open()
@@ -596,6 +642,7 @@ class Communicator:
         timeout = self._timeout_arg(timeout)
         return self._blocking(self.ialltoall(x, out, algo=algo), timeout)
 
+    @_announces_rejection("gather")
     def igather(self, x: Any, out: Any = None, root: int = 0, *, algo: str | None = None
                 ) -> Request:
         """Every rank's ``x`` into ``out`` on ``root``, in rank order (``size * x.size``
@@ -619,6 +666,7 @@ class Communicator:
         timeout = self._timeout_arg(timeout)
         return self._blocking(self.igather(x, out, root, algo=algo), timeout)
 
+    @_announces_rejection("scatter")
     def iscatter(self, x: Any, out: Any = None, root: int = 0, *, algo: str | None = None
                  ) -> Request:
         """Block r of ``x`` on ``root`` goes to rank r.  ``x`` has ``size`` equal blocks;
@@ -658,6 +706,7 @@ class Communicator:
         timeout = self._timeout_arg(timeout)
         return self._blocking(self.iscatter(x, out, root, algo=algo), timeout)
 
+    @_announces_rejection("barrier")
     def ibarrier(self, *, algo: str | None = None) -> Request:
         """Completes once every rank has entered the barrier."""
         self._check_open()

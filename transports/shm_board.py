@@ -44,6 +44,10 @@ CTRL = 64            # per rank: flag (+0), done (+8)
 HDR = 64             # per buffer: seq, sig, nbytes, coll, dtype, n, op, root
 _U8 = np.dtype(np.uint8)
 
+# the signature a rank publishes for a call it rejected as invalid input (no real call's
+# crc32 signature is this large)
+REJECTED = 0xFFFFFFFFFFFFFFFF
+
 COLLS = ("allreduce", "reduce", "broadcast", "allgather", "reduce_scatter", "alltoall",
          "gather", "scatter", "barrier")
 _OPS = (None,) + tuple(Op)
@@ -119,18 +123,21 @@ class BoardRun:
 
     def __init__(self, board: Board, coll: str, seq: int, sig: int, meta: tuple,
                  x: np.ndarray, out: np.ndarray, root: int, red: Callable | None, n: int,
-                 check: bool = False):
+                 check: bool = False, publish_only: bool = False):
         """``check=True``: only the headers go round (every rank waits for every other's
         and compares) — the agreement check run before a collective moves its data by
-        another algorithm."""
+        another algorithm.  ``publish_only``: publish the header and wait for nobody (a
+        rank announcing that it rejected its own call)."""
         self.board, self.coll, self.seq, self.sig, self.meta = board, coll, seq, sig, meta
         self.x, self.out, self.root, self.red, self.n = x, out, root, red, n
         self.p, self.r = board.nlocal, board.me
         self.b = seq & 1
-        self.check = check
-        self.writes, self.need = board.roles("barrier" if check else coll, root)
+        self.check = check or publish_only
+        self.writes, self.need = board.roles("barrier" if self.check else coll, root)
+        if publish_only:
+            self.need = []
         # broadcast and scatter: only the root has data; the others publish a header
-        self.nbytes = 0 if check or (coll in ("broadcast", "scatter") and self.r != root) \
+        self.nbytes = 0 if self.check or (coll in ("broadcast", "scatter") and self.r != root) \
             else x.nbytes
         self.phase = 0
 
@@ -227,6 +234,12 @@ class BoardRun:
             raise CollectiveMismatchError(
                 f"rank {k} published call #{q[h]} on the shm board where call #{self.seq} was "
                 f"expected: the ranks called different collectives or sizes")
+        if q[h + 1] == REJECTED:
+            coll = COLLS[q[h + 3]] if q[h + 3] < len(COLLS) else "a collective"
+            raise CollectiveMismatchError(
+                f"call #{self.seq}: rank {k} rejected its own {coll} call as invalid input "
+                f"(its ValueError/TypeError says why); rank {self.r} called "
+                f"{describe(self.meta)}")
         theirs = describe(tuple(q[h + 3 + i] for i in range(len(self.meta))))
         mine = describe(self.meta)
         raise CollectiveMismatchError(f"call #{self.seq}: rank {k} called {theirs}, "

@@ -480,3 +480,41 @@ def test_every_rank_detects_a_mismatch_before_data_moves(comm, case):
         msg = str(ei.value)
         assert "called" in msg and msg.count("(") >= 2, msg
         assert (out == -1).all() and (x == 1).all()     # nothing written anywhere
+
+
+@pytest.mark.parametrize("size", [16, 1 << 17])
+def test_bad_input_on_one_rank_is_an_error_on_the_others(comm, size):
+    """One rank passes bad input (here: a read-only output): it raises ValueError, and the
+    ranks that made a valid call raise CollectiveMismatchError at once (board protocol for
+    small calls, the agreement check for large ones) instead of waiting for it."""
+    p, r = comm.size, comm.rank
+    if p == 1:
+        pytest.skip("needs 2 ranks")
+    with scratch(comm) as c:
+        x = np.ones(size, np.float32)
+        out = np.empty(size, np.float32)
+        bad = r == p - 1
+        if bad:
+            out.flags.writeable = False
+        t0 = time.monotonic()
+        if bad:
+            with pytest.raises(ValueError, match="out is read-only"):
+                c.allreduce(x, out, timeout=30)
+        else:
+            with pytest.raises(gpurt.CollectiveMismatchError,
+                               match=rf"rank {p - 1} rejected its own allreduce call"):
+                c.allreduce(x, out, timeout=30)
+        assert time.monotonic() - t0 < 10
+
+
+def test_the_same_bad_call_everywhere_keeps_ranks_in_step(comm):
+    """Every rank rejects the same call: they all skip it together and the communicator
+    goes on working."""
+    p = comm.size
+    with scratch(comm) as c:
+        for _ in range(3):
+            with pytest.raises(TypeError):
+                c.allreduce(np.ones(4, np.float32), op="band")
+        x = np.ones(4, np.float32)
+        c.allreduce(x, timeout=30)
+        assert (x == p).all()
