@@ -357,10 +357,17 @@ class Communicator:
 
         return start
 
-    def _timeout_arg(self, timeout) -> float | None:
+    def _timeout_arg(self, timeout, coll: str | None = None) -> float | None:
+        """``timeout=`` checked before anything else; a bad one rejects the call (and, for
+        a collective, announces the rejection to the peers like any bad argument)."""
+        if timeout is None:
+            return None
         try:
             return check_timeout(timeout)
         except ValueError as e:
+            if coll is not None and self.board is not None and not self._closed \
+                    and self.engine.poisoned is None:
+                self._publish_rejection(coll)
             raise ValueError(f"rank {self.rank}: {e}") from None
 
     def _blocking(self, req: Request, timeout: float | None) -> Any:
@@ -441,7 +448,7 @@ class Communicator:
 
     def allreduce(self, x: Any, out: Any = None, op: Any = Op.SUM, *,
                   timeout: float | None = None, algo: str | None = None) -> Any:
-        timeout = self._timeout_arg(timeout)
+        timeout = self._timeout_arg(timeout, "allreduce")
         if self._fastpath and (algo is None or algo == "shm_board") and \
                 type(x) is np.ndarray and (out is None or type(out) is np.ndarray):
             done = self._board_inline("allreduce", x, op, 0, timeout, out, algo)
@@ -469,7 +476,7 @@ class Communicator:
             fp = self._fastplans[key] = self._fastplan(coll, dtype, n, op, root, algo)
         if not fp:
             return None
-        o, sig, meta, red = fp
+        o, sig, meta, red, fargs = fp
         res = x
         if out is not None and out is not x:
             of = out.flags
@@ -485,8 +492,9 @@ class Communicator:
         self._seq += 1
         seq = self._seq
         fl = self.flight
-        rec = fl.start(seq, coll, (dtype.str, n, o, root if coll in _ROOTED else None),
-                       "shm_board") if fl is not None else None
+        if fl is not None:
+            rec = [seq, coll, fargs, "shm_board", time.time(), 0.0, "running"]
+            fl.events.append(rec)
         oflat = res.reshape(-1)
         run = shm_board.BoardRun(self.board, coll, seq, sig, meta, x.reshape(-1), oflat, root,
                                  red, n)
@@ -497,7 +505,7 @@ class Communicator:
             raise
         if o is Op.AVG:
             host_finalize(o, oflat, self.size)
-        if rec is not None:
+        if fl is not None:
             rec[5], rec[6] = time.time(), "done"
         return res
 
@@ -517,7 +525,8 @@ class Communicator:
             self._fastplans.clear()
         o = _FAST_OPS[(op, dtype)] if op is not None else None
         return (o, _signature(coll, dtype.str, n, o, root), _board_meta(coll, dtype, n, o, root),
-                reducer(o) if o is not None else None)
+                reducer(o) if o is not None else None,
+                (dtype.str, n, o, root if coll in _ROOTED else None))
 
     def _in_place(self, xb: Buf, x: Any) -> Buf:
         try:
@@ -540,7 +549,7 @@ class Communicator:
 
     def broadcast(self, x: Any, root: int = 0, *, timeout: float | None = None,
                   algo: str | None = None) -> Any:
-        timeout = self._timeout_arg(timeout)
+        timeout = self._timeout_arg(timeout, "broadcast")
         if self._fastpath and (algo is None or algo == "shm_board") and \
                 type(x) is np.ndarray and type(root) is int and 0 <= root < self.size:
             done = self._board_inline("broadcast", x, None, root, timeout, None, algo)
@@ -577,7 +586,7 @@ class Communicator:
 
     def reduce(self, x: Any, out: Any = None, op: Any = Op.SUM, root: int = 0, *,
                timeout: float | None = None, algo: str | None = None) -> Any:
-        timeout = self._timeout_arg(timeout)
+        timeout = self._timeout_arg(timeout, "reduce")
         return self._blocking(self.ireduce(x, out, op, root, algo=algo), timeout)
 
     @_announces_rejection("allgather")
@@ -595,7 +604,7 @@ class Communicator:
 
     def allgather(self, x: Any, out: Any = None, *, timeout: float | None = None,
                   algo: str | None = None) -> Any:
-        timeout = self._timeout_arg(timeout)
+        timeout = self._timeout_arg(timeout, "allgather")
         return self._blocking(self.iallgather(x, out, algo=algo), timeout)
 
     @_announces_rejection("reduce_scatter")
@@ -615,7 +624,7 @@ class Communicator:
 
     def reduce_scatter(self, x: Any, out: Any = None, op: Any = Op.SUM, *,
                        timeout: float | None = None, algo: str | None = None) -> Any:
-        timeout = self._timeout_arg(timeout)
+        timeout = self._timeout_arg(timeout, "reduce_scatter")
         return self._blocking(self.ireduce_scatter(x, out, op, algo=algo), timeout)
 
     def _blocks(self, xb: Buf, coll: str) -> int:
@@ -639,7 +648,7 @@ class Communicator:
 
     def alltoall(self, x: Any, out: Any = None, *, timeout: float | None = None,
                  algo: str | None = None) -> Any:
-        timeout = self._timeout_arg(timeout)
+        timeout = self._timeout_arg(timeout, "alltoall")
         return self._blocking(self.ialltoall(x, out, algo=algo), timeout)
 
     @_announces_rejection("gather")
@@ -663,7 +672,7 @@ class Communicator:
 
     def gather(self, x: Any, out: Any = None, root: int = 0, *, timeout: float | None = None,
                algo: str | None = None) -> Any:
-        timeout = self._timeout_arg(timeout)
+        timeout = self._timeout_arg(timeout, "gather")
         return self._blocking(self.igather(x, out, root, algo=algo), timeout)
 
     @_announces_rejection("scatter")
@@ -703,7 +712,7 @@ class Communicator:
 
     def scatter(self, x: Any, out: Any = None, root: int = 0, *, timeout: float | None = None,
                 algo: str | None = None) -> Any:
-        timeout = self._timeout_arg(timeout)
+        timeout = self._timeout_arg(timeout, "scatter")
         return self._blocking(self.iscatter(x, out, root, algo=algo), timeout)
 
     @_announces_rejection("barrier")
@@ -713,7 +722,7 @@ class Communicator:
         return self._submit("barrier", None, None, 0, np.dtype(np.uint8), None, 0, None, algo)
 
     def barrier(self, *, timeout: float | None = None, algo: str | None = None) -> None:
-        timeout = self._timeout_arg(timeout)
+        timeout = self._timeout_arg(timeout, "barrier")
         if self._fastpath and (algo is None or algo == "shm_board") and \
                 self._board_inline("barrier", _EMPTY_U8, None, 0, timeout, None, algo) \
                 is not None:

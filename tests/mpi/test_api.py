@@ -518,3 +518,17 @@ def test_the_same_bad_call_everywhere_keeps_ranks_in_step(comm):
         x = np.ones(4, np.float32)
         c.allreduce(x, timeout=30)
         assert (x == p).all()
+
+
+def test_a_bad_timeout_on_one_rank_is_announced_too(comm):
+    p, r = comm.size, comm.rank
+    if p == 1:
+        pytest.skip("needs 2 ranks")
+    with scratch(comm) as c:
+        x = np.ones(8, np.float32)
+        if r == 0:
+            with pytest.raises(ValueError, match="timeout must be"):
+                c.allreduce(x, timeout="soon")
+        else:
+            with pytest.raises(gpurt.CollectiveMismatchError, match="rank 0 rejected"):
+                c.allreduce(x, timeout=30)
