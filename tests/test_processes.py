@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from conftest import ROOT, gpurt_shm_files, is_hydra, mpiexec, run_mpi
+from conftest import (ROOT, gpurt_shm_files, is_hydra, mpiexec, remove_leaked_mpich_segments,
+                      run_mpi)
 
 SIZES = [1, 2, 3, 4, 5]
 
@@ -155,13 +156,7 @@ def _mpich_segments() -> set[str]:
 
 
 def _remove_new_mpich_segments(before: set[str]) -> None:
-    """MPICH's own segments do leak on SIGKILL (see FIELD-NOTES): not ours, but don't
-    leave them on the machine either."""
-    for f in _mpich_segments() - before:
-        try:
-            os.unlink(os.path.join("/dev/shm", f))
-        except OSError:
-            pass
+    remove_leaked_mpich_segments(before)
 
 
 def _alive(pid: int) -> bool:
