@@ -337,39 +337,48 @@ class Engine:
         """Drive one collective to completion right here — the blocking fast path, used
         only while no other collective is queued (so call order is kept) and without a
         ``Request``.  Same deadlines, liveness checks and poisoning as ``wait``."""
-        where = f"in {name} (call #{seq}): "
         try:
             if run.advance() and run.done:
                 return
-            timeout = self._timeout() if timeout is None else float(timeout)
-            start = time.monotonic()
-            deadline = start + timeout
-            next_check = start + min(0.2, timeout)
-            backoff = None
-            while True:
-                if run.advance():
-                    if run.done:
-                        return
-                    if backoff is not None:
-                        backoff.reset()
-                else:
-                    if backoff is None:
-                        backoff = Backoff(self.spin)
-                    backoff.pause()
-                now = time.monotonic()
-                if now >= next_check:
-                    next_check = min(now + 0.2, deadline)
-                    self._check_peers(run.waiting_on())
-                    if now >= deadline:
-                        missing = run.waiting_on()
-                        raise CollectiveTimeout(
+            self._drive(run.advance, lambda: run.done, run.waiting_on, timeout,
+                        lambda t, missing: CollectiveTimeout(
                             f"rank {self.rank}: {name} (call #{seq}) did not complete within "
-                            f"{timeout:g} s; still waiting for rank(s) {missing}",
-                            collective=name, seq=seq, missing=tuple(missing))
+                            f"{t:g} s; still waiting for rank(s) {missing}",
+                            collective=name, seq=seq, missing=tuple(missing)))
         except BaseException as e:
-            self._annotate(e, where)
+            self._annotate(e, f"in {name} (call #{seq}): ")
             self.poison(e)
             raise
+
+    def _drive(self, step: Callable[[], bool], finished: Callable[[], bool],
+               waiting_on: Callable[[], list[int]], timeout: float | None,
+               timed_out: Callable[[float, list[int]], BaseException]) -> None:
+        """The one wait loop: ``step`` until ``finished``; spin, yield, then sleep while
+        nothing moves (``wait.Backoff``); every 0.2 s ask the endpoints whether the peers
+        still waited on are alive (``PeerFailure`` propagates) and raise ``timed_out``'s
+        exception past the deadline."""
+        timeout = self._timeout() if timeout is None else float(timeout)
+        start = time.monotonic()
+        deadline = start + timeout
+        next_check = start + min(0.2, timeout)
+        backoff = None
+        while True:
+            moved = step()
+            if finished():
+                return
+            if moved:
+                if backoff is not None:
+                    backoff.reset()
+            else:
+                if backoff is None:
+                    backoff = Backoff(self.spin)
+                backoff.pause()
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = min(now + 0.2, deadline)
+                self._check_peers(waiting_on())
+                if now >= deadline:
+                    raise timed_out(timeout, waiting_on())
 
     def pending_peers(self) -> list[int]:
         peers: set[int] = set()
@@ -384,39 +393,21 @@ class Engine:
         if req.done:
             return
         self.raise_if_poisoned()
-        timeout = self._timeout() if timeout is None else float(timeout)
-        start = time.monotonic()
-        deadline = start + timeout
-        next_check = start + min(0.2, timeout)
-        backoff = None
-        while not req.done:
-            if self.progress():
-                if backoff is not None:
-                    backoff.reset()
-            elif req.error is not None:
-                break
-            else:
-                if backoff is None:
-                    backoff = Backoff(self.spin)
-                backoff.pause()
-            if req.done or req.error is not None:
-                break
-            now = time.monotonic()
-            if now >= next_check:
-                next_check = min(now + 0.2, deadline)
-                try:
-                    self._check_peers(self.pending_peers())
-                except PeerFailure as e:
-                    self._annotate(e, "" if req.p2p else f"in {req.name} (call #{req.seq}): ")
-                    self.poison(e)
-                    raise
-                if now >= deadline:
-                    missing = self.pending_peers()
-                    raise CollectiveTimeout(
-                        f"rank {self.rank}: {req.name} (call #{req.seq}) did not complete within "
-                        f"{timeout:g} s; still waiting for rank(s) {missing}"
-                        + ("" if req.p2p or not self.colls or self.colls[0] is req else
-                           f" in the earlier {self.colls[0].name} (call #{self.colls[0].seq})"),
-                        collective=req.name, seq=req.seq, missing=tuple(missing))
+
+        def timed_out(t: float, missing: list[int]) -> CollectiveTimeout:
+            earlier = "" if req.p2p or not self.colls or self.colls[0] is req else \
+                f" in the earlier {self.colls[0].name} (call #{self.colls[0].seq})"
+            return CollectiveTimeout(
+                f"rank {self.rank}: {req.name} (call #{req.seq}) did not complete within "
+                f"{t:g} s; still waiting for rank(s) {missing}{earlier}",
+                collective=req.name, seq=req.seq, missing=tuple(missing))
+
+        try:
+            self._drive(self.progress, lambda: req.done or req.error is not None,
+                        self.pending_peers, timeout, timed_out)
+        except PeerFailure as e:
+            self._annotate(e, "" if req.p2p else f"in {req.name} (call #{req.seq}): ")
+            self.poison(e)
+            raise
         if req.error is not None:
             raise req.error
