@@ -39,6 +39,8 @@ from .executor import Chain, Engine, Request, _Run, check_timeout
 from .flight import FlightRecorder
 from .ops import DTYPES, Op, as_op, check_op, host_finalize, reducer
 from .schedule import Recv, Schedule, Send, Slice
+from .algorithms import Cost
+from .hier import Shape
 from .topology import Topology
 from .tuner import Native, Tuner, load_profile, oversubscribed, transport_cost
 from .wait import spin_seconds
@@ -130,11 +132,12 @@ class Communicator:
                 if nflight > 0 else None
             if self.flight is not None:
                 self.engine.on_poison = self.flight.dump
-            cost, forced, profile, check = self._tuner_inputs()
+            cost, levels, forced, profile, check = self._tuner_inputs()
             natives = self._natives()             # sets self.board on one-node communicators
             self._check = bool(check) and self.board is not None
             self.tuner = Tuner(self.size, self.rank, tuple(range(self.size)), cost,
-                               natives, self.nnodes, forced, profile)
+                               natives, self.nnodes, forced, profile,
+                               shape=Shape.of(self.topo.local_ranks), levels=levels)
         except BaseException:
             self._release()
             raise
@@ -215,17 +218,28 @@ class Communicator:
         environment variables, CPU counts or files that differ between ranks must not make
         ranks choose different algorithms (or checks) for the same call.  Errors are raised
         on every rank."""
-        used = set().union(*self.mpi.allgather(set(self.transport_of.values())))
+        node_of = self.topo.node_of
+        mine = {("node" if node_of[p] == self.node else "net", name)
+                for p, name in self.transport_of.items()}
+        used = set().union(*self.mpi.allgather(mine))
         inputs, err = None, ""
         if self.rank == 0:
             try:
-                costs = [transport_cost(n) for n in used or {"self"}]
-                cost = max(costs, key=lambda c: (c.alpha, c.beta))
                 busiest = max(len(rs) for rs in self.topo.local_ranks)
-                cost = oversubscribed(cost, busiest, os.cpu_count() or 1)
+
+                def level(names: set) -> Cost:
+                    c = max((transport_cost(n) for n in names or {"self"}),
+                            key=lambda c: (c.alpha, c.beta))
+                    return oversubscribed(c, busiest, os.cpu_count() or 1)
+
+                levels = {lv: level({n for lv_, n in used if lv_ == lv})
+                          for lv in ("node", "net")}
+                cost = level({n for _, n in used})      # flat schedules: the slowest link
+                if not any(lv == "net" for lv, _ in used):
+                    levels["net"] = cost
                 profile = load_profile(str(config.get("GPURT_PROFILE")), self.size,
                                        self.nnodes)
-                inputs = (cost, dict(config.get("GPURT_ALGO")), profile,
+                inputs = (cost, levels, dict(config.get("GPURT_ALGO")), profile,
                           bool(config.get("GPURT_CHECK")))
             except ValueError as e:
                 err = str(e)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable
 
-from . import config
+from . import config, hier
 from .algorithms import REGISTRY, Algorithm, Cost, lookup
 from .schedule import SPECS, Schedule
 
@@ -49,6 +49,23 @@ class Native:
     cost: Callable[[int, float, Cost], float]
     fits: Callable[[int, float], bool]
     doc: str = ""
+
+
+@dataclass(frozen=True)
+class Hierarchical:
+    """The hierarchical schedule of ``coll`` (``gpurt.hier``) as a tuner candidate: its
+    cost is that of its stages, each costed with its own level's constants and with the
+    best number of pipeline fragments."""
+
+    coll: str
+    cost: Callable[[int, float, Cost], float]
+    name: str = hier.HIER
+    doc: str = "stages on the node, rail and net subgroups, pipelined"
+
+
+# pipeline fragments the tuner tries, and the smallest fragment worth its extra steps
+FRAGS = (1, 2, 4, 8, 16)
+MIN_FRAG_BYTES = 256 << 10
 
 
 def load_profile(path: str, p: int, nnodes: int) -> dict:
@@ -94,8 +111,23 @@ class Tuner:
 
     def __init__(self, p: int, rank_index: int, group: tuple[int, ...], cost: Cost,
                  natives: list[Native] | tuple = (), nnodes: int = 1,
-                 forced: dict[str, str] | None = None, profile: dict | None = None):
+                 forced: dict[str, str] | None = None, profile: dict | None = None,
+                 shape: "hier.Shape | None" = None, levels: dict[str, Cost] | None = None):
         self.p, self.r, self.group, self.cost = p, rank_index, group, cost
+        # hierarchical schedules: the node shape (communicator ranks per node) and the
+        # cost constants of each level ("node": inside a node, "net": between nodes)
+        self.shape = shape
+        self.levels = dict(levels or {})
+        self.levels.setdefault("node", cost)
+        self.levels.setdefault("net", cost)
+        self.hier: dict[str, Hierarchical] = {}
+        if shape is not None:
+            for coll in hier.COLLS:
+                if hier.supports(coll, shape):
+                    self.hier[coll] = Hierarchical(
+                        coll, (lambda c: lambda p_, S, _c: self.hier_plan(c, S)[0])(coll))
+        self._pick = lru_cache(maxsize=2048)(self._pick_uncached)
+        self.hier_plan = lru_cache(maxsize=512)(self._hier_plan)  # type: ignore[method-assign]
         self.natives: dict[str, dict[str, Native]] = {}
         for nat in natives:
             self.natives.setdefault(nat.coll, {})[nat.name] = nat
@@ -108,16 +140,24 @@ class Tuner:
                                  f"(known: {', '.join(SPECS)})")
             if name in NATIVE_NAMES and name not in self.natives.get(coll, {}):
                 continue   # e.g. shm_board on a communicator spanning nodes: tuner's choice
+            if name in (hier.HIER, "hier") and coll not in self.hier:
+                continue   # e.g. reduce_scatter on uneven nodes: the tuner's choice
             self.forced[coll] = self._lookup(coll, name).name  # raises on unknown names
         self.profile = profile if profile is not None else \
             load_profile(str(config.get("GPURT_PROFILE")), p, nnodes)
         self._plan = lru_cache(maxsize=512)(self._plan_uncached)
         self.choose = lru_cache(maxsize=512)(self._choose)  # type: ignore[method-assign]
 
-    def _lookup(self, coll: str, name: str) -> "Algorithm | Native":
+    def _lookup(self, coll: str, name: str) -> "Algorithm | Native | Hierarchical":
         nat = self.natives.get(coll, {}).get(name)
         if nat is not None:
             return nat
+        if name in (hier.HIER, "hier"):
+            if coll in self.hier:
+                return self.hier[coll]
+            why = "nodes of equal size" if coll in hier.EVEN_ONLY else "a collective it has"
+            raise ValueError(f"no hierarchical {coll} here (it needs {why}; hierarchical "
+                             f"collectives: {', '.join(hier.COLLS)})")
         try:
             return lookup(coll, name)
         except ValueError as e:
@@ -128,6 +168,8 @@ class Tuner:
     def candidates(self, coll: str, nbytes: float) -> list[tuple[float, "Algorithm | Native"]]:
         algs: list = list(REGISTRY[coll].values())
         algs += [n for n in self.natives.get(coll, {}).values() if n.fits(self.p, nbytes)]
+        if coll in self.hier and self.shape is not None and self.shape.nnodes > 1:
+            algs.append(self.hier[coll])
         return sorted(((a.cost(self.p, nbytes, self.cost), a) for a in algs),
                       key=lambda t: (t[0], t[1].name))
 
@@ -167,11 +209,77 @@ class Tuner:
         alg = self.choose(coll, n, itemsize, algo)
         if isinstance(alg, Native):
             return alg, None
+        if isinstance(alg, Hierarchical):
+            return alg, self._plan(coll, alg.name, n, root, itemsize)
         return alg, self._plan(coll, alg.name, n, root)
 
-    def _plan_uncached(self, coll: str, name: str, n: int, root: int) -> Schedule:
+    def _plan_uncached(self, coll: str, name: str, n: int, root: int,
+                       itemsize: int = 0) -> Schedule:
+        if name == hier.HIER:
+            assert self.shape is not None
+            frags = self.hier_plan(coll, collective_bytes(coll, self.p, n, itemsize))[1]
+            return hier.build(coll, self.shape, self.group[self.r], n, root, itemsize,
+                              self.pick, frags)
         alg = REGISTRY[coll][name]
         return alg.build(self.p, self.r, n, root).relabel(self.group)
+
+    # -- hierarchical ------------------------------------------------------------
+    def pick(self, coll: str, p: int, nbytes: float, level: str) -> str:
+        """The registered algorithm for one stage: cheapest on a group of ``p`` ranks with
+        ``level``'s constants (a pure function of global facts: the same on every rank)."""
+        return self._pick(coll, p, int(nbytes), level)
+
+    def _pick_uncached(self, coll: str, p: int, nbytes: int, level: str) -> str:
+        c = self.levels[level]
+        return min(REGISTRY[coll].values(), key=lambda a: (a.cost(p, nbytes, c), a.name)).name
+
+    def _stages(self, coll: str, S: float) -> list[tuple[str, int, float, str]]:
+        """(stage collective, group size, its bytes, level) of one hierarchical call of S
+        bytes, unpipelined (the shapes of ``gpurt.hier``)."""
+        sh = self.shape
+        assert sh is not None
+        R, N, big = sh.R, sh.nnodes, max(len(n) for n in sh.nodes)
+        if coll == "allreduce":
+            return [("reduce_scatter", R, S, "node"), ("allreduce", N, S / R, "net"),
+                    ("allgather", R, S, "node")]
+        if coll == "reduce_scatter":
+            return [("reduce_scatter", R, S, "node"), ("reduce_scatter", N, S / R, "net")]
+        if coll == "allgather":
+            return [("allgather", N, S / R, "net"), ("allgather", R, S, "node")]
+        if coll == "broadcast":
+            return [("broadcast", N, S, "net"), ("broadcast", big, S, "node")]
+        return [("reduce", big, S, "node"), ("reduce", N, S, "net")]
+
+    def _hier_plan(self, coll: str, S: float) -> tuple[float, int, str]:
+        """(predicted seconds, pipeline fragments, a description of the stages) for the
+        hierarchical ``coll`` of S bytes: stages costed at their level, fragments chosen
+        among ``FRAGS`` (pipelined: Σ stages + (F-1)·slowest stage)."""
+        sh = self.shape
+        assert sh is not None
+        best: tuple[float, int, str] | None = None
+        node_c = self.levels["node"]
+        extra = 0.0
+        if coll == "allreduce" and not sh.even:   # extras fold into partners and back
+            e = -(-(max(len(n) for n in sh.nodes) - sh.R) // sh.R)
+            extra = e * (2 * node_c.alpha + 2 * S * node_c.beta + S * node_c.gamma)
+        if coll in ("reduce_scatter", "allgather"):  # the rail-major permutation
+            extra = S * node_c.beta / 2
+        for F in FRAGS:
+            if F > 1 and S / F < MIN_FRAG_BYTES:
+                break
+            times, names, sync = [], [], True
+            for sc, gp, b, level in self._stages(coll, S / F):
+                name = self.pick(sc, gp, b, level)
+                times.append(REGISTRY[sc][name].cost(gp, b, self.levels[level]))
+                names.append(f"{level} {sc}:{name}" + ("" if gp > 1 else " (1 rank)"))
+                sync = sync and hier._group_facts(sc, name, gp, 2 * gp + 1, 0)[1]
+            if F > 1 and not sync:
+                break
+            t = sum(times) + (F - 1) * max(times) + extra
+            if best is None or t < best[0]:
+                best = (t, F, ", ".join(names))
+        assert best is not None
+        return best
 
     def table(self, coll: str, nbytes: int) -> list[dict]:
         if coll not in REGISTRY:
@@ -200,4 +308,10 @@ class Tuner:
         for t, a in cands:
             mark = ("  <- chosen" + why) if a.name == chosen else ""
             lines.append(f"  {a.name:<20} {t * 1e6:>9.1f} µs{mark}")
+        if coll in self.hier and (self.shape.nnodes > 1 or chosen == hier.HIER):
+            _, F, stages = self.hier_plan(coll, nbytes)
+            sh = self.shape
+            lines.append(f"  hierarchical on {sh.nnodes} node(s) of "
+                         f"{'+'.join(str(len(n)) for n in sh.nodes)} ranks, {sh.R} rail(s), "
+                         f"{F} pipeline fragment(s): {stages}")
         return "\n".join(lines)
