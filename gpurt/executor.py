@@ -227,6 +227,9 @@ class Engine:
     def __init__(self, rank: int, default_timeout: Callable[[], float],
                  check_peers: Callable[[list[int]], None], spin: float | None = None):
         self.rank, self.spin = rank, spin
+        #: blocks up to the given seconds until a transport has something (select on its
+        #: sockets); None: plain sleep
+        self.sleeper: Callable[[float], None] | None = None
         self.on_poison: Callable[[BaseException], None] | None = None
         self.colls: deque[Request] = deque()
         self.p2p: list[Request] = []
@@ -371,7 +374,7 @@ class Engine:
                     backoff.reset()
             else:
                 if backoff is None:
-                    backoff = Backoff(self.spin)
+                    backoff = Backoff(self.spin, self.sleeper)
                 backoff.pause()
             now = time.monotonic()
             if now >= next_check:

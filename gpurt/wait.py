@@ -30,10 +30,15 @@ def spin_seconds(ranks_on_node: int) -> float:
 
 
 class Backoff:
-    __slots__ = ("spin", "spin_until", "yield_until", "sleep", "start")
+    """``sleeper(seconds)``, when given, replaces ``time.sleep`` in the sleep phase: a
+    transport with sockets blocks in ``select`` on them instead, so the wait ends as soon
+    as data arrives (and the GIL is released meanwhile)."""
 
-    def __init__(self, spin: float | None = None) -> None:
+    __slots__ = ("spin", "spin_until", "yield_until", "sleep", "start", "sleeper")
+
+    def __init__(self, spin: float | None = None, sleeper=None) -> None:
         self.spin = float(config.get("GPURT_SPIN_US")) * 1e-6 if spin is None else spin
+        self.sleeper = sleeper or time.sleep
         self.reset()
 
     def reset(self) -> None:
@@ -51,5 +56,5 @@ class Backoff:
         if now < self.yield_until:
             _yield()
             return
-        time.sleep(self.sleep)
+        self.sleeper(self.sleep)
         self.sleep = min(self.sleep * 2, 1e-3)
