@@ -151,8 +151,11 @@ class Sweep:
             return False
 
     def algos(self, coll: str) -> list[str]:
-        """Every schedule algorithm, plus the transports' native protocols (shm_board)."""
-        return sorted(REGISTRY[coll]) + sorted(self.comm.tuner.natives.get(coll, {}))
+        """Every schedule algorithm, plus the transports' native protocols (shm_board) and
+        the hierarchical schedule where the communicator spans nodes."""
+        t = self.comm.tuner
+        return sorted(REGISTRY[coll]) + sorted(t.natives.get(coll, {})) + \
+            (["hierarchical"] if coll in t.hier and self.comm.nnodes > 1 else [])
 
     def fits(self, coll: str, algo: str, n: int, itemsize: int) -> bool:
         nat = self.comm.tuner.natives.get(coll, {}).get(algo)
