@@ -242,6 +242,10 @@ class Communicator:
                 cost = level({n for _, n in used})      # flat schedules: the slowest link
                 if not any(lv == "net" for lv, _ in used):
                     levels["net"] = cost
+                elif busiest > 1:
+                    # a flat schedule across nodes may have every rank of a node use the
+                    # node's network link at the same time: cost it as shared
+                    cost = Cost(cost.alpha, cost.beta * busiest, cost.gamma)
                 profile = load_profile(str(config.get("GPURT_PROFILE")), self.size,
                                        self.nnodes)
                 inputs = (cost, levels, dict(config.get("GPURT_ALGO")), profile,

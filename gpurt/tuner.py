@@ -231,7 +231,10 @@ class Tuner:
 
     def _pick_uncached(self, coll: str, p: int, nbytes: int, level: str) -> str:
         c = self.levels[level]
-        return min(REGISTRY[coll].values(), key=lambda a: (a.cost(p, nbytes, c), a.name)).name
+        # on a tie, a step-synchronous algorithm (it lets the stages pipeline)
+        return min(REGISTRY[coll].values(), key=lambda a: (
+            a.cost(p, nbytes, c), not hier._group_facts(coll, a.name, p, 2 * p + 1, 0)[1],
+            a.name)).name
 
     def _stages(self, coll: str, S: float) -> list[tuple[str, int, float, str]]:
         """(stage collective, group size, its bytes, level) of one hierarchical call of S

@@ -8,8 +8,9 @@ local rank and pid, the rails (ranks with the same local rank on every node), th
 Run under any launcher (``mpiexec -n 4 gpurt topo``) it reports on that job; ``gpurt
 topo -n 4`` launches itself through ``gpurt launch``'s machinery
 (``python -m gpurt.launch.topo`` on every rank).  Rank 0 prints.  Where a communicator
-cannot be created (several nodes: no inter-node transport yet), the topology still comes
-from MPI, every pair across nodes shows "-", and the reason is printed.
+cannot be created (e.g. ``GPURT_TRANSPORTS=shm`` on several nodes), the topology still
+comes from MPI, each pair shows the transport it would get, marked "?", or "-" where none
+could reach it, and the reason is printed.
 """
 
 from __future__ import annotations
@@ -108,8 +109,8 @@ def render(d: dict) -> str:
     for r, row in enumerate(d["transport"]):
         out.append(f"{'r' + str(r):<{w}}" + "".join(f"{t:>{w}}" for t in row))
     out.append("")
-    out.append("Legend: self = the rank itself; shm = shared memory (same node); "
-               "- = no transport")
+    out.append("Legend: self = the rank itself; shm = shared memory (same node); tcp = TCP "
+               "sockets (between nodes); - = no transport")
     if d.get("error"):
         out.append("note: no gpurt communicator could be created over these ranks, so "
                    "nothing is connected (NAME? = what the pair would use):")

@@ -1,0 +1,114 @@
+"""Multi-node communicators: real processes on several "nodes", every collective exact.
+
+Two ways to have several nodes on one machine:
+
+* the virtual cluster (``tests/cluster``, needs root): network namespaces with their own
+  host name, /dev/shm, IPC and PID namespaces, so shared memory (or CMA) between nodes is
+  physically impossible; real hydra ``mpiexec`` across them.  Each test reads the links'
+  byte counters and asserts that the collectives' data really crossed the network;
+* MPICH's cliques (``MPIR_CVAR_NUM_CLIQUES``, any machine with the mpich wheel): MPI
+  reports several nodes on one host; gpurt then connects ranks of different "nodes" with
+  tcp over loopback.  Cheaper, but nothing stops a transport from cheating there, which
+  is why the namespace tests exist.
+
+``tests/multinode_check.py`` checks on every rank that the communicator sees the right
+number of nodes, that no pair on different nodes uses ``shm``, that large allreduce,
+reduce_scatter, allgather, broadcast and reduce go through the hierarchical schedule
+(``comm.last_algorithm``), and with ``sweep`` runs every collective x algorithm
+(hierarchical included) x sizes x roots with exact results (``tests/mpi_sweep.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import is_hydra, run_mpi
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from tests.cluster.vcluster import MPICH_TCP_ENV, VirtualCluster, available  # noqa: E402
+
+CHECK = str(ROOT / "tests" / "multinode_check.py")
+MiB = 1 << 20
+
+
+def _summary(out: str) -> dict:
+    line = next((ln for ln in out.splitlines() if ln.startswith("MULTINODE ")), None)
+    assert line is not None, out[-3000:]
+    return json.loads(line[len("MULTINODE "):])
+
+
+def _assert_facts(s: dict, nnodes: int, size: int, sweep: bool) -> None:
+    assert s["failures"] == 0
+    assert s["nnodes"] == nnodes and s["size"] == size
+    if nnodes < size:     # (one rank per node: the hierarchical schedule is the flat one)
+        for coll, alg in s["chosen"].items():
+            if coll in ("reduce_scatter", "allgather") and not _even(s):
+                continue      # hierarchical only on nodes of equal size
+            assert alg == "hierarchical", (coll, alg)
+    if sweep:
+        assert s["cases"] > 1000
+    assert "hierarchical" in s["explain"] and "<- chosen" in s["explain"]
+
+
+def _even(s: dict) -> bool:
+    per = {}
+    for r in s["ranks"]:
+        per[r["node"]] = per.get(r["node"], 0) + 1
+    return len(set(per.values())) == 1
+
+
+# -- MPICH cliques: every machine ---------------------------------------------------------
+
+@pytest.mark.skipif(not is_hydra(), reason="MPICH cliques need the MPICH hydra mpiexec")
+@pytest.mark.parametrize("n,cliques,sweep", [(4, 2, True), (5, 2, True), (3, 3, False)],
+                         ids=["2x2-sweep", "3+2-sweep", "3x1"])
+def test_cliques(n: int, cliques: int, sweep: bool) -> None:
+    env = {"MPIR_CVAR_NUM_CLIQUES": str(cliques), "MPIR_CVAR_CLIQUES_BY_BLOCK": "1"}
+    p = run_mpi(n, [CHECK, str(cliques)] + (["sweep"] if sweep else []), env=env, timeout=600)
+    s = _summary(p.stdout)
+    _assert_facts(s, cliques, n, sweep)
+    for r in s["ranks"]:
+        assert set(r["transports"]) <= {"shm", "tcp"}
+
+
+# -- the virtual cluster: root only ---------------------------------------------------------
+
+_OK, _WHY = available()
+
+
+@pytest.fixture(scope="module")
+def cluster3():
+    if not _OK:
+        pytest.skip(f"virtual cluster unavailable: {_WHY}")
+    with VirtualCluster(nodes=3, rate=None) as vc:
+        yield vc
+
+
+@pytest.mark.parametrize("ranks,sweep", [([2, 2, 0], True), ([3, 3, 0], True),
+                                         ([2, 2, 2], True), ([3, 2, 0], True)],
+                         ids=["2x2", "2x3", "3x2", "3+2"])
+def test_virtual_cluster(cluster3: VirtualCluster, ranks: list[int], sweep: bool) -> None:
+    nodes = sum(1 for k in ranks if k)
+    size = sum(ranks)
+    with cluster3.traffic() as t:
+        p = cluster3.mpiexec(ranks, [sys.executable, CHECK, str(nodes)]
+                             + (["sweep"] if sweep else []),
+                             env=dict(MPICH_TCP_ENV, GPURT_TIMEOUT="120"), timeout=900,
+                             cwd=str(ROOT))
+    assert p.returncode == 0, f"stdout:\n{p.stdout[-4000:]}\nstderr:\n{p.stderr[-4000:]}"
+    s = _summary(p.stdout)
+    _assert_facts(s, nodes, size, sweep)
+    hosts = {r["node"]: r["host"] for r in s["ranks"]}
+    devs = {r["node"]: r["shm_dev"] for r in s["ranks"]}
+    assert len(set(hosts.values())) == nodes, hosts            # a host name per node
+    assert len(set(devs.values())) == nodes, devs              # a /dev/shm per node
+    # the 4 MiB allreduce alone makes every node send at least 4 MiB across its link
+    for k in range(nodes):
+        assert t.tx[k] >= 4 * MiB and t.rx[k] >= 4 * MiB, (k, t.tx, t.rx)
