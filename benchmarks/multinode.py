@@ -35,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.cluster.vcluster import MPICH_TCP_ENV, VirtualCluster, available  # noqa: E402
+from gpurt.launch.vcluster import MPICH_TCP_ENV, VirtualCluster, available  # noqa: E402
 
 
 def rate_bytes(rate: str) -> float:

@@ -406,9 +406,12 @@ def run_job(launcher: Launcher, nranks: int, program: Sequence[str], *,
             hosts: str | None = None, hostfile: str | None = None,
             env: dict[str, str] | None = None, tag_output: bool = False,
             timeout: float | None = None, report: Callable[[str], None] | None = None,
-            stdout=None, stderr=None) -> Result:
+            stdout=None, stderr=None,
+            command: Callable[[list[str], dict], list[str]] | None = None) -> Result:
     """Run ``program`` on ``nranks`` ranks through ``launcher``; see the module docstring.
-    ``report`` receives gpurt launch's own messages (default: stderr)."""
+    ``report`` receives gpurt launch's own messages (default: stderr).  ``command``, when
+    given, builds the launcher's command line from (wrapped program, ranks' environment)
+    instead of ``build_command`` (the virtual cluster does)."""
     report = report or (lambda m: print(m, file=sys.stderr, flush=True))
     stdout = stdout or sys.stdout.buffer
     stderr = stderr or sys.stderr.buffer
@@ -422,8 +425,9 @@ def run_job(launcher: Launcher, nranks: int, program: Sequence[str], *,
             ranks_env[TAG_VAR] = "1"
         wrapped = [sys.executable, "-m", "gpurt.launch.launcher", "--rank-wrapper", "--",
                    *program]
-        cmd = build_command(launcher, nranks, wrapped, hosts=hosts, hostfile=hostfile,
-                            env=ranks_env)
+        cmd = command(wrapped, ranks_env) if command is not None else \
+            build_command(launcher, nranks, wrapped, hosts=hosts, hostfile=hostfile,
+                          env=ranks_env)
         penv = dict(os.environ)
         penv.update(ranks_env)   # also in the launcher's own environment (srun's ALL, ...)
         try:
@@ -578,6 +582,62 @@ def _stop(proc: subprocess.Popen, pgid: int, first_signal: int) -> None:
 # the click command
 # ---------------------------------------------------------------------------------------
 
+def parse_simulate(text: str) -> list[int]:
+    """``2x2`` -> [2, 2] (2 nodes of 2 ranks); ``3+2`` -> [3, 2] (uneven nodes)."""
+    t = text.strip().lower()
+    try:
+        if "x" in t:
+            a, b = t.split("x", 1)
+            ranks = [int(b)] * int(a)
+        else:
+            ranks = [int(x) for x in t.split("+")]
+    except ValueError:
+        ranks = []
+    if not ranks or min(ranks) < 1:
+        raise LaunchError(f"--simulate {text!r}: use NODESxRANKS (e.g. 2x2) or uneven nodes "
+                          f"as A+B (e.g. 3+2)")
+    return ranks
+
+
+def simulate_plan(ranks: list[int], launcher: Launcher, root: bool | None = None,
+                  want: str = "auto") -> tuple[str, str]:
+    """How ``--simulate`` makes several nodes on this machine: ("netns", why) — the
+    virtual cluster of network namespaces, when running as root where it works — or
+    ("cliques", why) — MPICH's clique settings.  ``want`` forces one."""
+    from . import vcluster
+
+    root = os.geteuid() == 0 if root is None else root
+    if want == "cliques":
+        reason = "asked for cliques"
+    elif root:
+        ok, why = vcluster.available()
+        if ok:
+            return "netns", "a virtual cluster of network namespaces (running as root)"
+        reason = f"no virtual cluster here: {why}"
+        if want == "netns":
+            raise LaunchError(f"--simulate-with netns: {reason}")
+    else:
+        reason = "not root, and network namespaces need root"
+        if want == "netns":
+            raise LaunchError(f"--simulate-with netns: {reason}")
+    if launcher.kind != "mpich":
+        raise LaunchError(f"--simulate: {reason}, and MPICH's cliques need the MPICH launcher "
+                          f"(this one is {launcher.kind})")
+    k = len(ranks)
+    n = sum(ranks)
+    block = -(-n // k)
+    want = [min(block, n - i * block) for i in range(k)]
+    if ranks != want:
+        raise LaunchError(f"--simulate: {reason}, and MPICH's cliques can only make nodes of "
+                          f"{'+'.join(map(str, want))} ranks for {n} ranks on {k} nodes")
+    return "cliques", f"MPICH cliques (MPIR_CVAR_NUM_CLIQUES={k}; {reason}): all ranks " \
+                      f"still share this host's /dev/shm and network stack"
+
+
+def clique_env(ranks: list[int]) -> dict[str, str]:
+    return {"MPIR_CVAR_NUM_CLIQUES": str(len(ranks)), "MPIR_CVAR_CLIQUES_BY_BLOCK": "1"}
+
+
 def launch_options(f):
     """The options ``gpurt launch`` and ``gpurt topo -n`` share."""
     import click
@@ -599,8 +659,8 @@ def launch_command():
 
     @click.command(context_settings={"ignore_unknown_options": True,
                                      "allow_interspersed_args": False})
-    @click.option("-n", "--nranks", "-np", type=click.IntRange(min=1), required=True,
-                  help="Number of ranks.")
+    @click.option("-n", "--nranks", "-np", type=click.IntRange(min=1), default=None,
+                  help="Number of ranks (with --simulate: implied).")
     @launch_options
     @click.option("-m", "module", is_flag=True,
                   help="PROGRAM is a module: run `python -m PROGRAM` on every rank.")
@@ -611,10 +671,20 @@ def launch_command():
     @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS",
                   help="Bound the whole job: stop every rank and exit 124 after SECONDS.")
     @click.option("--dry-run", is_flag=True, help="Print the launcher's command; run nothing.")
+    @click.option("--simulate", metavar="NxK", default=None,
+                  help="Run on a local virtual cluster of N nodes x K ranks (or uneven "
+                       "nodes: 3+2): network namespaces as root, else MPICH cliques.")
+    @click.option("--simulate-rate", metavar="RATE", default=None,
+                  help="With --simulate as root: shape each node's link with tc tbf, e.g. "
+                       "1gbit (default: unshaped).")
+    @click.option("--simulate-with", type=click.Choice(["auto", "netns", "cliques"]),
+                  default="auto", show_default=True,
+                  help="How --simulate makes nodes: network namespaces (root) or MPICH "
+                       "cliques; auto picks namespaces where it can.")
     @click.argument("program")
     @click.argument("args", nargs=-1, type=click.UNPROCESSED)
     def launch(nranks, hosts, hostfile, launcher_kind, module, env_items, tag_output, timeout,
-               dry_run, program, args):
+               dry_run, simulate, simulate_rate, simulate_with, program, args):
         """Run PROGRAM on N ranks through mpiexec (MPICH), mpirun (Open MPI) or srun.
 
         A .py PROGRAM runs under this Python, `-m PROGRAM` as a module, anything else as
@@ -630,11 +700,18 @@ def launch_command():
           gpurt launch -n 8 --hosts a:4,b:4 --tag-output train.py
           gpurt launch -n 4 --env GPURT_ALGO=allreduce:ring --timeout 600 train.py
           gpurt launch -n 2 --dry-run train.py      (print the command only)
+          gpurt launch --simulate 2x2 train.py      (2 nodes x 2 ranks on this machine)
         """
         try:
             launcher = find_launcher(launcher_kind)
             prog = program_argv(program, args, module)
             env = job_env(parse_env(env_items))
+            if simulate:
+                rc = _simulated(launcher, simulate, simulate_rate, simulate_with, nranks, hosts,
+                                hostfile, prog, env, tag_output, timeout, dry_run)
+                sys.exit(rc)
+            if nranks is None:
+                raise LaunchError("-n is required (or --simulate NxK)")
             if dry_run:
                 click.echo(quote(build_command(launcher, nranks, prog, hosts=hosts,
                                                hostfile=hostfile, env=env)))
@@ -646,6 +723,56 @@ def launch_command():
         sys.exit(res.returncode)
 
     return launch
+
+
+def _simulated(launcher: Launcher, spec: str, rate: str | None, how: str, nranks: int | None,
+               hosts: str | None, hostfile: str | None, prog: list[str], env: dict,
+               tag_output: bool, timeout: float | None, dry_run: bool) -> int:
+    """``gpurt launch --simulate``: the job on a virtual cluster (root) or MPICH cliques."""
+    ranks = parse_simulate(spec)
+    if nranks is not None and nranks != sum(ranks):
+        raise LaunchError(f"-n {nranks} disagrees with --simulate {spec} ({sum(ranks)} ranks)")
+    if hosts or hostfile:
+        raise LaunchError("--simulate makes its own hosts: drop --hosts/--hostfile")
+    kind, why = simulate_plan(ranks, launcher, want=how)
+    shape = "+".join(map(str, ranks)) if len(set(ranks)) > 1 else f"{len(ranks)}x{ranks[0]}"
+    msg = f"gpurt launch: simulating {len(ranks)} nodes ({shape} ranks) on {why}"
+    if kind == "cliques":
+        if rate:
+            raise LaunchError("--simulate-rate needs the namespace cluster (root)")
+        env = dict(env, **clique_env(ranks))
+        if dry_run:
+            print(msg, file=sys.stderr)
+            print(quote(build_command(launcher, sum(ranks), prog, env=env)))
+            return 0
+        print(msg, file=sys.stderr, flush=True)
+        return run_job(launcher, sum(ranks), prog, env=env, tag_output=tag_output,
+                       timeout=timeout).returncode
+    from . import vcluster
+
+    if launcher.kind != "mpich":
+        raise LaunchError("--simulate on network namespaces drives MPICH hydra (mpiexec)")
+    with vcluster.VirtualCluster(nodes=len(ranks), rate=rate,
+                                 mpiexec=launcher.argv[0]) as vc:
+        print(msg + f" [{vc.tag}: " + ", ".join(
+            f"{h} {ip}" for h, ip in zip(vc.hostnames, vc.ips)) + "]", file=sys.stderr,
+            flush=True)
+        mpi_env = dict(vcluster.MPICH_TCP_ENV)
+
+        def command(wrapped: list[str], ranks_env: dict) -> list[str]:
+            return vc.command(ranks, wrapped, env=dict(mpi_env, **ranks_env))
+
+        if dry_run:   # (the cluster, and the names in this command, exist only per run)
+            print(quote(command(prog, env)))
+            return 0
+        before = vc.link_bytes()
+        res = run_job(launcher, sum(ranks), prog, env=env, tag_output=tag_output,
+                      timeout=timeout, command=command)
+        after = vc.link_bytes()
+        print("gpurt launch: bytes sent over each node's link: " + ", ".join(
+            f"{vc.hostnames[k]} {after[k][0] - before[k][0]:,}" for k in sorted(after)),
+            file=sys.stderr, flush=True)
+        return res.returncode
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -285,3 +285,65 @@ def test_ddp_numpy_example():
     assert "parameters bitwise identical on all 3 ranks" in p.stdout
     # the same training on one process with the combined batch follows the same curve
     assert "loss curves match" in p.stdout, p.stdout
+
+
+# -- --simulate ----------------------------------------------------------------------------
+
+def test_simulate_shapes_and_plans():
+    assert L.parse_simulate("2x2") == [2, 2] and L.parse_simulate("3+2") == [3, 2]
+    for bad in ("x2", "0x3", "2x", "a+b", ""):
+        with pytest.raises(L.LaunchError):
+            L.parse_simulate(bad)
+    mpich = L.Launcher("mpich", ["mpiexec"])
+    kind, why = L.simulate_plan([2, 2], mpich, root=False)
+    assert kind == "cliques" and "not root" in why and "MPIR_CVAR_NUM_CLIQUES=2" in why
+    assert L.clique_env([3, 2]) == {"MPIR_CVAR_NUM_CLIQUES": "2",
+                                    "MPIR_CVAR_CLIQUES_BY_BLOCK": "1"}
+    assert L.simulate_plan([3, 2], mpich, root=False)[0] == "cliques"
+    with pytest.raises(L.LaunchError, match="only make nodes of 3\\+2"):  # block-wise
+        L.simulate_plan([2, 3], mpich, root=False)
+    with pytest.raises(L.LaunchError, match="need root|needs root|not root"):
+        L.simulate_plan([2, 2], mpich, root=False, want="netns")
+    with pytest.raises(L.LaunchError, match="MPICH"):
+        L.simulate_plan([2, 2], L.Launcher("openmpi", ["mpirun"]), root=False)
+
+
+SIM_PROG = """
+import json
+import socket
+import numpy as np
+import gpurt
+c = gpurt.init()
+x = np.full(1 << 18, c.rank + 1, np.float32)
+c.allreduce(x)
+assert (x == c.size * (c.size + 1) // 2).all()
+rows = c.mpi.gather((c.rank, c.node, c.nnodes, socket.gethostname(), c.last_algorithm), 0)
+if c.rank == 0:   # one line from one rank: hydra may interleave the ranks' output
+    print("SIM " + json.dumps(rows), flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["cliques", "netns"])
+def test_simulate_2x2_runs_on_two_nodes(tmp_path, how):
+    if how == "netns":
+        from gpurt.launch.vcluster import available
+        ok, why = available()
+        if not ok:
+            pytest.skip(f"virtual cluster unavailable: {why}")
+    s = script(tmp_path, "sim.py", SIM_PROG)
+    p = run(["launch", "--simulate", "2x2", "--simulate-with", how, s], timeout=180)
+    assert p.returncode == 0, both(p)
+    line = next((l for l in p.stdout.splitlines() if l.startswith("SIM ")), None)
+    assert line is not None, both(p)
+    rows = json.loads(line[4:])
+    assert [tuple(r[:3]) for r in rows] == [(0, 0, 2), (1, 0, 2), (2, 1, 2), (3, 1, 2)]
+    assert {r[4] for r in rows} == {"hierarchical"}
+    hosts = {r[1]: r[3] for r in rows}
+    if how == "netns":
+        assert "network namespaces" in p.stderr and hosts[0] != hosts[1]
+        sent = [int(b.replace(",", "")) for b in
+                p.stderr.split("bytes sent over each node's link:")[1].split()[1::2]]
+        assert min(sent) >= 1 << 20, p.stderr       # the 1 MiB allreduce crossed the links
+    else:
+        assert "MPICH cliques" in p.stderr
+    assert_nothing_left(str(tmp_path))

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.cluster.vcluster import MPICH_TCP_ENV, VirtualCluster, available  # noqa: E402
+from gpurt.launch.vcluster import MPICH_TCP_ENV, VirtualCluster, available  # noqa: E402
 
 CHECK = str(ROOT / "tests" / "multinode_check.py")
 MiB = 1 << 20

@@ -1,5 +1,5 @@
 #!/bin/sh
-# launcher_exec.sh -- the "ssh" of the virtual cluster (tests/cluster/vcluster.py).
+# vcluster_exec.sh -- the "ssh" of the virtual cluster (gpurt/launch/vcluster.py).
 #
 # MPICH hydra's ssh launcher runs `-launcher-exec WRAPPER` exactly like ssh:
 #
@@ -31,7 +31,7 @@ while [ $# -gt 0 ]; do
 done
 
 if [ $# -lt 1 ]; then
-    echo "usage: launcher_exec.sh [-x] HOST COMMAND..." >&2
+    echo "usage: vcluster_exec.sh [-x] HOST COMMAND..." >&2
     exit 255
 fi
 host=$1
