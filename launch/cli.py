@@ -67,6 +67,72 @@ def _transports() -> list[dict[str, str]]:
     return rows
 
 
+def _launcher() -> dict[str, str]:
+    """The launcher ``gpurt launch`` would drive, with its version line."""
+    import subprocess
+
+    from gpurt.launch.launcher import LaunchError, find_launcher
+
+    try:
+        la = find_launcher()
+    except LaunchError as e:
+        return {"kind": "none", "why": str(e)}
+    version = ""
+    if la.kind != "srun" or la.argv:
+        try:
+            out = subprocess.run(la.argv + ["--version"], capture_output=True, text=True,
+                                 timeout=20)
+            lines = [ln.strip() for ln in (out.stdout + out.stderr).splitlines() if ln.strip()]
+            version = " ".join(next((ln for ln in lines if "version" in ln.lower()),
+                                    lines[0] if lines else "").split())
+            if lines and lines[0].upper().startswith("HYDRA"):
+                version = "hydra " + version
+        except (OSError, subprocess.TimeoutExpired) as e:
+            version = f"--version failed: {e}"
+    return {"kind": la.kind, "path": " ".join(la.argv), "version": version}
+
+
+def _devices() -> dict[str, list[str] | str]:
+    """GPUs and RDMA devices this machine shows (without importing CuPy or pyverbs)."""
+    gpus: list[str] = []
+    base = "/proc/driver/nvidia/gpus"
+    if os.path.isdir(base):
+        for bus in sorted(os.listdir(base)):
+            try:
+                with open(os.path.join(base, bus, "information")) as f:
+                    model = next((ln.split(":", 1)[1].strip() for ln in f
+                                  if ln.startswith("Model")), "?")
+            except OSError:
+                model = "?"
+            gpus.append(f"{bus} {model}")
+    rdma: list[str] = []
+    ib = "/sys/class/infiniband"
+    if os.path.isdir(ib):
+        for dev in sorted(os.listdir(ib)):
+            ports = os.path.join(ib, dev, "ports")
+            states = []
+            for port in sorted(os.listdir(ports)) if os.path.isdir(ports) else []:
+                try:
+                    with open(os.path.join(ports, port, "state")) as f:
+                        state = f.read().strip()
+                    with open(os.path.join(ports, port, "link_layer")) as f:
+                        layer = f.read().strip()
+                except OSError:
+                    state, layer = "?", "?"
+                states.append(f"port {port} {state} {layer}")
+            rdma.append(f"{dev} ({'; '.join(states) or 'no ports'})")
+    return {"gpus": gpus or "none (no NVIDIA driver: /proc/driver/nvidia/gpus)",
+            "rdma": rdma or "none (no /sys/class/infiniband: no RDMA device or kernel support)"}
+
+
+def _simulate() -> str:
+    from gpurt.launch.vcluster import available
+
+    ok, why = available()
+    return ("network namespaces (root)" if ok else
+            f"MPICH cliques (no namespace cluster: {why})")
+
+
 def _algorithms() -> dict[str, list[str]]:
     from gpurt.algorithms import REGISTRY
 
@@ -115,6 +181,9 @@ def info(as_json: bool, show_env: bool) -> None:
         "mpi": _mpi_library(),
         "platform": {"machine": platform.machine(), "system": platform.system(),
                      "release": platform.release(), "cpus": os.cpu_count()},
+        "launcher": _launcher(),
+        "devices": _devices(),
+        "simulate": _simulate(),
         "transports": _transports(),
         "algorithms": _algorithms(),
     }
@@ -129,8 +198,16 @@ def info(as_json: bool, show_env: bool) -> None:
                f"mpi4py {v['mpi4py']}, ml_dtypes {v['ml_dtypes']})")
     m = data["mpi"]
     click.echo(f"MPI: {m.get('library')}" + (f"  [{m['standard']}]" if "standard" in m else ""))
+    la = data["launcher"]
+    click.echo(f"launcher: {la['kind']} " + (f"{la['path']}  ({la['version']})" if "path" in la
+                                             else la.get("why", "")))
     p = data["platform"]
     click.echo(f"platform: {p['system']} {p['release']} {p['machine']}, {p['cpus']} CPUs")
+    d = data["devices"]
+    for what in ("gpus", "rdma"):
+        val = d[what]
+        click.echo(f"{what}: " + (", ".join(val) if isinstance(val, list) else val))
+    click.echo(f"gpurt launch --simulate: {data['simulate']}")
     click.echo("transports:")
     for t in data["transports"]:
         mark = "yes" if t["available"] else "no "
@@ -139,7 +216,9 @@ def info(as_json: bool, show_env: bool) -> None:
     for coll, names in data["algorithms"].items():
         click.echo(f"  {coll:<15} {', '.join(names)}")
     click.echo("  (and shm_board for every collective: a one-round protocol of the shm "
-               "transport, on communicators within one node, for data up to GPURT_SHM_BOARD)")
+               "transport, on communicators within one node, for data up to GPURT_SHM_BOARD;")
+    click.echo("   hierarchical for allreduce, reduce_scatter, allgather, broadcast, reduce on "
+               "communicators spanning nodes: stages on node/rail subgroups, pipelined)")
     if show_env:
         click.echo("environment:")
         for e in data["env"]:

@@ -142,8 +142,17 @@ def test_cli_version_and_info():
     assert names["cuda_ipc"]["available"] is False and names["cuda_ipc"]["why"]
     assert "MPICH" in data["mpi"]["library"] or "Open MPI" in data["mpi"]["library"]
     assert {e["name"] for e in data["env"]} >= {"GPURT_TIMEOUT", "GPURT_ALGO"}
+    assert data["launcher"]["kind"] in ("mpich", "openmpi", "srun", "none")
+    if data["launcher"]["kind"] == "mpich":
+        assert data["launcher"]["version"]
+    gpus = data["devices"]["gpus"]
+    assert isinstance(gpus, list) == os.path.isdir("/proc/driver/nvidia/gpus")
+    rdma = data["devices"]["rdma"]
+    assert isinstance(rdma, list) == os.path.isdir("/sys/class/infiniband")
+    assert data["simulate"].startswith(("network namespaces", "MPICH cliques"))
     r = CliRunner().invoke(cli, ["info"])
-    assert "transports:" in r.output and "algorithms" in r.output
+    for what in ("transports:", "algorithms", "launcher:", "gpus:", "rdma:", "--simulate"):
+        assert what in r.output
 
 
 def test_cma_reads_this_process_and_explains_failures():
