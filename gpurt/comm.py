@@ -127,8 +127,9 @@ class Communicator:
             self._connect()
             self.engine = Engine(self.rank, lambda: float(config.get("GPURT_TIMEOUT")),
                                  self._check_peers, spin_seconds(self.local_size))
-            waiters = [t.wait for t in self._transports if callable(getattr(t, "wait", None))]
-            if len(waiters) == 1 and len(self._transports) == 1:
+            live = [t for t in self._transports if getattr(t, "endpoints", None)]
+            waiters = [t.wait for t in live if callable(getattr(t, "wait", None))]
+            if len(waiters) == 1 and len(live) == 1:
                 self.engine.sleeper = waiters[0]   # e.g. tcp only: select on its sockets
             elif waiters:
                 self.engine.sleeper = functools.partial(_sleep_polling, waiters)

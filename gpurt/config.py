@@ -85,6 +85,21 @@ VARIABLES: tuple[Var, ...] = (
         "the sender's memory (process_vm_readv, one copy instead of two) where the probe at "
         "start allows it; 0 disables."),
     Var("GPURT_SHM_DIR", "/dev/shm", str, "shm: where segments are created (then unlinked)."),
+    Var("GPURT_SOCKET_IFNAME", "", str,
+        "tcp: the interface whose IPv4 address a rank advertises, as NCCL_SOCKET_IFNAME: "
+        "name prefixes 'eth,ib', '^docker,lo' excludes, '=eth0' exact names. Empty: the first "
+        "up interface that is not loopback, docker* or virbr* (loopback if there is no other)."),
+    Var("GPURT_TCP_STRIPES", "1", int,
+        "tcp: connections per pair of ranks; messages of at least GPURT_TCP_STRIPE_MIN bytes "
+        "are split over all of them (rank 0's value is used everywhere)."),
+    Var("GPURT_TCP_STRIPE_MIN", "1M", _bytes,
+        "tcp: messages of at least this many bytes are striped (64K at least; rank 0's "
+        "value is used everywhere)."),
+    Var("GPURT_TCP_USER_TIMEOUT", "10", float,
+        "tcp: seconds of unacknowledged data (TCP_USER_TIMEOUT) or silence (keepalive) after "
+        "which a link counts as dead: PeerFailure instead of the kernel's ~15 minutes."),
+    Var("GPURT_TCP_BUFFER", "0", _bytes,
+        "tcp: SO_SNDBUF/SO_RCVBUF per connection; 0 leaves them to the kernel's autotuning."),
     Var("GPURT_SPIN_US", "50", float,
         "Waits poll this many microseconds before yielding the CPU, then back off to sleeps."),
     Var("GPURT_COST", "", _cost,
