@@ -16,3 +16,10 @@ for c in allgather reduce_scatter broadcast alltoall; do
 done
 $B bench allreduce -n 2 -b 8 -e 256M -f 32 --baseline gloo | tee "$out/gloo2.txt"
 $B bench allreduce -n 2 -b 16M -e 256M -f 4 -c | tee "$out/ceiling2.txt"
+# several nodes (root only: a virtual cluster of network namespaces)
+if [ "$(id -u)" = 0 ]; then
+  python benchmarks/multinode.py --nodes 2 --ppn 2 --rate 1gbit --bytes 64M --iters 5 \
+      --rounds 3 --json "$out/multinode-2x2.json" | tee "$out/multinode-2x2.txt"
+  python benchmarks/multinode.py --nodes 3 --ppn 2 --rate 1gbit --bytes 64M --iters 3 \
+      --rounds 1 --json "$out/multinode-3x2.json" | tee "$out/multinode-3x2.txt"
+fi
