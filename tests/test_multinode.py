@@ -66,13 +66,22 @@ def _even(s: dict) -> bool:
 
 # -- MPICH cliques: every machine ---------------------------------------------------------
 
+def _loopback_bytes() -> int:
+    with open("/sys/class/net/lo/statistics/tx_bytes") as f:
+        return int(f.read())
+
+
 @pytest.mark.skipif(not is_hydra(), reason="MPICH cliques need the MPICH hydra mpiexec")
 @pytest.mark.parametrize("n,cliques,sweep", [(4, 2, True), (5, 2, True), (3, 3, False)],
                          ids=["2x2-sweep", "3+2-sweep", "3x1"])
 def test_cliques(n: int, cliques: int, sweep: bool) -> None:
     env = {"MPIR_CVAR_NUM_CLIQUES": str(cliques), "MPIR_CVAR_CLIQUES_BY_BLOCK": "1"}
+    lo0 = _loopback_bytes()
     p = run_mpi(n, [CHECK, str(cliques)] + (["sweep"] if sweep else []), env=env, timeout=600)
     s = _summary(p.stdout)
+    # "nodes" of one host talk tcp over loopback: the 4 MiB allreduce alone moves >= 4 MiB
+    # there (other traffic on the machine only adds to the count)
+    assert _loopback_bytes() - lo0 >= 4 * MiB
     _assert_facts(s, cliques, n, sweep)
     for r in s["ranks"]:
         assert set(r["transports"]) <= {"shm", "tcp"}
