@@ -136,8 +136,7 @@ class Communicator:
             nflight = int(config.get("GPURT_FLIGHT"))
             self.flight = FlightRecorder(self.rank, self.size, self.cid, nflight) \
                 if nflight > 0 else None
-            if self.flight is not None:
-                self.engine.on_poison = self.flight.dump
+            self.engine.on_poison = self._on_poison
             cost, levels, forced, profile, check = self._tuner_inputs()
             natives = self._natives()             # sets self.board on one-node communicators
             self._check = bool(check) and self.board is not None
@@ -272,6 +271,24 @@ class Communicator:
             self.engine.progress()
         except GpurtError:
             pass     # the user's own error is the one to raise
+
+    def _on_poison(self, exc: BaseException) -> None:
+        """The communicator just failed here (a mismatch, a dead peer, a timeout, abort(),
+        an exception mid-transfer): dump the flight recorder, and tell every peer, so that
+        ranks waiting for this one raise ``PeerFailure`` at once instead of at their
+        deadline (once per communicator; best effort, bounded)."""
+        if self._closed:
+            return      # a plain close() is no failure (peers see the connections go)
+        if self.flight is not None:
+            self.flight.dump(exc)
+        text = f"{type(exc).__name__}: {exc}"
+        for t in self._transports:
+            publish = getattr(t, "publish_error", None)
+            if publish is not None:
+                try:
+                    publish(text)
+                except Exception:  # noqa: BLE001 - never mask the failure itself
+                    pass
 
     def _check_peers(self, peers: list[int]) -> None:
         for p in peers:

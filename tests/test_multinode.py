@@ -121,3 +121,84 @@ def test_virtual_cluster(cluster3: VirtualCluster, ranks: list[int], sweep: bool
     # the 4 MiB allreduce alone makes every node send at least 4 MiB across its link
     for k in range(nodes):
         assert t.tx[k] >= 4 * MiB and t.rx[k] >= 4 * MiB, (k, t.tx, t.rx)
+
+
+# -- a failure on one rank reaches every rank ---------------------------------------------
+
+SPREAD = str(ROOT / "tests" / "spread_check.py")
+
+
+@pytest.mark.parametrize("mode", ["mismatch", "abort"])
+@pytest.mark.parametrize("cliques", [1, 2], ids=["one-node", "2-cliques"])
+def test_a_failure_on_one_rank_is_an_error_on_every_rank(tmp_path, mode, cliques):
+    """The failing rank catches its exception and keeps running (no exit, no closed
+    connection): the others still raise within a second, not at their 30 s deadline."""
+    if cliques > 1 and not is_hydra():
+        pytest.skip("MPICH cliques need the MPICH hydra mpiexec")
+    env = {"MPIR_CVAR_NUM_CLIQUES": str(cliques), "MPIR_CVAR_CLIQUES_BY_BLOCK": "1"} \
+        if cliques > 1 else {}
+    n = 4
+    run_mpi(n, [SPREAD, mode, str(tmp_path)], env=env, timeout=120)
+    res = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(n)]
+    for r, x in enumerate(res):
+        assert x["error"] is not None, (r, res)
+        if mode == "abort" and r == 1:
+            continue
+        assert x["seconds"] < 2.0, (r, res)
+    if mode == "abort":
+        others = [x for r, x in enumerate(res) if r != 1]
+        assert all(x["error"] == "PeerFailure" and "giving up on purpose" in x["message"]
+                   for x in others), res
+    else:
+        assert any(x["error"] == "CollectiveMismatchError" for x in res), res
+
+
+# -- a network partition ------------------------------------------------------------------
+
+def test_network_partition_is_a_peer_failure_within_the_tcp_bound(tmp_path):
+    """2 nodes x 1 rank looping over 1 MiB allreduces; the test takes node 1's link down
+    (``ip link set ... down``): with GPURT_TCP_USER_TIMEOUT=2 both ranks raise PeerFailure
+    within a few seconds (not the kernel's ~15 minutes, not their 60 s deadline)."""
+    import subprocess
+    import threading
+    import time
+
+    if not _OK:
+        pytest.skip(f"virtual cluster unavailable: {_WHY}")
+    with VirtualCluster(nodes=2, rate=None) as vc:
+        done: dict = {}
+
+        def job() -> None:
+            try:
+                done["p"] = vc.mpiexec([1, 1], [sys.executable, str(ROOT / "tests" /
+                                                                  "partition_check.py"),
+                                                str(tmp_path)],
+                                       env=dict(MPICH_TCP_ENV, GPURT_TCP_USER_TIMEOUT="2"),
+                                       timeout=120, cwd=str(ROOT))
+            except Exception as e:  # noqa: BLE001 - reported below
+                done["e"] = e
+
+        th = threading.Thread(target=job, daemon=True)
+        th.start()
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"started-{r}").exists() for r in (0, 1)):
+            assert time.monotonic() < deadline and th.is_alive(), done
+            time.sleep(0.1)
+        time.sleep(1.0)                                     # some allreduces complete
+        ns, up = vc.namespaces[1], vc.uplinks[1]
+        subprocess.run(["ip", "netns", "exec", ns, "ip", "link", "set", "dev", up, "down"],
+                       check=True)
+        cut = time.monotonic()
+        while not all((tmp_path / f"rank-{r}.json").exists() for r in (0, 1)):
+            assert time.monotonic() - cut < 45, "no PeerFailure 45 s after the cut"
+            time.sleep(0.1)
+        noticed = time.monotonic() - cut
+        subprocess.run(["ip", "netns", "exec", ns, "ip", "link", "set", "dev", up, "up"],
+                       check=True)                          # let hydra wind down
+        th.join(150)
+    res = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in (0, 1)]
+    for r, x in enumerate(res):
+        assert x["error"] == "PeerFailure", res
+        assert f"rank {1 - r}" in x["message"], res
+        assert x["calls"] > 0
+    assert noticed < 12, (noticed, res)

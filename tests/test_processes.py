@@ -242,16 +242,21 @@ os._exit(0)
 """
 
 
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
 @pytest.mark.parametrize("freeze", [0, 1.0])
-def test_stopped_peer_is_a_failure_after_the_bound_and_a_short_freeze_is_not(freeze, tmp_path):
-    """A local rank stopped (SIGSTOP) longer than GPURT_PEER_STOPPED (3 s here) becomes
-    PeerFailure(rank=1) on the survivors; one stopped for 1 s and continued is waited for."""
+def test_stopped_peer_is_a_failure_after_the_bound_and_a_short_freeze_is_not(freeze, transport,
+                                                                            tmp_path):
+    """A rank stopped (SIGSTOP) longer than GPURT_PEER_STOPPED (3 s here) becomes
+    PeerFailure(rank=1) on the survivors; one stopped for 1 s and continued is waited for.
+    shm sees the state of a local process; tcp (as between nodes, where the stopped
+    process's kernel keeps the connections alive) sees its heartbeats stop."""
     if not is_hydra():
         pytest.skip("uses MPICH hydra's -disable-auto-cleanup; this launcher is not hydra")
     proc = subprocess.run([mpiexec(), "-disable-auto-cleanup", "-n", "3", sys.executable, "-c",
                            STOPPED_PEER, str(freeze), str(tmp_path)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, GPURT_PEER_STOPPED="3"))
+                          env=dict(os.environ, GPURT_PEER_STOPPED="3",
+                                   GPURT_TRANSPORTS=transport))
     got = {f.name: f.read_text() for f in tmp_path.iterdir()}
     for r in (0, 2):
         line = got.get(f"rank{r}")
@@ -259,7 +264,9 @@ def test_stopped_peer_is_a_failure_after_the_bound_and_a_short_freeze_is_not(fre
         if freeze:
             assert "done" in line, got
         else:
-            assert "PeerFailure rank=1 " in line and "stopped for more than 3 s" in line, got
+            why = "stopped for more than 3 s" if transport == "shm" else \
+                "no heartbeat for"
+            assert "PeerFailure rank=1 " in line and why in line, got
             assert 3.0 <= float(line.split(" after ")[1].split("s:")[0]) < 8.0, line
     if freeze:
         assert got.get("rank1") == "rank 1: resumed and done", got

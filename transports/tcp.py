@@ -70,6 +70,11 @@ delivering.  ``wait(timeout)`` blocks in ``select`` (``poll`` past FD_SETSIZE) o
 socket and pumps the ones that became ready, for an idle executor that should wake as
 soon as bytes arrive; ``fds()`` lists the sockets.
 
+*Frozen peers*: a stopped process's kernel keeps its connections alive, so each transport
+also runs a heartbeat thread (``transports/heartbeat.py``: authenticated UDP datagrams
+every 0.5 s, its port exchanged with the set-up); ``check()`` raises ``PeerFailure`` after
+``GPURT_PEER_STOPPED`` seconds of silence.
+
 *Failure*: ``publish_error(text)`` (the excepthook) queues an error frame to every peer
 and flushes for at most half a second; the peers raise ``PeerFailure("rank R (host)
 failed: TEXT")``.  ``close()`` shuts down the sending side (so queued bytes are delivered
@@ -106,6 +111,7 @@ from gpurt import config
 from gpurt.errors import CollectiveMismatchError, PeerFailure, TransportError
 
 from .base import LANE_NAMES, LANES, Sink
+from .heartbeat import Heartbeat
 
 log = logging.getLogger("gpurt.tcp")
 
@@ -124,6 +130,7 @@ _REPLY = struct.Struct("<16s32s")        # nonce', HMAC("A" | hello | nonce')
 _MAC = 32                                # HMAC("C" | hello | nonce')
 _ACK = b"\x01"
 
+_HB_INTERVAL = 0.5          # seconds between heartbeats (transports/heartbeat.py)
 _IBUF = 256 * 1024          # per-connection staging buffer (reads, reductions)
 _DIRECT_MIN = 4096          # plain receives read at least this much straight into dst
 _SPLIT_ALIGN = 64           # stripes are cut on this boundary (keeps elements whole)
@@ -652,6 +659,15 @@ class TcpEndpoint:
         self.pump()
         if self.failure is not None:
             self.raise_failure()
+        hb = getattr(self.owner, "heartbeat", None)
+        if hb is not None:
+            bound = float(config.get("GPURT_PEER_STOPPED"))
+            silent = hb.silent_for(self.peer)
+            if silent > bound:
+                self.fail(PeerFailure, f"rank {self.peer} ({self.host}) has sent no heartbeat "
+                                       f"for {silent:.1f} s (more than GPURT_PEER_STOPPED="
+                                       f"{bound:g} s): stopped (SIGSTOP, a debugger) or hung")
+                self.raise_failure()
 
     # -- failure ------------------------------------------------------------------------
     def fail(self, cls: type, text: str) -> None:
@@ -733,6 +749,7 @@ class TcpTransport:
         self.stripes, self.smin = 1, 1 << 62
         self._loose: list[socket.socket] = []     # set-up sockets not yet owned by an endpoint
         self.address = ""
+        self.heartbeat = None                     # transports/heartbeat.py, once connected
 
     def can_connect(self, topo, me: int, peer: int) -> bool:
         return True                 # the fallback: reaches every peer
@@ -744,7 +761,7 @@ class TcpTransport:
         me, size = mpi.Get_rank(), mpi.Get_size()
         self.rank = me
         host = socket.gethostname()
-        err, ip, port, params = "", "", 0, None
+        err, ip, port, params, hb_port = "", "", 0, None, 0
         try:
             opts = (float(config.get("GPURT_TCP_USER_TIMEOUT")),
                     int(config.get("GPURT_TCP_BUFFER")), float(config.get("GPURT_TIMEOUT")))
@@ -762,12 +779,14 @@ class TcpTransport:
                 self.listener.setblocking(False)
                 port = self.listener.getsockname()[1]
                 self.address = f"{ip}:{port}"
+                self.heartbeat = Heartbeat(ip)
+                hb_port = self.heartbeat.port
                 log.debug("tcp: rank %d listening on %s:%d (%s) for communicator %s",
                           me, ip, port, ifname, comm.cid)
             except (OSError, TransportError, ValueError) as e:
                 err = f"rank {me} ({host}): cannot listen for tcp connections: {e}"
         # one exchange: addresses, ports, hosts, who wants tcp to whom, rank 0's secret
-        info = mpi.allgather((err, ip, port, host, sorted(peers), params))
+        info = mpi.allgather((err, ip, port, host, sorted(peers), params, hb_port))
         errs = list(dict.fromkeys(i[0] for i in info if i[0]))
         peer_sets = [set(i[4]) for i in info]
         for r in range(size):
@@ -808,6 +827,9 @@ class TcpTransport:
             self.endpoints[q] = TcpEndpoint(self, q, info[q][3], f"{info[q][1]}:{info[q][2]}",
                                             [socks[(q, s)] for s in range(self.stripes)])
         self._loose = []            # owned by the endpoints now
+        # a frozen peer on another node keeps its connections alive: heartbeats tell
+        self.heartbeat.start(me, secret, {q: (info[q][1], info[q][6]) for q in peers},
+                             _HB_INTERVAL)
         return dict(self.endpoints)
 
     # -- progress -------------------------------------------------------------------------
@@ -883,6 +905,9 @@ class TcpTransport:
                 except Exception:  # noqa: BLE001 - closing must not fail
                     pass
         self.endpoints = {}
+        if self.heartbeat is not None:
+            self.heartbeat.close()
+            self.heartbeat = None
         for s in self._loose:
             try:
                 s.close()

@@ -1,0 +1,130 @@
+"""Heartbeats between ranks on different nodes: noticing a peer that is frozen, not dead.
+
+A process stopped by SIGSTOP (or a debugger, or swapped to death) on another node keeps its
+TCP connections alive — its kernel still acknowledges — so neither EOF nor
+``TCP_USER_TIMEOUT`` ever fires, and without this a peer waiting for it would only stop at
+its deadline.  gpurt has no progress thread, so the data connections cannot carry
+heartbeats; instead every rank with tcp peers runs one small daemon thread that, every
+``interval`` seconds, sends each peer a 32-byte UDP datagram and records the datagrams it
+receives.  A stopped process stops *all* its threads, so its heartbeats stop; a process
+that is merely busy (computing between collectives, inside a long NumPy call) keeps
+sending, because the thread needs the GIL only for microseconds every interval.
+
+The waiting side asks ``silent_for(peer)`` from its endpoints' ``check`` (every 0.2 s while
+it waits for that peer): past ``GPURT_PEER_STOPPED`` seconds of silence the peer is a
+``PeerFailure`` — the same bound and meaning as a stopped local peer under ``shm``.  A
+freeze shorter than the bound is not a failure.
+
+Datagrams: ``<8sII>`` magic ``b"gpurtHB1"``, from-rank, sequence, then the first 16 bytes of
+HMAC-SHA256(secret, magic | from | to | sequence) over the communicator's tcp secret:
+anything that does not verify (a stranger, another job, a forged sender) is dropped
+(counted, logged once).  The socket is bound to the rank's advertised address and an
+OS-chosen port, exchanged with the tcp set-up.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import select
+import socket
+import struct
+import threading
+import time
+
+log = logging.getLogger("gpurt.tcp")
+
+_HB = struct.Struct("<8sII")
+_MAGIC = b"gpurtHB1"
+_MAC = 16
+SIZE = _HB.size + _MAC
+
+
+def _mac(secret: bytes, frm: int, to: int, seq: int) -> bytes:
+    return hmac.new(secret, _MAGIC + struct.pack("<III", frm, to, seq),
+                    hashlib.sha256).digest()[:_MAC]
+
+
+class Heartbeat:
+    """One UDP socket and one daemon thread per tcp transport instance."""
+
+    def __init__(self, ip: str) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind((ip, 0))
+        self.sock.setblocking(False)
+        self.port: int = self.sock.getsockname()[1]
+        self.me = -1
+        self.peers: dict[int, tuple[str, int]] = {}
+        self.last: dict[int, float] = {}
+        self.dropped = 0
+        self._secret = b""
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, me: int, secret: bytes, peers: dict[int, tuple[str, int]],
+              interval: float) -> None:
+        self.me, self._secret, self.peers = me, secret, dict(peers)
+        now = time.monotonic()
+        self.last = {q: now for q in peers}
+        self._thread = threading.Thread(target=self._run, args=(interval,),
+                                        name=f"gpurt-heartbeat-{me}", daemon=True)
+        self._thread.start()
+
+    def silent_for(self, peer: int) -> float:
+        """Seconds since the last valid heartbeat from ``peer`` (0 if not watched)."""
+        t = self.last.get(peer)
+        return 0.0 if t is None else time.monotonic() - t
+
+    def _run(self, interval: float) -> None:
+        seq = 0
+        nxt = time.monotonic()
+        sock = self.sock
+        while not self._stop.is_set():
+            now = time.monotonic()
+            if now >= nxt:
+                seq += 1
+                for q, addr in self.peers.items():
+                    pkt = _HB.pack(_MAGIC, self.me, seq) + _mac(self._secret, self.me, q, seq)
+                    try:
+                        sock.sendto(pkt, addr)
+                    except OSError:
+                        pass            # a down link: the peer's silence tells them
+                nxt = now + interval
+            try:
+                r, _, _ = select.select([sock], [], [], max(0.0, nxt - time.monotonic()))
+            except (OSError, ValueError):
+                return                  # closed under us
+            if r:
+                self._receive()
+
+    def _receive(self) -> None:
+        while True:
+            try:
+                data, addr = self.sock.recvfrom(64)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return
+            ok = False
+            if len(data) == SIZE:
+                magic, frm, seq = _HB.unpack_from(data)
+                ok = (magic == _MAGIC and frm in self.peers and hmac.compare_digest(
+                    data[_HB.size:], _mac(self._secret, frm, self.me, seq)))
+            if ok:
+                self.last[frm] = time.monotonic()
+            else:
+                self.dropped += 1
+                if self.dropped == 1:
+                    log.warning("tcp: rank %d dropped a heartbeat datagram from %s:%d that "
+                                "does not prove this job's secret", self.me, *addr[:2])
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2.0)
+            self._thread = None
+        try:
+            self.sock.close()
+        except OSError:
+            pass
