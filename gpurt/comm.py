@@ -33,7 +33,8 @@ import numpy as np
 
 from . import config
 from .buffers import Buf, as_buf, check_writable, empty_like, overlaps, same
-from .errors import (CollectiveTimeout, CommunicatorClosed, GpurtError, ResourceError,
+from .errors import (CollectiveMismatchError, CollectiveTimeout, CommunicatorClosed,
+                     GpurtError, ResourceError, relay_text,
                      TransportError)
 from .executor import Chain, Engine, Request, _Run, check_timeout
 from .flight import FlightRecorder
@@ -72,8 +73,8 @@ def _announces_rejection(coll: str):
             try:
                 return fn(self, *args, **kwargs)
             except (ValueError, TypeError):
-                if self._seq == seq and self.board is not None and not self._closed \
-                        and self.engine.poisoned is None:
+                if self._seq == seq and (self.board is not None or self._netcheck) \
+                        and not self._closed and self.engine.poisoned is None:
                     self._publish_rejection(coll)
                 raise
 
@@ -119,6 +120,7 @@ class Communicator:
         self._scratch = np.empty(0, np.uint8)
         self.board = None
         self._check = False
+        self._netcheck = False
         self.flight: FlightRecorder | None = None
         self._fastplans: dict = {}
         #: the algorithm (or native protocol) the last collective call used
@@ -140,6 +142,8 @@ class Communicator:
             cost, levels, forced, profile, check = self._tuner_inputs()
             natives = self._natives()             # sets self.board on one-node communicators
             self._check = bool(check) and self.board is not None
+            # several nodes (or no board): agree through the endpoints instead
+            self._netcheck = bool(check) and self.board is None and self.size > 1
             self.tuner = Tuner(self.size, self.rank, tuple(range(self.size)), cost,
                                natives, self.nnodes, forced, profile,
                                shape=Shape.of(self.topo.local_ranks), levels=levels)
@@ -262,15 +266,49 @@ class Communicator:
         self._seq += 1
         seq = self._seq
         meta = (shm_board.COLLS.index(coll), 0, 0, 0, 0)
-        req = Request(self.engine, f"{coll} (rejected)", seq,
-                      lambda: shm_board.BoardRun(self.board, coll, seq, shm_board.REJECTED,
-                                                 meta, _EMPTY_U8, _EMPTY_U8, 0, None, 0,
-                                                 publish_only=True))
+        if self.board is not None:
+            def start():
+                return shm_board.BoardRun(self.board, coll, seq, shm_board.REJECTED, meta,
+                                          _EMPTY_U8, _EMPTY_U8, 0, None, 0, publish_only=True)
+        else:   # several nodes: take part in the agreement allgather with a REJECTED header
+            def start():
+                return self._agreement_run(seq, shm_board.REJECTED, meta)[0]
+        req = Request(self.engine, f"{coll} (rejected)", seq, start)
         try:   # queued in call order; published now if it can be, else by the next call
             self.engine.submit(req)
             self.engine.progress()
         except GpurtError:
             pass     # the user's own error is the one to raise
+
+    def _agreement_run(self, seq: int, sig: int, meta: tuple) -> tuple[_Run, np.ndarray]:
+        """Multi-node (no board): every rank's header (call number, signature, arguments)
+        to every rank by a small allgather over the endpoints, before the data moves."""
+        hdr = np.array((seq, sig & _M64) + tuple(meta), np.uint64)
+        every = np.zeros(self.size * hdr.size, np.uint64)
+        sched = _agreement_schedule(self.size, self.rank, hdr.size)
+        bufs = {"in": hdr, "out": every, "tmp": np.empty(sched.tmp, np.uint64)}
+        return _Run(sched, bufs, False, None, self.endpoints, 0, seq, _AGREE_SIG), every
+
+    def _agree(self, every: np.ndarray, seq: int, sig: int, meta: tuple) -> None:
+        rows = every.reshape(self.size, -1)
+        bad = []
+        for k in range(self.size):
+            s, g = int(rows[k][0]), int(rows[k][1])
+            if s != seq:
+                bad.append(f"rank {k} is at call #{s}")
+            elif g == shm_board.REJECTED:
+                c = int(rows[k][2])
+                what = shm_board.COLLS[c] if c < len(shm_board.COLLS) else "collective"
+                bad.append(f"rank {k} rejected its own {what} call as invalid input (its "
+                           f"ValueError/TypeError says why)")
+            elif g != sig & _M64:
+                bad.append(f"rank {k} called "
+                           f"{shm_board.describe(tuple(int(v) for v in rows[k][2:]))}")
+        if bad:
+            more = f" (and {len(bad) - 4} more ranks)" if len(bad) > 4 else ""
+            raise CollectiveMismatchError(
+                f"call #{seq}: rank {self.rank} called {shm_board.describe(meta)}, but "
+                + "; ".join(bad[:4]) + more)
 
     def _on_poison(self, exc: BaseException) -> None:
         """The communicator just failed here (a mismatch, a dead peer, a timeout, abort(),
@@ -281,7 +319,7 @@ class Communicator:
             return      # a plain close() is no failure (peers see the connections go)
         if self.flight is not None:
             self.flight.dump(exc)
-        text = f"{type(exc).__name__}: {exc}"
+        text = relay_text(exc)
         for t in self._transports:
             publish = getattr(t, "publish_error", None)
             if publish is not None:
@@ -365,6 +403,18 @@ class Communicator:
                     check = shm_board.BoardRun(self.board, coll, seq, sig, meta, empty8, empty8,
                                                root, None, n, check=True)
                     return Chain(check, data_start)
+            elif self._netcheck and sched.steps:
+                meta = _board_meta(coll, dtype, n, op, root)
+                data_start = start
+
+                def start() -> Chain:  # noqa: F811 - the checked variant, over the network
+                    run, every = self._agreement_run(seq, sig, meta)
+
+                    def then():
+                        self._agree(every, seq, sig, meta)
+                        return data_start()
+
+                    return Chain(run, then)
 
         name = alg.name if alg else "none"
         fl = self.flight
@@ -406,8 +456,8 @@ class Communicator:
         try:
             return check_timeout(timeout)
         except ValueError as e:
-            if coll is not None and self.board is not None and not self._closed \
-                    and self.engine.poisoned is None:
+            if coll is not None and (self.board is not None or self._netcheck) \
+                    and not self._closed and self.engine.poisoned is None:
                 self._publish_rejection(coll)
             raise ValueError(f"rank {self.rank}: {e}") from None
 
@@ -910,6 +960,20 @@ for _o in Op:
         _FAST_OPS[(_o, _d)] = _o
         _FAST_OPS[(_o.value, _d)] = _o
         _FAST_OPS[(_o.name, _d)] = _o
+
+
+_M64 = 0xFFFFFFFFFFFFFFFF
+_AGREE_SIG = 0x67707274414752   # "gprtAGR": the agreement messages' own signature
+
+
+@lru_cache(maxsize=64)
+def _agreement_schedule(p: int, r: int, n: int) -> Schedule:
+    """The allgather that carries the headers of the agreement check: every rank's header
+    straight to every rank up to 32 ranks (so a rank that times out in it can name every
+    rank that has not arrived), Bruck's ⌈lg p⌉ rounds beyond."""
+    from .algorithms import REGISTRY
+
+    return REGISTRY["allgather"]["direct" if p <= 32 else "bruck"].build(p, r, n, 0)
 
 
 def _sleep_polling(waiters: list, seconds: float) -> None:

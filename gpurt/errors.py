@@ -29,6 +29,25 @@ class PeerFailure(GpurtError):
         self.rank = rank
 
 
+def relay_text(exc: BaseException) -> str:
+    """What a rank whose communicator failed tells its peers.  A ``PeerFailure`` it only
+    learned of is relayed as ``PeerFailure[rank=N]: ...``, so that the peers blame rank N,
+    not the messenger (``relayed_rank``)."""
+    if isinstance(exc, PeerFailure) and exc.rank >= 0:
+        return f"PeerFailure[rank={exc.rank}]: {exc}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def relayed_rank(text: str, sender: int) -> int:
+    """The rank a published error text blames: the one in ``PeerFailure[rank=N]`` when the
+    sender relays a failure it saw, else the sender itself."""
+    if text.startswith("PeerFailure[rank="):
+        head = text[len("PeerFailure[rank="):].split("]", 1)[0]
+        if head.isdigit():
+            return int(head)
+    return sender
+
+
 class CollectiveMismatchError(GpurtError):
     """Ranks called different collectives, or the same one with different arguments."""
 

@@ -119,12 +119,14 @@ def case_p2p(c: gpurt.Communicator) -> None:
 def case_mismatch(c: gpurt.Communicator) -> None:
     r = c.rank
     n = 100 if r == 0 else 200
+    # with the agreement check (GPURT_CHECK=1, the default): both calls named, before any
+    # data moves
     try:
         c.allreduce(np.ones(n, np.float32), algo="direct", timeout=30)
     except gpurt.CollectiveMismatchError as e:
         print(f"rank {r}: mismatch: {e}", flush=True)
-        assert "does not match the receive posted here" in str(e), e
-        assert "tcp collective lane" in str(e), e
+        assert "allreduce(float32, count=100, op=SUM)" in str(e), e
+        assert "allreduce(float32, count=200, op=SUM)" in str(e), e
     else:
         raise AssertionError(f"rank {r}: allreduce of different sizes did not fail")
     try:
@@ -133,6 +135,24 @@ def case_mismatch(c: gpurt.Communicator) -> None:
         pass
     else:
         raise AssertionError("not poisoned")
+    # without it (GPURT_CHECK=0): the frame headers are still checked by tcp itself
+    from gpurt import config
+    from mpi4py import MPI
+    os.environ["GPURT_CHECK"] = "0"
+    config.reload()
+    e0 = gpurt.Communicator(MPI.COMM_WORLD)
+    try:
+        e0.allreduce(np.ones(n, np.float32), algo="direct", timeout=30)
+    except gpurt.CollectiveMismatchError as e:
+        print(f"rank {r}: mismatch: {e}", flush=True)
+        assert "does not match the receive posted here" in str(e), e
+        assert "tcp collective lane" in str(e), e
+    else:
+        raise AssertionError(f"rank {r}: allreduce of different sizes did not fail")
+    finally:
+        e0.close()
+        os.environ["GPURT_CHECK"] = "1"
+        config.reload()
     # point to point, on fresh communicators: 10 floats sent, 20 expected; and large
     # messages (striped, when GPURT_TCP_STRIPES > 1) whose parts do not line up
     from mpi4py import MPI

@@ -53,6 +53,18 @@ def test_api_under_mpi(n):
     assert " passed" in proc.stdout
 
 
+@pytest.mark.skipif(not is_hydra(), reason="MPICH cliques need the MPICH hydra mpiexec")
+def test_api_under_mpi_on_two_nodes():
+    """The same API suite on 2 "nodes" x 2 ranks (MPICH cliques): shm inside, tcp between,
+    the agreement check over the network instead of the board."""
+    proc = run_mpi(4, ["-m", "pytest", "--with-mpi", "-q", "-p", "no:cacheprovider",
+                       "tests/mpi"], check=False, timeout=300,
+                   env={"MPIR_CVAR_NUM_CLIQUES": "2", "MPIR_CVAR_CLIQUES_BY_BLOCK": "1",
+                        "GPURT_TEST_NNODES": "2"})
+    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
+    assert " passed" in proc.stdout
+
+
 @pytest.mark.parametrize("n", [1, 3, 4])
 def test_example_collectives(n):
     proc = run_mpi(n, ["examples/collectives.py"])

@@ -185,3 +185,15 @@ def test_shm_header_grows_with_local_ranks():
 
     assert header_bytes(4) == 4096
     assert header_bytes(300) >= (8 + 600) * 8 and header_bytes(300) % 4096 == 0
+
+
+def test_relayed_failures_blame_the_failed_rank_not_the_messenger():
+    from gpurt.errors import PeerFailure, relay_text, relayed_rank
+
+    seen = PeerFailure("rank 1: rank 2 (vm) reset the tcp connection", rank=2)
+    text = relay_text(seen)
+    assert text.startswith("PeerFailure[rank=2]: ") and "reset the tcp" in text
+    assert relayed_rank(text, sender=1) == 2
+    assert relayed_rank("ValueError: bad batch", sender=1) == 1
+    assert relayed_rank(relay_text(ValueError("x")), sender=3) == 3
+    assert relayed_rank("PeerFailure[rank=zz]: ?", sender=4) == 4

@@ -46,7 +46,8 @@ from collections import deque
 import numpy as np
 
 from gpurt import config
-from gpurt.errors import CollectiveMismatchError, PeerFailure, ResourceError, TransportError
+from gpurt.errors import (CollectiveMismatchError, PeerFailure, ResourceError, TransportError,
+                          relayed_rank)
 
 from . import cma, shm_board
 from .fence import ORDERED, WHY_NOT
@@ -392,7 +393,7 @@ class ShmEndpoint:
         err = seg.read_error(self.local_peer)
         if err:
             raise PeerFailure(f"rank {self.peer} (pid {self._pid}, same node) failed: {err}",
-                              rank=self.peer)
+                              rank=relayed_rank(err, self.peer))
         state = _pid_state(self._pid)
         if state in ("gone", "Z", "X"):
             raise PeerFailure(f"rank {self.peer} (pid {self._pid}, same node) has exited",

@@ -108,7 +108,7 @@ from itertools import islice
 import numpy as np
 
 from gpurt import config
-from gpurt.errors import CollectiveMismatchError, PeerFailure, TransportError
+from gpurt.errors import CollectiveMismatchError, PeerFailure, TransportError, relayed_rank
 
 from .base import LANE_NAMES, LANES, Sink
 from .heartbeat import Heartbeat
@@ -678,7 +678,7 @@ class TcpEndpoint:
     def raise_failure(self) -> None:
         cls, text = self.failure or (PeerFailure, self.closed)
         if cls is PeerFailure:
-            raise PeerFailure(text, rank=self.peer)
+            raise PeerFailure(text, rank=getattr(self, "blame", self.peer))
         raise cls(text)
 
     def _who(self) -> str:
@@ -712,6 +712,7 @@ class TcpEndpoint:
                                   f"{conn.stripe}; the stream cannot be trusted any more")
 
     def peer_error(self, text: str) -> None:
+        self.blame = relayed_rank(text, self.peer)
         self.fail(PeerFailure, f"rank {self.peer} ({self.host}) failed: {text}")
 
     def publish(self, data: bytes) -> _Conn | None:

@@ -44,8 +44,10 @@ def test_init_is_idempotent_and_describes_the_world(comm):
     assert gpurt.init() is comm
     w = MPI.COMM_WORLD
     assert (comm.rank, comm.size) == (w.rank, w.size)
-    assert comm.nnodes == 1 and comm.node == 0          # one host, one node
-    assert comm.local_size == w.size and comm.local_rank == w.rank
+    nnodes = int(os.environ.get("GPURT_TEST_NNODES", "1"))   # cliques make several
+    assert comm.nnodes == nnodes
+    if nnodes == 1:
+        assert comm.node == 0 and comm.local_size == w.size and comm.local_rank == w.rank
     assert "rank" in repr(comm)
 
 
@@ -278,6 +280,7 @@ def test_timeout_names_the_missing_ranks(comm):
             assert "rank 0: allreduce (call #1) did not complete within 0.5 s" in str(ei.value)
             with pytest.raises(gpurt.CommunicatorClosed):   # poisoned
                 c.barrier()
+        comm.mpi.Barrier()     # the others keep the communicator open until then
 
 
 def test_split_dup_close(comm):
@@ -355,7 +358,8 @@ def test_board_mismatch_names_both_calls(comm, what):
         dt = np.float64 if (what == "dtype" and r == 0) else np.float32
         op = gpurt.MAX if (what == "op" and r == 0) else gpurt.SUM
         x = np.ones(n, dt)
-        assert c.explain("allreduce", x.nbytes).split("\n")[2].split()[0] == "shm_board"
+        if c.board is not None:     # one node; on several the agreement check says the same
+            assert c.explain("allreduce", x.nbytes).split("\n")[2].split()[0] == "shm_board"
         with pytest.raises(gpurt.CollectiveMismatchError) as ei:
             c.allreduce(x, op=op, timeout=20)
         msg = str(ei.value)
@@ -374,8 +378,8 @@ def test_single_copy_is_probed_and_used(comm):
     """Every local rank can read every other's memory here (same user, no Yama), so the
     probe enables single-copy; a 4 MiB exchange then goes through it, exactly."""
     p, r = comm.size, comm.rank
-    if p == 1:
-        pytest.skip("needs 2 ranks")
+    if p == 1 or comm.nnodes > 1:
+        pytest.skip("needs 2 ranks on one node")
     shm = comm._shm()
     assert shm.cma_why == "", shm.cma_why
     ep = shm.endpoints[(r + 1) % p]
