@@ -287,25 +287,25 @@ def _allgather(shape: Shape, rank: int, n: int, isz: int, pick: Pick, frags: int
     return compose(fr, tmp)
 
 
-def _reps(shape: Shape, root: int) -> tuple[int, ...]:
-    """One rank per node: the root on its node, local rank 0 elsewhere."""
+def _rooted(shape: Shape, rank: int, root: int) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    """(the root's node, one representative per node — the root on its node, local rank 0
+    elsewhere —, this rank's node)."""
     kr, _ = shape.where(root)
-    return tuple(root if kk == kr else rs[0] for kk, rs in enumerate(shape.nodes))
+    reps = tuple(root if kk == kr else rs[0] for kk, rs in enumerate(shape.nodes))
+    return kr, reps, shape.nodes[shape.where(rank)[0]]
 
 
 def _broadcast(shape: Shape, rank: int, n: int, root: int, isz: int, pick: Pick,
                frags: int) -> Schedule:
-    k, _ = shape.where(root)
-    mk, _ = shape.where(rank)
-    reps = _reps(shape, root)
-    node = shape.nodes[mk]
+    k, reps, node = _rooted(shape, rank, root)
+    mine = reps[shape.nodes.index(node)]
     fr, tmp = [], 0
     for off, nf in _frag_blocks(n, frags):
         roles = {"in": ("in", off), "out": ("out", off)}
         net = stage("broadcast", pick("broadcast", len(reps), nf * isz, "net"), reps, rank,
                     nf, k, roles, tmp)
         loc = stage("broadcast", pick("broadcast", len(node), nf * isz, "node"), node, rank,
-                    nf, node.index(reps[mk]), roles, net.tmp_end)
+                    nf, node.index(mine), roles, net.tmp_end)
         fr.append([net, loc])
         tmp = max(net.tmp_end, loc.tmp_end)
     return compose(fr, tmp)
@@ -313,11 +313,8 @@ def _broadcast(shape: Shape, rank: int, n: int, root: int, isz: int, pick: Pick,
 
 def _reduce(shape: Shape, rank: int, n: int, root: int, isz: int, pick: Pick,
             frags: int) -> Schedule:
-    k, _ = shape.where(root)
-    mk, _ = shape.where(rank)
-    reps = _reps(shape, root)
-    node = shape.nodes[mk]
-    rep = reps[mk]
+    k, reps, node = _rooted(shape, rank, root)
+    rep = reps[shape.nodes.index(node)]
     fr, tmp = [], 0
     for off, nf in _frag_blocks(n, frags):
         P = tmp                      # a representative's node sum (the root: its out)

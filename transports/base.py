@@ -77,3 +77,18 @@ def register(name: str, loader: Callable[[], type]) -> None:
 
 def registered() -> list[tuple[str, Callable[[], type]]]:
     return list(_REGISTRY)
+
+
+def mismatch_detail(lane: int, tag: int, sig: int, total: int,
+                    want_tag: int, want_sig: int, want_total: int) -> str | None:
+    """How an arriving message's header differs from the receive posted for it, in words
+    (None if tag, signature and size agree): shared by the transports' mismatch errors."""
+    what = "collective call #" if lane == LANE_COLL else "tag "
+    if tag != want_tag:
+        return f"it carries {what}{tag}, this rank expects {what}{want_tag}"
+    if sig != want_sig:
+        return (f"both are {what}{tag} but the calls differ (dtype, count, op, root or "
+                f"collective; signature {sig:#x} vs {want_sig:#x})")
+    if total != want_total:
+        return f"it is {total} bytes long, this rank expects {want_total} bytes"
+    return None

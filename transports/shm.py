@@ -52,7 +52,7 @@ from gpurt.errors import (CollectiveMismatchError, PeerFailure, ResourceError, T
 from . import cma, shm_board
 from .fence import ORDERED, WHY_NOT
 from .fence import fence as _fence
-from .base import LANE_NAMES, LANES, Sink
+from .base import LANE_NAMES, LANES, Sink, mismatch_detail
 
 log = logging.getLogger("gpurt.shm")
 
@@ -344,16 +344,8 @@ class _Ring:
 
     def _mismatch(self, m: _Msg, tag: int, sig: int, total: int, off: int) -> None:
         lane = LANE_NAMES[self.lane]
-        what = "collective call #" if self.lane == 0 else "tag "
-        if tag != m.tag:
-            detail = f"it carries {what}{tag}, this rank expects {what}{m.tag}"
-        elif sig != m.sig:
-            detail = (f"both are {what}{tag} but the calls differ (dtype, count, op, root or "
-                      f"collective; signature {sig:#x} vs {m.sig:#x})")
-        elif total != m.total:
-            detail = f"it is {total} bytes long, this rank expects {m.total} bytes"
-        else:
-            detail = f"chunk at byte {off}, expected byte {m.off}"
+        detail = mismatch_detail(self.lane, tag, sig, total, m.tag, m.sig, m.total) or \
+            f"chunk at byte {off}, expected byte {m.off}"
         raise CollectiveMismatchError(
             f"message from rank {m.peer} on the shm {lane} lane does not match the "
             f"receive posted here: {detail}")

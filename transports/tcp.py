@@ -110,7 +110,7 @@ import numpy as np
 from gpurt import config
 from gpurt.errors import CollectiveMismatchError, PeerFailure, TransportError, relayed_rank
 
-from .base import LANE_NAMES, LANES, Sink
+from .base import LANE_NAMES, LANES, Sink, mismatch_detail
 from .heartbeat import Heartbeat
 
 log = logging.getLogger("gpurt.tcp")
@@ -465,15 +465,8 @@ class _Conn:
                 elif cur.direct is not None and need >= _DIRECT_MIN:
                     if drained:
                         return moved
-                    try:
-                        k = sock.recv_into(cur.direct[cur.got:], need)
-                    except (BlockingIOError, InterruptedError):
-                        return moved
-                    except OSError as e:
-                        self.ep.lost(self, e)
-                        return moved
+                    k = self._recv_into(sock, cur.direct[cur.got:], need)
                     if not k:
-                        self.ep.eof(self)
                         return moved
                     cur.got += k
                     moved = True
@@ -487,20 +480,27 @@ class _Conn:
                     self.ibuf[:avail] = self.iview[self.ilo:self.ihi]
                 self.ilo, self.ihi = 0, avail
             room = _IBUF - self.ihi
-            try:
-                k = sock.recv_into(self.iview[self.ihi:], room)
-            except (BlockingIOError, InterruptedError):
-                return moved
-            except OSError as e:
-                self.ep.lost(self, e)
-                return moved
+            k = self._recv_into(sock, self.iview[self.ihi:], room)
             if not k:
-                self.ep.eof(self)
                 return moved
             self.ihi += k
             moved = True
             drained = k < room
         return moved
+
+    def _recv_into(self, sock: socket.socket, view, n: int) -> int:
+        """Up to ``n`` bytes into ``view``; 0 when nothing is there now, or when the
+        connection ended (EOF or an error: the endpoint is told)."""
+        try:
+            k = sock.recv_into(view, n)
+        except (BlockingIOError, InterruptedError):
+            return 0
+        except OSError as e:
+            self.ep.lost(self, e)
+            return 0
+        if not k:
+            self.ep.eof(self)
+        return k
 
     def _begin(self) -> None:
         magic, kind, _flags, _stripe, tag, sig, total, off, n = \
@@ -567,17 +567,9 @@ class _Conn:
         m = part.msg
         if tag == m.tag and sig == m.sig and total == m.total and off == part.off and n == part.n:
             return True
-        what = "collective call #" if m.lane == 0 else "tag "
-        if tag != m.tag:
-            detail = f"it carries {what}{tag}, this rank expects {what}{m.tag}"
-        elif sig != m.sig:
-            detail = (f"both are {what}{tag} but the calls differ (dtype, count, op, root or "
-                      f"collective; signature {sig:#x} vs {m.sig:#x})")
-        elif total != m.total:
-            detail = f"it is {total} bytes long, this rank expects {m.total} bytes"
-        else:
-            detail = (f"part at byte {off} ({n} bytes) on connection {self.stripe}, expected "
-                      f"byte {part.off} ({part.n} bytes)")
+        detail = mismatch_detail(m.lane, tag, sig, total, m.tag, m.sig, m.total) or \
+            (f"part at byte {off} ({n} bytes) on connection {self.stripe}, expected "
+             f"byte {part.off} ({part.n} bytes)")
         ep = self.ep
         text = (f"message from rank {ep.peer} ({ep.host}) on the tcp {LANE_NAMES[m.lane]} "
                 f"lane does not match the receive posted here: {detail}")
