@@ -40,7 +40,7 @@ from .executor import Chain, Engine, Request, _Run, check_timeout
 from .flight import FlightRecorder
 from .ops import DTYPES, Op, as_op, check_op, host_finalize, reducer
 from .schedule import Recv, Schedule, Send, Slice
-from .algorithms import Cost
+from .algorithms import REGISTRY, Cost
 from .hier import Shape
 from .topology import Topology
 from .tuner import Native, Tuner, load_profile, oversubscribed, transport_cost
@@ -971,8 +971,6 @@ def _agreement_schedule(p: int, r: int, n: int) -> Schedule:
     """The allgather that carries the headers of the agreement check: every rank's header
     straight to every rank up to 32 ranks (so a rank that times out in it can name every
     rank that has not arrived), Bruck's ⌈lg p⌉ rounds beyond."""
-    from .algorithms import REGISTRY
-
     return REGISTRY["allgather"]["direct" if p <= 32 else "bruck"].build(p, r, n, 0)
 
 

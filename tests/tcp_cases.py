@@ -116,19 +116,26 @@ def case_p2p(c: gpurt.Communicator) -> None:
         assert np.all(z == p)
 
 
+def _expect_mismatch(c: gpurt.Communicator, n: int, *needles: str) -> None:
+    """An allreduce of ``n`` elements (the ranks disagree on n) must raise
+    CollectiveMismatchError whose message contains every one of ``needles``."""
+    try:
+        c.allreduce(np.ones(n, np.float32), algo="direct", timeout=30)
+    except gpurt.CollectiveMismatchError as e:
+        print(f"rank {c.rank}: mismatch: {e}", flush=True)
+        for text in needles:
+            assert text in str(e), e
+    else:
+        raise AssertionError(f"rank {c.rank}: allreduce of different sizes did not fail")
+
+
 def case_mismatch(c: gpurt.Communicator) -> None:
     r = c.rank
     n = 100 if r == 0 else 200
     # with the agreement check (GPURT_CHECK=1, the default): both calls named, before any
     # data moves
-    try:
-        c.allreduce(np.ones(n, np.float32), algo="direct", timeout=30)
-    except gpurt.CollectiveMismatchError as e:
-        print(f"rank {r}: mismatch: {e}", flush=True)
-        assert "allreduce(float32, count=100, op=SUM)" in str(e), e
-        assert "allreduce(float32, count=200, op=SUM)" in str(e), e
-    else:
-        raise AssertionError(f"rank {r}: allreduce of different sizes did not fail")
+    _expect_mismatch(c, n, "allreduce(float32, count=100, op=SUM)",
+                     "allreduce(float32, count=200, op=SUM)")
     try:
         c.allreduce(np.ones(4, np.float32), timeout=5)
     except gpurt.CommunicatorClosed:
@@ -142,13 +149,8 @@ def case_mismatch(c: gpurt.Communicator) -> None:
     config.reload()
     e0 = gpurt.Communicator(MPI.COMM_WORLD)
     try:
-        e0.allreduce(np.ones(n, np.float32), algo="direct", timeout=30)
-    except gpurt.CollectiveMismatchError as e:
-        print(f"rank {r}: mismatch: {e}", flush=True)
-        assert "does not match the receive posted here" in str(e), e
-        assert "tcp collective lane" in str(e), e
-    else:
-        raise AssertionError(f"rank {r}: allreduce of different sizes did not fail")
+        _expect_mismatch(e0, n, "does not match the receive posted here",
+                         "tcp collective lane")
     finally:
         e0.close()
         os.environ["GPURT_CHECK"] = "1"
