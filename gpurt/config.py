@@ -100,6 +100,26 @@ VARIABLES: tuple[Var, ...] = (
         "which a link counts as dead: PeerFailure instead of the kernel's ~15 minutes."),
     Var("GPURT_TCP_BUFFER", "0", _bytes,
         "tcp: SO_SNDBUF/SO_RCVBUF per connection; 0 leaves them to the kernel's autotuning."),
+    Var("GPURT_IB_HCA", "", str,
+        "verbs: which RDMA device/port, as NCCL_IB_HCA: 'mlx5_0:1,mlx5_1' name prefixes with "
+        "an optional port, '^mlx5_2' excludes, '=mlx5_0' exact names. Empty: the first "
+        "active port."),
+    Var("GPURT_IB_GID_INDEX", "-1", int,
+        "verbs: GID index; -1 picks a RoCE v2 GID with an IPv4-mapped address on RoCE ports "
+        "and routes by LID on InfiniBand."),
+    Var("GPURT_IB_EAGER", "16K", _bytes,
+        "verbs: messages of at most this many bytes are written into the peer's ring slots "
+        "(one copy each side); larger ones go zero-copy by rendezvous (same on every rank)."),
+    Var("GPURT_IB_SLOTS", "16", int,
+        "verbs: ring slots (credits) per peer for eager and control messages (same on every "
+        "rank)."),
+    Var("GPURT_IB_REG_CACHE", "4G", _bytes,
+        "verbs: user memory kept registered (pinned) at most; least recently used "
+        "registrations are dropped beyond it."),
+    Var("GPURT_IB_TIMEOUT", "18", int,
+        "verbs: QP local ACK timeout exponent (4.096 us * 2^N per try, as NCCL_IB_TIMEOUT)."),
+    Var("GPURT_IB_RETRY_CNT", "7", int,
+        "verbs: QP retry count; after the last try the QP errors (IBV_WC_RETRY_EXC_ERR)."),
     Var("GPURT_SPIN_US", "50", float,
         "Waits poll this many microseconds before yielding the CPU, then back off to sleeps."),
     Var("GPURT_COST", "", _cost,

@@ -10,6 +10,12 @@ receives.  A stopped process stops *all* its threads, so its heartbeats stop; a 
 that is merely busy (computing between collectives, inside a long NumPy call) keeps
 sending, because the thread needs the GIL only for microseconds every interval.
 
+The same socket carries *notices*: ``notify(text)`` sends every peer an authenticated
+datagram (``<8sII>`` magic ``b"gpurtHE1"``, from-rank, text length, the text (at most 1 KiB),
+then 16 bytes of HMAC over all of it and the receiving rank), three times against loss; the
+peers' ``notice(rank)`` returns it.  A transport whose data path to a peer is broken (a verbs
+queue pair in the error state cannot carry an error message) still tells the peer why.
+
 The waiting side asks ``silent_for(peer)`` from its endpoints' ``check`` (every 0.2 s while
 it waits for that peer): past ``GPURT_PEER_STOPPED`` seconds of silence the peer is a
 ``PeerFailure`` — the same bound and meaning as a stopped local peer under ``shm``.  A
@@ -37,6 +43,8 @@ log = logging.getLogger("gpurt.tcp")
 
 _HB = struct.Struct("<8sII")
 _MAGIC = b"gpurtHB1"
+_NOTE = b"gpurtHE1"
+_NOTE_MAX = 1024
 _MAC = 16
 SIZE = _HB.size + _MAC
 
@@ -44,6 +52,10 @@ SIZE = _HB.size + _MAC
 def _mac(secret: bytes, frm: int, to: int, seq: int) -> bytes:
     return hmac.new(secret, _MAGIC + struct.pack("<III", frm, to, seq),
                     hashlib.sha256).digest()[:_MAC]
+
+
+def _note_mac(secret: bytes, signed: bytes, to: int) -> bytes:
+    return hmac.new(secret, signed + struct.pack("<I", to), hashlib.sha256).digest()[:_MAC]
 
 
 class Heartbeat:
@@ -58,6 +70,7 @@ class Heartbeat:
         self.peers: dict[int, tuple[str, int]] = {}
         self.last: dict[int, float] = {}
         self.dropped = 0
+        self.notices: dict[int, str] = {}
         self._secret = b""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -75,6 +88,22 @@ class Heartbeat:
         """Seconds since the last valid heartbeat from ``peer`` (0 if not watched)."""
         t = self.last.get(peer)
         return 0.0 if t is None else time.monotonic() - t
+
+    def notice(self, peer: int) -> str | None:
+        """The text ``peer`` sent with ``notify``, if any."""
+        return self.notices.get(peer)
+
+    def notify(self, text: str) -> None:
+        """Tell every peer ``text`` (best effort: three datagrams each, no waiting)."""
+        body = text.encode("utf-8", "replace")[:_NOTE_MAX]
+        for q, addr in self.peers.items():
+            head = _HB.pack(_NOTE, self.me, len(body))
+            pkt = head + body + _note_mac(self._secret, head + body, q)
+            for _ in range(3):
+                try:
+                    self.sock.sendto(pkt, addr)
+                except OSError:
+                    break
 
     def _run(self, interval: float) -> None:
         seq = 0
@@ -101,13 +130,21 @@ class Heartbeat:
     def _receive(self) -> None:
         while True:
             try:
-                data, addr = self.sock.recvfrom(64)
+                data, addr = self.sock.recvfrom(_HB.size + _NOTE_MAX + _MAC)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:
                 return
             ok = False
-            if len(data) == SIZE:
+            if data[:8] == _NOTE and len(data) >= _HB.size + _MAC:
+                _, frm, n = _HB.unpack_from(data)
+                body = data[_HB.size:-_MAC]
+                if frm in self.peers and len(body) == n and hmac.compare_digest(
+                        data[-_MAC:], _note_mac(self._secret, data[:-_MAC], self.me)):
+                    self.notices.setdefault(frm, body.decode("utf-8", "replace"))
+                    self.last[frm] = time.monotonic()
+                    continue
+            elif len(data) == SIZE:
                 magic, frm, seq = _HB.unpack_from(data)
                 ok = (magic == _MAGIC and frm in self.peers and hmac.compare_digest(
                     data[_HB.size:], _mac(self._secret, frm, self.me, seq)))

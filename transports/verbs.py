@@ -1,0 +1,1148 @@
+"""``verbs``: RDMA between nodes over InfiniBand or RoCE, through pyverbs (rdma-core).
+
+How it works
+------------
+*Device* (``GPURT_IB_HCA``, as ``NCCL_IB_HCA``: ``mlx5_0:1,mlx5_1`` device-name prefixes with
+an optional port, ``^`` in front excludes, ``=`` in front for exact names): the first device
+with an ACTIVE port that the spec allows.  *Addressing*: on RoCE (Ethernet link layer) the
+GID index is chosen automatically — a RoCE v2 GID holding an IPv4-mapped address (routable
+over IP), else any RoCE v2 GID, else index 0 — unless ``GPURT_IB_GID_INDEX`` says; on
+InfiniBand the port's LID (and GID index 0 only if ``GPURT_IB_GID_INDEX`` asks for a global
+route).  The path MTU is the smaller of the two ports' active MTUs.
+
+*Set-up* (``connect``, collective over the MPI control plane): every rank opens the
+device, a protection domain, one completion queue and one RC queue pair per verbs peer,
+registers its receive rings and a small control block, posts its receives, and one MPI
+allgather carries every rank's QP numbers, GID/LID, MTU, ring and control-block addresses
+and keys, and rank 0's per-communicator secret (for the heartbeats).  Each QP then goes
+RESET→INIT→RTR→RTS with its peer's data, and a second allgather (of errors) makes sure
+every QP is ready before anyone writes.  A rank whose set-up fails makes every rank raise
+the same ``TransportError``.
+
+*Eager path* (messages of at most ``GPURT_IB_EAGER`` bytes, and every control message):
+each rank has, per peer, a ring of ``GPURT_IB_SLOTS`` slots of 64 + ``GPURT_IB_EAGER``
+bytes registered for remote writes.  The sender copies a 64-byte header (kind, lane, tag,
+signature, total size, message id, address/key for control messages) and the payload into
+a registered staging slot and posts one RDMA WRITE WITH IMMEDIATE into the next slot of the
+peer's ring; the immediate data (the slot's sequence number) raises a receive completion at
+the peer, which matches the header against the receive posted for that lane and hands the
+payload to the receive's sink straight from the ring (one copy into the user's buffer, or
+a reduction reading the ring).  *Credits*: a sender never has more than ``SLOTS`` writes
+in flight to a peer; the receiver returns consumed slots by an RDMA WRITE of its consumed
+count into the sender's control block (no receive work request consumed, so credit returns
+can never deadlock on credits).
+
+*Rendezvous path* (larger messages, zero-copy): the sender posts an RTS (header only); the
+receiver, once its receive is posted and the RTS matches it (tag, signature, size — or it
+answers NAK and both sides raise ``CollectiveMismatchError`` before any byte is written),
+answers CTS with the address and rkey of the destination: the user's buffer itself,
+registered (plain receives), or a registered scratch buffer (reductions, which then read
+it); the sender RDMA WRITEs its registered buffer straight there and posts FIN, whose
+arrival completes the receive.  *Registration cache*: user buffers are registered whole
+(the array that owns the memory, so every slice of it hits the same registration), keyed
+by that owner, and deregistered when the owner is freed (a weakref finalizer) or at
+close; at most ``GPURT_IB_REG_CACHE`` bytes stay registered (least recently used are
+dropped).  Memory that cannot be registered goes through registered bounce buffers.
+
+*Progress*: no threads on the data path.  A completion's ``test()`` polls the CQ (every
+completion is signaled) and advances every peer's protocol.  *Failure*: a work completion
+with an error status puts the endpoint in error — ``PeerFailure`` (retry counters exceeded:
+the peer's QP is gone) or ``TransportError`` (anything else), naming the rank, the peer and
+the verbs status; the rank tells its peers with an authenticated UDP notice (its QP cannot
+carry it), so both sides raise.  A frozen or killed peer on another node is found by the
+same heartbeats as ``tcp`` (``transports/heartbeat.py``, ``GPURT_PEER_STOPPED``), bound to
+the IPv4 address of the RoCE GID (or the ``GPURT_SOCKET_IFNAME`` address on InfiniBand).
+``publish_error`` sends an ERROR message to every peer (and the UDP notice); ``close``
+sends BYE, so a peer that still waits raises at once instead of at its deadline.
+
+*GPUDirect RDMA*: detected at start (``nvidia_peermem`` loaded → device pointers are
+registered directly; else pyverbs' ``DmaBufMR`` for the dma-buf path; else pinned host
+staging) and reported by ``gpurt info``; this build accepts host buffers only (the GPU path
+is not in yet), so the detection is reported, not used.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import secrets
+import socket
+import struct
+import time
+import weakref
+from collections import OrderedDict, deque
+
+import numpy as np
+
+from gpurt import config
+from gpurt.errors import (CollectiveMismatchError, PeerFailure, ResourceError, TransportError,
+                          relayed_rank)
+
+from .base import LANE_NAMES, LANES, Sink, mismatch_detail
+from .heartbeat import Heartbeat
+
+log = logging.getLogger("gpurt.verbs")
+
+# -- wire format of a slot -----------------------------------------------------------------
+# magic, kind, lane, flags, msgid, tag, sig, total, addr, rkey, payload bytes
+_HDR = struct.Struct("<IBBHIQQQQII")
+HDR = 64
+MAGIC = 0x56505447                  # b"GTPV"
+K_EAGER, K_RTS, K_CTS, K_NAK, K_FIN, K_ERROR, K_BYE = range(1, 8)
+_KIND = {K_EAGER: "eager", K_RTS: "RTS", K_CTS: "CTS", K_NAK: "NAK", K_FIN: "FIN",
+         K_ERROR: "error", K_BYE: "bye"}
+_M64 = 0xFFFFFFFFFFFFFFFF
+_CTRL = 16                          # control block bytes per peer: credit in, credit out
+_MAX_WRITE = 1 << 30                # one RDMA WRITE moves at most this much
+_HB_INTERVAL = 0.5
+_BYE_S = 0.2                        # close() waits at most this long for its BYE writes
+_PUBLISH_S = 0.5
+
+# work request ids: low 8 bits the kind of work, the rest an index
+_W_SLOT, _W_CREDIT, _W_DATA, _W_RECV = 1, 2, 3, 4
+
+# ibv_wc_status names (verbs.h), for error messages
+_WC_STATUS = {
+    0: "IBV_WC_SUCCESS", 1: "IBV_WC_LOC_LEN_ERR", 2: "IBV_WC_LOC_QP_OP_ERR",
+    3: "IBV_WC_LOC_EEC_OP_ERR", 4: "IBV_WC_LOC_PROT_ERR", 5: "IBV_WC_WR_FLUSH_ERR",
+    6: "IBV_WC_MW_BIND_ERR", 7: "IBV_WC_BAD_RESP_ERR", 8: "IBV_WC_LOC_ACCESS_ERR",
+    9: "IBV_WC_REM_INV_REQ_ERR", 10: "IBV_WC_REM_ACCESS_ERR", 11: "IBV_WC_REM_OP_ERR",
+    12: "IBV_WC_RETRY_EXC_ERR", 13: "IBV_WC_RNR_RETRY_EXC_ERR", 14: "IBV_WC_LOC_RDD_VIOL_ERR",
+    15: "IBV_WC_REM_INV_RD_REQ_ERR", 16: "IBV_WC_REM_ABORT_ERR", 17: "IBV_WC_INV_EECN_ERR",
+    18: "IBV_WC_INV_EEC_STATE_ERR", 19: "IBV_WC_FATAL_ERR", 20: "IBV_WC_RESP_TIMEOUT_ERR",
+    21: "IBV_WC_GENERAL_ERR", 22: "IBV_WC_TM_ERR", 23: "IBV_WC_TM_RNDV_INCOMPLETE",
+}
+_PEER_GONE = (12, 13)               # retries exhausted: nobody answers at the other end
+_MTU_BYTES = {1: 256, 2: 512, 3: 1024, 4: 2048, 5: 4096}
+
+
+def _view(addr: int, n: int) -> np.ndarray:
+    """A uint8 array over ``n`` bytes at ``addr`` (registered memory pyverbs allocated)."""
+    if n == 0:
+        return np.empty(0, np.uint8)
+    return np.frombuffer((ctypes.c_uint8 * n).from_address(addr), np.uint8)
+
+
+def _addr(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+# -- device, port and address selection (pure functions: tested without hardware) ----------
+def parse_hca(spec: str) -> tuple[bool, bool, list[tuple[str, int | None]]]:
+    """``GPURT_IB_HCA`` → (exclude, exact, [(name, port or None)])."""
+    body = spec.strip()
+    exclude = body.startswith("^")
+    body = body[1:] if exclude else body
+    exact = body.startswith("=")
+    body = body[1:] if exact else body
+    out: list[tuple[str, int | None]] = []
+    for item in body.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        name, _, port = item.partition(":")
+        if port and not port.isdigit():
+            raise ValueError(f"GPURT_IB_HCA entry {item!r}: the port after ':' must be a number")
+        out.append((name, int(port) if port else None))
+    return exclude, exact, out
+
+
+def pick_port(spec: str, ports: list[tuple[str, int, bool]]) -> tuple[str, int]:
+    """(device, port) from ``ports`` = [(device, port number, active)] in enumeration order,
+    filtered by ``GPURT_IB_HCA`` ``spec``; the first active one wins."""
+    exclude, exact, items = parse_hca(spec)
+
+    def listed(dev: str, port: int) -> bool:
+        for name, p in items:
+            if (dev == name if exact else dev.startswith(name)) and p in (None, port):
+                return True
+        return False
+
+    cands = [(d, p) for d, p, up in ports if up and (not items or listed(d, p) != exclude)]
+    if not cands:
+        have = ", ".join(f"{d}:{p} ({'ACTIVE' if up else 'down'})" for d, p, up in ports) or "none"
+        why = f" allowed by GPURT_IB_HCA={spec!r}" if spec.strip() else ""
+        raise TransportError(f"no active RDMA port{why} (have: {have})")
+    return cands[0]
+
+
+def pick_gid(entries: list[tuple[int, str, str]], want: int = -1) -> int:
+    """GID index for RoCE: ``entries`` = [(index, gid text, type text)] of the port's
+    non-zero GIDs.  ``want`` ≥ 0 forces one.  Else a RoCE v2 GID holding an IPv4-mapped
+    address, else any RoCE v2 GID, else the first."""
+    if want >= 0:
+        return want
+    if not entries:
+        raise TransportError("the port has no GID (is an IP address assigned to its netdev?)")
+    v2 = [e for e in entries if "v2" in e[2].lower()]
+    for e in v2:
+        if ipv4_of_gid(e[1]):
+            return e[0]
+    return (v2 or entries)[0][0]
+
+
+def ipv4_of_gid(gid: str) -> str:
+    """The IPv4 address of an IPv4-mapped GID (``::ffff:a.b.c.d``), else ''."""
+    h = gid.replace(":", "").lower()
+    if len(h) != 32 or h[:20] != "0" * 20 or h[20:24] != "ffff":
+        return ""
+    return socket.inet_ntoa(bytes.fromhex(h[24:]))
+
+
+def _sysfs_gid_type(dev: str, port: int, idx: int) -> str:
+    try:
+        with open(f"/sys/class/infiniband/{dev}/ports/{port}/gid_attrs/types/{idx}") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def gpudirect() -> tuple[str, str]:
+    """(mode, why): how device buffers would reach the NIC on this machine."""
+    try:
+        with open("/proc/modules") as f:
+            mods = {line.split()[0] for line in f}
+    except OSError:
+        mods = set()
+    if "nvidia_peermem" in mods or "nv_peer_mem" in mods:
+        return "peermem", "nvidia-peermem is loaded: device pointers are registered directly"
+    try:
+        import pyverbs.mr as m
+        if hasattr(m, "DmaBufMR") and "nvidia" in mods:
+            return "dmabuf", "no nvidia-peermem, but pyverbs has DmaBufMR (dma-buf export)"
+    except ImportError:
+        pass
+    why = "no nvidia-peermem module" + ("" if "nvidia" in mods else " and no NVIDIA driver")
+    return "staged", f"{why}: device buffers would be staged through pinned host memory"
+
+
+def _settings() -> tuple[int, int, int, int]:
+    eager = int(config.get("GPURT_IB_EAGER"))
+    slots = int(config.get("GPURT_IB_SLOTS"))
+    cache = int(config.get("GPURT_IB_REG_CACHE"))
+    gid = int(config.get("GPURT_IB_GID_INDEX"))
+    if not 64 <= eager <= (1 << 20) or eager % 64:
+        raise ValueError(f"GPURT_IB_EAGER={eager} must be a multiple of 64 between 64 and 1M")
+    if not 2 <= slots <= 1024:
+        raise ValueError(f"GPURT_IB_SLOTS={slots} must be between 2 and 1024")
+    return eager, slots, cache, gid
+
+
+# -- completions ---------------------------------------------------------------------------
+class _Send:
+    __slots__ = ("peer", "ep", "done", "error", "src", "total", "msgid", "lane", "tag", "sig",
+                 "reg")
+
+    def __init__(self, ep: "VerbsEndpoint", src: np.ndarray, lane: int, tag: int, sig: int):
+        self.peer, self.ep, self.src, self.total = ep.peer, ep, src, src.nbytes
+        self.lane, self.tag, self.sig = lane, tag, sig
+        self.done, self.error, self.msgid, self.reg = False, None, 0, None
+
+    def test(self) -> bool:
+        if self.done:
+            return True
+        if self.error is not None:
+            raise self.error
+        self.ep.owner.poll()
+        if self.done:
+            return True
+        if self.error is not None:
+            raise self.error
+        if self.ep.failure is not None:
+            self.ep.raise_failure()
+        return False
+
+
+class _Recv:
+    __slots__ = ("peer", "ep", "done", "error", "lane", "tag", "sig", "total", "sink", "dst",
+                 "scratch", "reg")
+
+    def __init__(self, ep: "VerbsEndpoint", nbytes: int, sink: Sink, lane: int, tag: int,
+                 sig: int):
+        self.peer, self.ep, self.total, self.sink = ep.peer, ep, nbytes, sink
+        self.lane, self.tag, self.sig = lane, tag & _M64, sig & _M64
+        dst = getattr(sink, "dst", None)
+        self.dst = dst if (isinstance(dst, np.ndarray) and dst.dtype == np.uint8 and
+                           dst.flags.c_contiguous and dst.nbytes == nbytes) else None
+        self.done, self.error, self.scratch, self.reg = False, None, None, None
+
+    def test(self) -> bool:
+        if self.done:
+            return True
+        if self.error is not None:
+            raise self.error
+        self.ep.owner.poll()
+        if self.done:
+            return True
+        if self.error is not None:
+            raise self.error
+        if self.ep.failure is not None:
+            self.ep.raise_failure()
+        return False
+
+
+# -- registration cache ----------------------------------------------------------------------
+class _Reg:
+    __slots__ = ("mr", "addr", "n", "uses", "fin", "key")
+
+    def __init__(self, mr, addr: int, n: int, key):
+        self.mr, self.addr, self.n, self.uses, self.fin, self.key = mr, addr, n, 0, None, key
+
+
+class RegCache:
+    """User memory registered whole (the array owning it), deregistered when that array is
+    freed, at ``close``, or when more than ``limit`` bytes are registered (least recently
+    used first, never one in use)."""
+
+    def __init__(self, pd, limit: int):
+        self.pd, self.limit = pd, limit
+        self.entries: OrderedDict = OrderedDict()
+        self.bytes = 0
+        self.hits = self.misses = 0
+
+    @staticmethod
+    def _owner(a: np.ndarray) -> np.ndarray:
+        o = a
+        while isinstance(o.base, np.ndarray):
+            o = o.base
+        return o
+
+    def get(self, a: np.ndarray, access: int) -> _Reg | None:
+        """The registration covering ``a`` (its use count raised: ``put`` it back), or None
+        if the memory cannot be registered (the caller bounces it)."""
+        o = self._owner(a)
+        if not (o.flags.c_contiguous or o.flags.f_contiguous):
+            return None
+        base, n = _addr(o), o.nbytes
+        lo = _addr(a)
+        if n == 0 or not base <= lo <= lo + a.nbytes <= base + n:
+            return None
+        writable = bool(o.flags.writeable)
+        key = (id(o), base, n, writable)
+        r = self.entries.get(key)
+        if r is not None:
+            self.entries.move_to_end(key)
+            self.hits += 1
+            r.uses += 1
+            return r
+        self.misses += 1
+        from pyverbs.mr import MR
+        try:
+            mr = MR(self.pd, n, access if writable else 0, address=base)
+        except Exception as e:  # noqa: BLE001 - pyverbs raises its own errors
+            log.debug("verbs: cannot register %d bytes at %#x: %s", n, base, e)
+            return None
+        r = _Reg(mr, base, n, key)
+        try:
+            r.fin = weakref.finalize(o, self._drop, key)
+        except TypeError:           # not weak-referenceable: used once, dropped after
+            r.fin = None
+        self.entries[key] = r
+        self.bytes += n
+        r.uses += 1
+        self._trim()
+        return r
+
+    def put(self, r: _Reg | None) -> None:
+        if r is None:
+            return
+        r.uses -= 1
+        if r.fin is None and r.uses <= 0:
+            self._drop(r.key)
+        else:
+            self._trim()
+
+    def _trim(self) -> None:
+        if self.bytes <= self.limit:
+            return
+        for key in list(self.entries):
+            if self.bytes <= self.limit:
+                break
+            if self.entries[key].uses <= 0:
+                self._drop(key)
+
+    def _drop(self, key) -> None:
+        r = self.entries.pop(key, None)
+        if r is None:
+            return
+        self.bytes -= r.n
+        if r.fin is not None:
+            r.fin.detach()
+        try:
+            r.mr.close()
+        except Exception:  # noqa: BLE001 - the context may be closed already
+            pass
+
+    def close(self) -> None:
+        for key in list(self.entries):
+            self._drop(key)
+
+
+class _Pool:
+    """Registered scratch buffers (receives that reduce, memory that cannot be registered),
+    by power-of-two size class."""
+
+    def __init__(self, pd, access: int):
+        self.pd, self.access = pd, access
+        self.free: dict[int, list] = {}
+        self.all: list = []
+
+    def get(self, n: int):
+        size = 1 << max(16, (n - 1).bit_length())
+        lst = self.free.get(size)
+        if lst:
+            return lst.pop()
+        from pyverbs.mr import MR
+        try:
+            mr = MR(self.pd, size, self.access)
+        except Exception as e:  # noqa: BLE001
+            raise ResourceError(f"verbs: cannot register a {size}-byte scratch buffer: {e} "
+                                f"(ulimit -l?)") from None
+        item = (size, mr, _view(mr.buf, size))
+        self.all.append(item)
+        return item
+
+    def put(self, item) -> None:
+        if item is not None:
+            self.free.setdefault(item[0], []).append(item)
+
+    def close(self) -> None:
+        for _, mr, _ in self.all:
+            try:
+                mr.close()
+            except Exception:  # noqa: BLE001
+                pass
+        self.all, self.free = [], {}
+
+
+# -- endpoint ----------------------------------------------------------------------------
+class VerbsEndpoint:
+    """One RC queue pair to a peer, its rings and credits, and the matching state."""
+
+    transport = "verbs"
+
+    def __init__(self, owner: "VerbsTransport", peer: int, idx: int, qp):
+        self.owner, self.peer, self.idx, self.qp = owner, peer, idx, qp
+        self.host = ""
+        self.failure: tuple[type, str] | None = None
+        self.blame = peer
+        # remote: where my slots and credit word live at the peer
+        self.r_ring = self.r_ring_key = self.r_ctrl = self.r_ctrl_key = 0
+        # flow control
+        self.sent = 0               # slots written to the peer
+        self.recvd = 0              # slots received from the peer (consumed in order)
+        self.returned = 0           # consumed count last written back to the peer
+        self.backlog: deque = deque()   # control messages waiting for credits or the SQ
+        self.posted: list[deque] = [deque() for _ in range(LANES)]   # receives, unmatched
+        self.unexp: list[deque] = [deque() for _ in range(LANES)]    # arrivals, unmatched
+        self.rndv_out: dict[int, _Send] = {}    # sends waiting for CTS
+        self.rndv_in: dict[int, _Recv] = {}     # receives waiting for FIN
+        self.next_id = 1
+        self.bye = False
+
+    # -- the Endpoint protocol --------------------------------------------------------
+    def send(self, src: np.ndarray, lane: int, tag: int, sig: int) -> _Send:
+        m = _Send(self, src, lane, tag & _M64, sig & _M64)
+        if self.failure is not None:
+            self.raise_failure()
+        own = self.owner
+        if m.total <= own.eager:
+            self._ctrl(K_EAGER, lane, 0, m.tag, m.sig, m.total, 0, 0, src, m)
+        else:
+            m.msgid = self.next_id
+            self.next_id = (self.next_id + 1) & 0xFFFFFFFF or 1
+            self.rndv_out[m.msgid] = m
+            self._ctrl(K_RTS, lane, m.msgid, m.tag, m.sig, m.total, 0, 0, None, None)
+        own.poll()
+        return m
+
+    def recv(self, nbytes: int, sink: Sink, lane: int, tag: int, sig: int) -> _Recv:
+        m = _Recv(self, nbytes, sink, lane, tag, sig)
+        if self.unexp[lane]:
+            self._match(m, *self.unexp[lane].popleft())
+        else:
+            if self.failure is not None:
+                self.raise_failure()
+            self.posted[lane].append(m)
+        self.owner.poll()
+        return m
+
+    def check(self) -> None:
+        own = self.owner
+        own.poll()
+        if self.failure is not None:
+            self.raise_failure()
+        note = own.heartbeat.notice(self.peer) if own.heartbeat is not None else None
+        if note:
+            self.peer_error(note)
+            self.raise_failure()
+        hb = own.heartbeat
+        if hb is not None:
+            bound = float(config.get("GPURT_PEER_STOPPED"))
+            silent = hb.silent_for(self.peer)
+            if silent > bound:
+                self.fail(PeerFailure, f"rank {self.peer} ({self.host}) has sent no heartbeat "
+                                       f"for {silent:.1f} s (more than GPURT_PEER_STOPPED="
+                                       f"{bound:g} s): killed, stopped (SIGSTOP, a debugger) "
+                                       f"or hung")
+                self.raise_failure()
+
+    # -- failure ------------------------------------------------------------------------
+    def fail(self, cls: type, text: str) -> None:
+        if self.failure is None:
+            self.failure = (cls, text)
+            log.debug("verbs: %s", text)
+
+    def raise_failure(self) -> None:
+        cls, text = self.failure or (PeerFailure, f"rank {self.peer} is gone")
+        if cls is PeerFailure:
+            raise PeerFailure(text, rank=self.blame)
+        raise cls(text)
+
+    def peer_error(self, text: str) -> None:
+        self.blame = relayed_rank(text, self.peer)
+        self.fail(PeerFailure, f"rank {self.peer} ({self.host}) failed: {text}")
+
+    def wc_error(self, status: int, vendor: int, what: str) -> None:
+        name = _WC_STATUS.get(status, f"status {status}")
+        own = self.owner
+        if status == 5 and self.failure is not None:
+            return                  # flushed after the error that explains it
+        cls = PeerFailure if status in _PEER_GONE else TransportError
+        gone = (" — the peer's queue pair does not answer (process killed, host down or "
+                "link cut)" if status in _PEER_GONE else "")
+        self.fail(cls, f"rank {own.rank}: the verbs queue pair to rank {self.peer} "
+                       f"({self.host}) failed on {what}: {name} (status {status}, vendor "
+                       f"error {vendor:#x}){gone}")
+
+    # -- sending control messages ----------------------------------------------------------
+    def _ctrl(self, kind: int, lane: int, msgid: int, tag: int, sig: int, total: int,
+              addr: int, rkey: int, payload: np.ndarray | None, done: _Send | None) -> None:
+        item = (kind, lane, msgid, tag, sig, total, addr, rkey, payload, done)
+        if self.backlog or not self.owner.post_slot(self, item):
+            self.backlog.append(item)
+
+    def flush(self) -> None:
+        own = self.owner
+        while self.backlog and own.post_slot(self, self.backlog[0]):
+            self.backlog.popleft()
+
+    # -- arrivals ---------------------------------------------------------------------------
+    def arrive(self, kind: int, lane: int, msgid: int, tag: int, sig: int, total: int,
+               addr: int, rkey: int, payload: np.ndarray) -> None:
+        if kind in (K_EAGER, K_RTS):
+            if lane >= LANES:
+                self.fail(TransportError, f"rank {self.peer} ({self.host}) sent a verbs "
+                                          f"message on unknown lane {lane}")
+                return
+            if self.posted[lane]:
+                self._match(self.posted[lane].popleft(), kind, msgid, tag, sig, total,
+                            payload)
+            else:                   # no receive yet: keep a copy, free the slot
+                self.unexp[lane].append((kind, msgid, tag, sig, total,
+                                         payload.copy() if kind == K_EAGER else None))
+        elif kind == K_CTS:
+            m = self.rndv_out.pop(msgid, None)
+            if m is None:
+                self.fail(TransportError, f"rank {self.peer} ({self.host}) sent a CTS for "
+                                          f"unknown message {msgid}")
+                return
+            self.owner.write_data(self, m, addr, rkey)
+        elif kind == K_NAK:
+            m = self.rndv_out.pop(msgid, None)
+            if m is not None:
+                detail = mismatch_detail(m.lane, m.tag, m.sig, m.total, tag, sig, total) or \
+                    "the receive posted there differs"
+                text = (f"message to rank {self.peer} ({self.host}) on the verbs "
+                        f"{LANE_NAMES[m.lane]} lane does not match the receive posted "
+                        f"there: it expects {_expect(lane, tag, total)}; this rank sends "
+                        f"{_expect(m.lane, m.tag, m.total)} ({detail})")
+                m.error = CollectiveMismatchError(text)
+        elif kind == K_FIN:
+            m = self.rndv_in.pop(msgid, None)
+            if m is None:
+                self.fail(TransportError, f"rank {self.peer} ({self.host}) sent a FIN for "
+                                          f"unknown message {msgid}")
+                return
+            self.owner.finish_rndv(m)
+        elif kind == K_ERROR:
+            self.peer_error(bytes(payload).decode("utf-8", "replace"))
+        elif kind == K_BYE:
+            self.bye = True
+            self.fail(PeerFailure, f"rank {self.peer} ({self.host}) closed its verbs "
+                                   f"connection (it closed the communicator or exited)")
+
+    def _match(self, m: _Recv, kind: int, msgid: int, tag: int, sig: int, total: int,
+               payload) -> None:
+        detail = mismatch_detail(m.lane, tag, sig, total, m.tag, m.sig, m.total)
+        if detail is not None:
+            text = (f"message from rank {self.peer} ({self.host}) on the verbs "
+                    f"{LANE_NAMES[m.lane]} lane does not match the receive posted here: "
+                    f"{detail}")
+            m.error = CollectiveMismatchError(text)
+            if kind == K_RTS:       # the sender waits for an answer: tell it why not
+                self._ctrl(K_NAK, m.lane, msgid, m.tag, m.sig, m.total, 0, 0, None, None)
+            return
+        if kind == K_EAGER:
+            if m.total:
+                m.sink(0, payload[:m.total])
+            m.done = True
+            return
+        self.owner.accept_rndv(self, m, msgid)
+
+
+def _expect(lane: int, tag: int, total: int) -> str:
+    what = "collective call #" if lane == 0 else "tag "
+    return f"{what}{tag} of {total} bytes"
+
+
+# -- transport ---------------------------------------------------------------------------
+class VerbsTransport:
+    """RC queue pairs over one RDMA port (see the module docstring)."""
+
+    name = "verbs"
+
+    @classmethod
+    def probe(cls) -> tuple[bool, str]:
+        try:
+            dev, port, info = _open_probe()
+        except TransportError as e:
+            return False, str(e)
+        mode, why = gpudirect()
+        return True, f"{dev} port {port}: {info}; GPUDirect RDMA: {mode} ({why})"
+
+    def __init__(self) -> None:
+        self.rank = -1
+        self.endpoints: dict[int, VerbsEndpoint] = {}
+        self.ctx = self.pd = self.cq = None
+        self.heartbeat: Heartbeat | None = None
+        self.reg: RegCache | None = None
+        self.pool: _Pool | None = None
+        self._ok: bool | None = None
+        self._why = ""
+        self.by_qpn: dict[int, VerbsEndpoint] = {}
+        self.wr: dict[int, tuple] = {}
+        self.wr_next = 0
+        self.sq_used: dict[int, int] = {}
+        self.closed = False
+
+    # -- availability ----------------------------------------------------------------------
+    def can_connect(self, topo, me: int, peer: int) -> bool:
+        if self._ok is None:
+            try:
+                self._open()
+                self._ok = True
+            except (TransportError, ValueError) as e:
+                self._ok, self._why = False, str(e)
+                log.debug("verbs: unavailable: %s", e)
+        return self._ok
+
+    def _open(self) -> None:
+        try:
+            import pyverbs.enums as e
+            from pyverbs.device import Context
+        except ImportError as ex:
+            raise TransportError(f"pyverbs is not installed ({ex}): install the distribution's "
+                                 f"python3-pyverbs or PyPI pyverbs matching rdma-core") from None
+        self.eager, self.slots, cache, gid_want = _settings()
+        self.slot = HDR + self.eager
+        dev, port = pick_port(str(config.get("GPURT_IB_HCA")), _ports())
+        from pyverbs.cq import CQ
+        from pyverbs.pd import PD
+        try:
+            self.ctx = Context(name=dev)
+            self.pd = PD(self.ctx)
+            pa = self.ctx.query_port(port)
+            da = self.ctx.query_device()
+        except Exception as ex:  # noqa: BLE001
+            self._close_ctx()
+            raise TransportError(f"verbs: cannot open {dev} port {port}: {ex}") from None
+        self.dev, self.port = dev, port
+        self.mtu = int(pa.active_mtu)
+        self.lid = int(pa.lid)
+        self.roce = int(pa.link_layer) == int(e.IBV_LINK_LAYER_ETHERNET)
+        self.gid_index, self.gid, self.ip = -1, "", ""
+        if self.roce or gid_want >= 0:
+            ents = _gids(self.ctx, dev, port, int(pa.gid_tbl_len))
+            self.gid_index = pick_gid(ents, gid_want)
+            self.gid = str(self.ctx.query_gid(port_num=port, index=self.gid_index))
+            self.ip = ipv4_of_gid(self.gid)
+        self.max_wr = int(da.max_qp_wr)
+        self.max_cqe = int(da.max_cqe)
+        self.cache_limit = cache
+        self._CQ = CQ
+
+    def _close_ctx(self) -> None:
+        if self.ctx is not None:
+            try:
+                self.ctx.close()
+            except Exception:  # noqa: BLE001
+                pass
+        self.ctx = self.pd = self.cq = None
+
+    # -- set-up ------------------------------------------------------------------------------
+    def connect(self, peers: list[int], comm) -> dict[int, VerbsEndpoint]:
+        """Collective over ``comm.mpi`` (every rank calls it, with or without peers)."""
+        mpi = comm.mpi
+        me, size = mpi.Get_rank(), mpi.Get_size()
+        self.rank = me
+        host = socket.gethostname()
+        peers = sorted(peers)
+        err, mine = "", None
+        secret = secrets.token_bytes(32) if me == 0 else b""
+        if peers:
+            try:
+                if not self._ok:
+                    raise TransportError(self._why or "verbs: not opened")
+                mine = self._build(peers)
+            except Exception as ex:  # noqa: BLE001 - every rank must reach the exchange
+                err = f"rank {me} ({host}): verbs set-up failed: {type(ex).__name__}: {ex}"
+        info = mpi.allgather((err, host, peers, mine, secret))
+        errs = list(dict.fromkeys(i[0] for i in info if i[0]))
+        peer_sets = [set(i[2]) for i in info]
+        for r in range(size):
+            for q in sorted(peer_sets[r]):
+                if r not in peer_sets[q]:
+                    errs.append(f"rank {r} chose verbs for rank {q} but rank {q} chose another "
+                                f"transport for rank {r} (does it lack the RDMA device, or "
+                                f"does GPURT_TRANSPORTS differ between ranks?)")
+        if not errs and peers:
+            try:
+                self._wire(peers, info)
+            except Exception as ex:  # noqa: BLE001
+                err = f"rank {me} ({host}): verbs connect failed: {type(ex).__name__}: {ex}"
+        errs2 = [e for e in mpi.allgather(err) if e]
+        errs = list(dict.fromkeys(errs + errs2))
+        if errs:
+            self.close()
+            raise TransportError("verbs: " + "; ".join(errs[:3]) +
+                                 (f" (and {len(errs) - 3} more)" if len(errs) > 3 else ""))
+        if not peers:
+            self.close()
+            return {}
+        self.heartbeat.start(me, info[0][4], {q: (info[q][3]["ip"], info[q][3]["hb"])
+                                              for q in peers}, _HB_INTERVAL)
+        return dict(self.endpoints)
+
+    def _build(self, peers: list[int]) -> dict:
+        """Queue pairs, rings, control block; what the peers need to reach them."""
+        import pyverbs.enums as e
+        from pyverbs.mr import MR
+        from pyverbs.qp import QP, QPCap, QPInitAttr
+
+        n = len(peers)
+        R = self.slots
+        self.sq_depth = min(self.max_wr, 4 * R + 16)
+        cqe = min(self.max_cqe, n * (R + self.sq_depth) + 64)
+        self.cq = self._CQ(self.ctx, cqe)
+        access = (e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE)
+        self.access = access
+        # my receive rings (peer i writes slots [i*R, (i+1)*R)), my staging slots, control
+        self.ring_mr = MR(self.pd, n * R * self.slot, access)
+        self.stage_mr = MR(self.pd, n * R * self.slot, e.IBV_ACCESS_LOCAL_WRITE)
+        self.ctrl_mr = MR(self.pd, n * _CTRL, access)
+        self.ring = _view(self.ring_mr.buf, n * R * self.slot)
+        self.stage = _view(self.stage_mr.buf, n * R * self.slot)
+        self.ctrl = _view(self.ctrl_mr.buf, n * _CTRL).view(np.uint64)   # [in, out] per peer
+        self.stage_busy = np.zeros(n * R, bool)
+        self.reg = RegCache(self.pd, self.cache_limit)
+        self.pool = _Pool(self.pd, access)
+        qps = {}
+        for i, q in enumerate(peers):
+            cap = QPCap(max_send_wr=self.sq_depth, max_recv_wr=R + 1, max_send_sge=1,
+                        max_recv_sge=1)
+            qp = QP(self.pd, QPInitAttr(qp_type=e.IBV_QPT_RC, scq=self.cq, rcq=self.cq,
+                                        cap=cap))
+            ep = VerbsEndpoint(self, q, i, qp)
+            self.endpoints[q] = ep
+            self.by_qpn[qp.qp_num] = ep
+            self.sq_used[q] = 0
+            qps[q] = (qp.qp_num, secrets.randbelow(1 << 24))
+        ip = self.ip
+        if not ip:
+            from .tcp import pick_address
+            ip, _ = pick_address(str(config.get("GPURT_SOCKET_IFNAME")))
+        self.heartbeat = Heartbeat(ip)
+        return dict(qps=qps, gid=self.gid, gid_index=self.gid_index, lid=self.lid,
+                    mtu=self.mtu, roce=self.roce, ring=self.ring_mr.buf,
+                    ring_key=self.ring_mr.rkey, ctrl=self.ctrl_mr.buf,
+                    ctrl_key=self.ctrl_mr.rkey, peers=peers, slots=R, slot=self.slot,
+                    ip=ip, hb=self.heartbeat.port, dev=self.dev)
+
+    def _wire(self, peers: list[int], info: list) -> None:
+        from pyverbs.addr import GID, AHAttr, GlobalRoute
+        from pyverbs.qp import QPAttr
+
+        me = self.rank
+        mine = info[me][3]
+        for q in peers:
+            ep = self.endpoints[q]
+            theirs = info[q][3]
+            ep.host = info[q][1]
+            if (theirs["slots"], theirs["slot"]) != (self.slots, self.slot):
+                raise ValueError(f"rank {q} has GPURT_IB_SLOTS/GPURT_IB_EAGER "
+                                 f"{theirs['slots']}/{theirs['slot'] - HDR}, this rank "
+                                 f"{self.slots}/{self.eager}: set them the same everywhere")
+            if theirs["roce"] != self.roce:
+                raise ValueError(f"rank {q}'s port is {'RoCE' if theirs['roce'] else 'IB'}, "
+                                 f"this rank's is {'RoCE' if self.roce else 'IB'}")
+            j = theirs["peers"].index(me)
+            ep.r_ring = theirs["ring"] + j * self.slots * self.slot
+            ep.r_ring_key = theirs["ring_key"]
+            ep.r_ctrl = theirs["ctrl"] + j * _CTRL
+            ep.r_ctrl_key = theirs["ctrl_key"]
+            qpn, psn = theirs["qps"][me]
+            my_psn = mine["qps"][q][1]
+            attr = QPAttr(port_num=self.port)
+            attr.qp_access_flags = self.access
+            attr.path_mtu = min(self.mtu, int(theirs["mtu"]))
+            attr.dest_qp_num = qpn
+            attr.rq_psn = psn
+            attr.sq_psn = my_psn
+            attr.max_rd_atomic = 1
+            attr.max_dest_rd_atomic = 1
+            attr.min_rnr_timer = 12
+            attr.timeout = int(config.get("GPURT_IB_TIMEOUT"))
+            attr.retry_cnt = int(config.get("GPURT_IB_RETRY_CNT"))
+            attr.rnr_retry = 7
+            if self.roce or self.gid_index >= 0:
+                gr = GlobalRoute(dgid=GID(theirs["gid"]), sgid_index=self.gid_index,
+                                 hop_limit=64)
+                attr.ah_attr = AHAttr(gr=gr, is_global=1, port_num=self.port)
+            else:
+                attr.ah_attr = AHAttr(dlid=int(theirs["lid"]), is_global=0,
+                                      port_num=self.port)
+            ep.qp.to_rts(attr)
+            # nobody writes before the allgather that follows: receives posted now are
+            # in place before the first write (a QP takes receives from INIT on)
+            for _ in range(self.slots):
+                self._post_recv(ep)
+
+    # -- posting ------------------------------------------------------------------------------
+    def _wrid(self, kind: int, what) -> int:
+        self.wr_next += 1
+        wid = (self.wr_next << 8) | kind
+        self.wr[wid] = what
+        return wid
+
+    def _post_recv(self, ep: VerbsEndpoint) -> None:
+        from pyverbs.wr import SGE, RecvWR
+        # RDMA WRITE WITH IMM consumes a receive but writes nowhere through it
+        ep.qp.post_recv(RecvWR(wr_id=_W_RECV, num_sge=1,
+                               sg=[SGE(self.ctrl_mr.buf, 0, self.ctrl_mr.lkey)]))
+
+    def post_slot(self, ep: VerbsEndpoint, item) -> bool:
+        """Write one control/eager message into the peer's next ring slot, if a credit, a
+        staging slot and the send queue allow; False to try again later."""
+        import pyverbs.enums as e
+        from pyverbs.wr import SGE, SendWR
+
+        if ep.failure is not None:
+            return False
+        R = self.slots
+        credit_back = int(self.ctrl[2 * ep.idx])      # slots the peer consumed
+        if ep.sent - credit_back >= R or self.sq_used[ep.peer] >= self.sq_depth:
+            return False
+        s = ep.idx * R + ep.sent % R
+        if self.stage_busy[s]:
+            return False
+        kind, lane, msgid, tag, sig, total, addr, rkey, payload, done = item
+        n = 0 if payload is None else payload.nbytes
+        off = s * self.slot
+        _HDR.pack_into(self.stage, off, MAGIC, kind, lane, 0, msgid, tag, sig, total, addr,
+                       rkey, n)
+        if n:
+            self.stage[off + HDR:off + HDR + n] = payload
+        # an eager send is done once its bytes are in the staging slot; a FIN's message
+        # once the FIN completes (the data write before it on the queue pair is then read)
+        later = done if kind != K_EAGER else None
+        wr = SendWR(wr_id=self._wrid(_W_SLOT, (ep, s, later)), opcode=e.IBV_WR_RDMA_WRITE_WITH_IMM,
+                    num_sge=1, sg=[SGE(self.stage_mr.buf + off, HDR + n, self.stage_mr.lkey)],
+                    send_flags=e.IBV_SEND_SIGNALED)
+        wr.imm_data = socket.htonl(ep.sent & 0xFFFFFFFF)
+        wr.set_wr_rdma(ep.r_ring_key, ep.r_ring + (ep.sent % R) * self.slot)
+        try:
+            ep.qp.post_send(wr)
+        except Exception as ex:  # noqa: BLE001
+            self.wr.pop(wr.wr_id, None)
+            ep.fail(TransportError, f"rank {self.rank}: posting to the verbs queue pair of "
+                                    f"rank {ep.peer} ({ep.host}) failed: {ex}")
+            return False
+        self.stage_busy[s] = True
+        self.sq_used[ep.peer] += 1
+        ep.sent += 1
+        if done is not None and kind == K_EAGER:
+            done.done = True
+        return True
+
+    def _return_credits(self, ep: VerbsEndpoint) -> None:
+        """Write how many of its slots this rank consumed into the peer's control block."""
+        import pyverbs.enums as e
+        from pyverbs.wr import SGE, SendWR
+
+        if ep.returned == ep.recvd or self.sq_used[ep.peer] >= self.sq_depth or \
+                ep.failure is not None:
+            return
+        self.ctrl[2 * ep.idx + 1] = ep.recvd
+        wr = SendWR(wr_id=self._wrid(_W_CREDIT, ep), opcode=e.IBV_WR_RDMA_WRITE, num_sge=1,
+                    sg=[SGE(self.ctrl_mr.buf + ep.idx * _CTRL + 8, 8, self.ctrl_mr.lkey)],
+                    send_flags=e.IBV_SEND_SIGNALED)
+        wr.set_wr_rdma(ep.r_ctrl_key, ep.r_ctrl)
+        try:
+            ep.qp.post_send(wr)
+        except Exception as ex:  # noqa: BLE001
+            self.wr.pop(wr.wr_id, None)
+            ep.fail(TransportError, f"rank {self.rank}: posting to the verbs queue pair of "
+                                    f"rank {ep.peer} ({ep.host}) failed: {ex}")
+            return
+        self.sq_used[ep.peer] += 1
+        ep.returned = ep.recvd
+
+    def write_data(self, ep: VerbsEndpoint, m: _Send, addr: int, rkey: int) -> None:
+        """CTS arrived: RDMA WRITE the message straight into the receiver's buffer, then
+        FIN (the write before it on the same queue pair lands first)."""
+        import pyverbs.enums as e
+        from pyverbs.wr import SGE, SendWR
+
+        src = m.src
+        r = self.reg.get(src, self.access)
+        if r is not None:
+            m.reg, lkey, base = r, r.mr.lkey, _addr(src)
+        else:                       # not registrable: bounce through a registered buffer
+            item = self.pool.get(m.total)
+            item[2][:m.total] = src.reshape(-1).view(np.uint8)
+            m.reg = item
+            lkey, base = item[1].lkey, item[1].buf
+        off = 0
+        while off < m.total:
+            n = min(_MAX_WRITE, m.total - off)
+            wr = SendWR(wr_id=self._wrid(_W_DATA, None), opcode=e.IBV_WR_RDMA_WRITE, num_sge=1,
+                        sg=[SGE(base + off, n, lkey)], send_flags=e.IBV_SEND_SIGNALED)
+            wr.set_wr_rdma(rkey, addr + off)
+            try:
+                ep.qp.post_send(wr)
+            except Exception as ex:  # noqa: BLE001
+                self.wr.pop(wr.wr_id, None)
+                ep.fail(TransportError, f"rank {self.rank}: RDMA WRITE to rank {ep.peer} "
+                                        f"({ep.host}) could not be posted: {ex}")
+                return
+            self.sq_used[ep.peer] += 1
+            off += n
+        ep._ctrl(K_FIN, m.lane, m.msgid, m.tag, m.sig, m.total, 0, 0, None, m)
+
+    def _release(self, reg) -> None:
+        if isinstance(reg, tuple):
+            self.pool.put(reg)
+        else:
+            self.reg.put(reg)
+
+    def accept_rndv(self, ep: VerbsEndpoint, m: _Recv, msgid: int) -> None:
+        """An RTS matched a posted receive: answer CTS with where to write."""
+        if m.total == 0:
+            addr, rkey = 0, 0
+        else:
+            r = self.reg.get(m.dst, self.access) if m.dst is not None else None
+            if r is not None and m.dst.flags.writeable:
+                m.reg, addr, rkey = r, _addr(m.dst), r.mr.rkey
+            else:
+                self.reg.put(r)
+                m.scratch = self.pool.get(m.total)
+                addr, rkey = m.scratch[1].buf, m.scratch[1].rkey
+        ep.rndv_in[msgid] = m
+        ep._ctrl(K_CTS, m.lane, msgid, m.tag, m.sig, m.total, addr, rkey, None, None)
+
+    def finish_rndv(self, m: _Recv) -> None:
+        if m.scratch is not None:
+            m.sink(0, m.scratch[2][:m.total])
+            self.pool.put(m.scratch)
+            m.scratch = None
+        self.reg.put(m.reg)
+        m.reg = None
+        m.done = True
+
+    # -- progress -------------------------------------------------------------------------------
+    def poll(self) -> bool:
+        """Drain the completion queue, handle what arrived, push what waits."""
+        if self.cq is None:
+            return False
+        moved = False
+        while True:
+            n, wcs = self.cq.poll(32)
+            if not n:
+                break
+            moved = True
+            for wc in wcs:
+                self._complete(wc)
+        # credits go back once half the ring is consumed: a sender stalls only with the
+        # whole ring in flight, so this can never leave both sides waiting
+        half = self.slots // 2
+        for ep in self.endpoints.values():
+            if ep.backlog:
+                ep.flush()
+            if ep.recvd - ep.returned >= half:
+                self._return_credits(ep)
+        return moved
+
+    progress = poll
+
+    def _complete(self, wc) -> None:
+        wid, status = wc.wr_id, wc.status
+        kind = wid & 0xFF
+        if kind == _W_RECV:
+            ep = self.by_qpn.get(wc.qp_num)
+            if ep is None:
+                return
+            if status != 0:
+                ep.wc_error(status, wc.vendor_err, "a receive")
+                return
+            self._arrival(ep, wc)
+            return
+        what = self.wr.pop(wid, None)
+        if kind == _W_SLOT:
+            ep, s, later = what
+            self.stage_busy[s] = False
+            if later is not None and status == 0:
+                self._release(later.reg)
+                later.reg, later.src, later.done = None, None, True
+        elif kind == _W_CREDIT:
+            ep = what
+        else:
+            ep = self.by_qpn.get(wc.qp_num)
+        if ep is None:
+            return
+        self.sq_used[ep.peer] = max(0, self.sq_used[ep.peer] - 1)
+        if status != 0:
+            op = {_W_SLOT: "an RDMA WRITE WITH IMM (eager/control slot)",
+                  _W_CREDIT: "an RDMA WRITE (credit return)",
+                  _W_DATA: "an RDMA WRITE (rendezvous data)"}.get(kind, "a send")
+            ep.wc_error(status, wc.vendor_err, op)
+
+    def _arrival(self, ep: VerbsEndpoint, wc) -> None:
+        R = self.slots
+        seq = socket.ntohl(wc.imm_data)
+        if seq != ep.recvd & 0xFFFFFFFF:
+            ep.fail(TransportError, f"rank {ep.peer} ({ep.host}) wrote verbs slot {seq}, this "
+                                    f"rank expects {ep.recvd & 0xFFFFFFFF}")
+            return
+        off = (ep.idx * R + ep.recvd % R) * self.slot
+        magic, kind, lane, _, msgid, tag, sig, total, addr, rkey, n = \
+            _HDR.unpack_from(self.ring, off)
+        if magic != MAGIC or kind not in _KIND or n > self.eager:
+            ep.fail(TransportError, f"rank {ep.peer} ({ep.host}) wrote a malformed verbs slot "
+                                    f"(magic {magic:#x}, kind {kind}, {n} bytes)")
+            return
+        try:
+            ep.arrive(kind, lane, msgid, tag, sig, total, addr, rkey,
+                      self.ring[off + HDR:off + HDR + n])
+        finally:
+            ep.recvd += 1
+            if ep.failure is None:
+                try:
+                    self._post_recv(ep)
+                except Exception as ex:  # noqa: BLE001
+                    ep.fail(TransportError, f"rank {self.rank}: cannot post a receive for "
+                                            f"rank {ep.peer}: {ex}")
+
+    # -- failure and shutdown ---------------------------------------------------------------
+    def publish_error(self, text: str) -> None:
+        """Tell every peer why this rank is going down: an ERROR message over each healthy
+        queue pair and an authenticated UDP notice (which also reaches a peer whose queue
+        pair is in error).  Best effort, at most half a second."""
+        data = np.frombuffer(text.encode("utf-8", "replace")[:self.eager], np.uint8)
+        if self.heartbeat is not None:
+            self.heartbeat.notify(text)
+        for ep in self.endpoints.values():
+            if ep.failure is None:
+                ep._ctrl(K_ERROR, 0, 0, 0, 0, data.nbytes, 0, 0, data, None)
+        self._drain(_PUBLISH_S)
+
+    def _drain(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            self.poll()
+            if not any(ep.backlog or self.sq_used.get(ep.peer) for ep in
+                       self.endpoints.values() if ep.failure is None):
+                return
+            time.sleep(1e-4)
+
+    def inject_qp_error(self, peer: int) -> None:
+        """Move the queue pair to ``peer`` into the error state (for tests: what a NIC does
+        on a fatal transport error)."""
+        import pyverbs.enums as e
+        from pyverbs.qp import QPAttr
+
+        attr = QPAttr()
+        attr.qp_state = e.IBV_QPS_ERR
+        self.endpoints[peer].qp.modify(attr, e.IBV_QP_STATE)
+
+    def close(self) -> None:
+        """BYE to every peer (best effort, briefly), then release queue pairs,
+        registrations, the device; safe twice and on an exception path."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if self.cq is not None:
+                for ep in self.endpoints.values():
+                    if ep.failure is None:
+                        ep._ctrl(K_BYE, 0, 0, 0, 0, 0, 0, 0, None, None)
+                self._drain(_BYE_S)
+        except Exception:  # noqa: BLE001 - closing must not fail
+            pass
+        if self.heartbeat is not None:
+            self.heartbeat.close()
+            self.heartbeat = None
+        if self.reg is not None:
+            self.reg.close()
+        if self.pool is not None:
+            self.pool.close()
+        self.endpoints, self.by_qpn, self.wr = {}, {}, {}
+        self._close_ctx()
+
+
+def _ports() -> list[tuple[str, int, bool]]:
+    import pyverbs.enums as e
+    import pyverbs.device as d
+    out = []
+    try:
+        devs = d.get_device_list()
+    except Exception as ex:  # noqa: BLE001
+        raise TransportError(f"verbs: cannot list RDMA devices: {ex}") from None
+    if not devs:
+        raise TransportError("no RDMA device (ibv_get_device_list is empty: no HCA, or the "
+                             "rdma kernel modules are not loaded)")
+    for dv in devs:
+        name = dv.name.decode() if isinstance(dv.name, bytes) else str(dv.name)
+        try:
+            with d.Context(name=name) as ctx:
+                nports = int(ctx.query_device().phys_port_cnt)
+                for p in range(1, nports + 1):
+                    up = int(ctx.query_port(p).state) == int(e.IBV_PORT_ACTIVE)
+                    out.append((name, p, up))
+        except Exception as ex:  # noqa: BLE001
+            log.debug("verbs: cannot query %s: %s", name, ex)
+    return out
+
+
+def _gids(ctx, dev: str, port: int, n: int) -> list[tuple[int, str, str]]:
+    out = []
+    for i in range(n):
+        try:
+            g = str(ctx.query_gid(port_num=port, index=i))
+        except Exception:  # noqa: BLE001 - empty entries raise on some providers
+            continue
+        if g.replace(":", "").strip("0"):
+            out.append((i, g, _sysfs_gid_type(dev, port, i)))
+    return out
+
+
+def _open_probe() -> tuple[str, int, str]:
+    t = VerbsTransport()
+    try:
+        t._open()
+        where = (f"RoCE, GID index {t.gid_index} ({t.gid}{', ' + t.ip if t.ip else ''})"
+                 if t.roce else f"InfiniBand, LID {t.lid}")
+        return t.dev, t.port, (f"{where}, MTU {_MTU_BYTES.get(t.mtu, t.mtu)}; eager <= "
+                               f"{t.eager} B in {t.slots} credits, zero-copy rendezvous above")
+    finally:
+        t._close_ctx()
