@@ -1,0 +1,148 @@
+"""Run inside a Soft-RoCE guest under ``mpiexec -n P`` with ``GPURT_TRANSPORTS=verbs``
+(every peer over the ``verbs`` transport, even on one node): what the transport itself
+must do, beyond the collective sweeps (``tests/mpi_sweep.py``).
+
+* every peer is reached over verbs, the probe names the device, GID and address;
+* point-to-point messages on both sides of the eager/rendezvous boundary, both ways,
+  exact; 200 eager messages in a row (more than the credits: the backlog and the
+  receiver's unexpected queue carry them);
+* the registration cache: a buffer reused by a rendezvous collective is registered once;
+  freeing it deregisters it; a read-only send buffer goes (registered read-only);
+* mismatches: with the agreement check (default) every rank raises
+  ``CollectiveMismatchError``; with ``GPURT_CHECK=0`` the transport's own header check
+  raises it on both ends of a rendezvous message (the receiver's NAK), before any byte
+  of the user's buffer is written.
+
+Rank 0 prints ``VERBS_CASES {json}``; exit status non-zero if any rank failed.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import time
+import traceback
+
+import numpy as np
+
+import gpurt
+from gpurt.errors import CollectiveMismatchError, PeerFailure
+
+
+def verbs_of(comm):
+    return next(t for t in comm._transports if t.name == "verbs")
+
+
+def main() -> int:
+    fails: list[str] = []
+    facts: dict = {}
+    comm = gpurt.init()
+    r, p = comm.rank, comm.size
+
+    def check(cond, what):
+        if not cond:
+            fails.append(f"rank {r}: {what}")
+
+    try:
+        check(set(comm.transport_of.values()) == {"verbs"}, f"transports {comm.transport_of}")
+        vt = verbs_of(comm)
+        ok, why = type(vt).probe()
+        check(ok and "rxe0" in why and "RoCE" in why, f"probe: {why}")
+        facts["probe"] = why
+        eager = vt.eager
+        # -- point to point around the eager/rendezvous boundary, both directions --------
+        for n in (0, 1, eager - 1, eager, eager + 1, 3 * eager + 5, 1 << 20):
+            for a, b in ((0, p - 1), (p - 1, 0)):
+                if r == a:
+                    comm.send((np.arange(n, dtype=np.int64) * 3 + a).astype(np.uint8), b, tag=n)
+                elif r == b:
+                    got = comm.recv(np.empty(n, np.uint8), a, tag=n)
+                    check(np.array_equal(got, (np.arange(n, dtype=np.int64) * 3 + a)
+                                         .astype(np.uint8)), f"p2p {n} B {a}->{b}")
+        # -- more eager messages than credits, receiver late ------------------------------
+        many = 200
+        if r == 0 and p > 1:
+            for i in range(many):
+                comm.send(np.full(10, i, np.int32), 1, tag=7)
+        elif r == 1:
+            time.sleep(0.5)         # let the sender run out of credits first
+            for i in range(many):
+                got = comm.recv(np.empty(10, np.int32), 0, tag=7)
+                if not (got == i).all():
+                    check(False, f"message {i} of {many} arrived as {got[:3]}")
+                    break
+        facts["credits"] = vt.slots
+        # -- registration cache ------------------------------------------------------------
+        buf = np.zeros(1 << 18, np.float64)          # 2 MiB: rendezvous
+        m0, h0 = vt.reg.misses, vt.reg.hits
+        for it in range(5):
+            if r == 0:
+                buf[:] = it
+            comm.broadcast(buf, root=0)
+            check((buf == it).all(), f"broadcast round {it}")
+        facts["reg_misses"] = vt.reg.misses - m0
+        facts["reg_hits"] = vt.reg.hits - h0
+        check(vt.reg.misses - m0 <= 2, f"{vt.reg.misses - m0} registrations for one buffer")
+        check(vt.reg.hits - h0 >= 3, f"only {vt.reg.hits - h0} cache hits")
+        n_before = len(vt.reg.entries)
+        del buf
+        gc.collect()
+        facts["reg_entries_freed"] = n_before - len(vt.reg.entries)
+        check(len(vt.reg.entries) < n_before, "freeing the buffer left its registration")
+        # a read-only send buffer (bytes): registered without write access, or bounced
+        ro = np.frombuffer(bytes(range(256)) * 4096, np.uint8)     # 1 MiB, read-only
+        if r == 0:
+            for q in range(1, p):
+                comm.send(ro, q, tag=99)
+        else:
+            got = comm.recv(np.empty(ro.nbytes, np.uint8), 0, tag=99)
+            check(np.array_equal(got, ro), "read-only send buffer")
+        comm.barrier()
+        # -- mismatch with the agreement check: every rank raises ---------------------------
+        n = 4096 if r != p - 1 else 4097
+        try:
+            comm.allreduce(np.ones(n, np.float32), timeout=60)
+            check(False, "mismatched allreduce (checked) returned")
+        except CollectiveMismatchError as e:
+            facts.setdefault("mismatch_checked", str(e)[:300])
+        except PeerFailure as e:
+            check(False, f"checked mismatch gave PeerFailure, not a mismatch: {e}")
+        comm.close()
+        # -- mismatch without it: the transport's header check (rendezvous NAK) ------------
+        if p == 2:
+            os.environ["GPURT_CHECK"] = "0"
+            gpurt.config.reload()
+            c2 = gpurt.Communicator()
+            out = np.full(1 << 16, -1.0, np.float32)
+            n = 1 << 16 if r == 0 else (1 << 16) - 16
+            try:
+                if r == 0:
+                    c2.recv(out, 1, tag=5, timeout=60)
+                else:
+                    c2.send(np.ones(n, np.float32), 0, tag=5, timeout=60)
+                check(False, "mismatched p2p (unchecked) completed")
+            except CollectiveMismatchError as e:
+                facts[f"mismatch_transport_r{r}"] = str(e)[:300]
+                check("verbs" in str(e), f"transport mismatch text: {e}")
+            if r == 0:
+                check((out == -1).all(), "the mismatched receive wrote the user's buffer")
+            c2.close()
+    except Exception:  # noqa: BLE001 - report, the launcher collects
+        fails.append(f"rank {r}: {traceback.format_exc()}")
+    from mpi4py import MPI
+    w = MPI.COMM_WORLD
+    allf = w.gather(fails, 0)
+    allfacts = w.gather(facts, 0)
+    if r == 0:
+        merged: dict = {}
+        for f in allfacts:
+            merged.update(f)
+        flat = [x for fl in allf for x in fl]
+        print("VERBS_CASES " + json.dumps({"ranks": p, "failures": flat, **merged}), flush=True)
+    return 1 if w.allreduce(len(fails)) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
