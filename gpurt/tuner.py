@@ -32,6 +32,9 @@ DEFAULT_COSTS: dict[str, Cost] = {
     # tcp: ~140 µs for an 8-byte allreduce on 2 ranks over loopback (vs ~85 µs on shm
     # rings), ~1 GB/s per stream
     "tcp": Cost(alpha=60e-6, beta=1 / 1e9, gamma=1 / 2e9),
+    # verbs: a few Python steps per message (post, poll, RTS/CTS for large ones); the
+    # wire of an EDR/HDR-class HCA (Soft-RoCE is ~500x slower: set GPURT_COST there)
+    "verbs": Cost(alpha=40e-6, beta=1 / 10e9, gamma=1 / 2e9),
     "self": Cost(alpha=1e-6, beta=1 / 8e9, gamma=1 / 2e9),
 }
 

@@ -4,7 +4,7 @@ what a multi-node communicator must be, then every collective with exact results
     mpiexec ... python tests/multinode_check.py NODES [sweep]
 
 * MPI's view: ``comm.nnodes == NODES``; ranks on different nodes are connected by a
-  network transport (never ``shm``), ranks on one node by ``shm`` (unless
+  network transport (never ``shm``; ``GPURT_TEST_NET=verbs`` names the one expected), ranks on one node by ``shm`` (unless
   ``GPURT_TRANSPORTS`` says otherwise);
 * the hierarchical schedule is what the tuner picks for large allreduce, reduce_scatter,
   allgather, broadcast and reduce (``comm.last_algorithm``), and gives exact results;
@@ -37,10 +37,14 @@ def main() -> int:
     if comm.nnodes != want_nodes:
         fails.append(f"comm.nnodes is {comm.nnodes}, expected {want_nodes}")
     forced = os.environ.get("GPURT_TRANSPORTS", "")
+    net = os.environ.get("GPURT_TEST_NET", "")       # the transport expected between nodes
     for peer, name in comm.transport_of.items():
         cross = comm.topo.node_of[peer] != comm.node
         if cross and name == "shm":
             fails.append(f"rank {comm.rank} reaches rank {peer} on another node over shm")
+        if cross and net and name != net:
+            fails.append(f"rank {comm.rank} reaches rank {peer} on another node over {name}, "
+                         f"not {net}")
         if not cross and not forced and name != "shm":
             fails.append(f"rank {comm.rank} reaches rank {peer} on its node over {name}")
     chosen = {}

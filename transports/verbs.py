@@ -94,6 +94,8 @@ _KIND = {K_EAGER: "eager", K_RTS: "RTS", K_CTS: "CTS", K_NAK: "NAK", K_FIN: "FIN
 _M64 = 0xFFFFFFFFFFFFFFFF
 _CTRL = 16                          # control block bytes per peer: credit in, credit out
 _MAX_WRITE = 1 << 30                # one RDMA WRITE moves at most this much
+_WHOLE_MAX = 64 << 20               # arrays up to this size are registered whole
+_PAGE = 4096
 _HB_INTERVAL = 0.5
 _BYE_S = 0.2                        # close() waits at most this long for its BYE writes
 _PUBLISH_S = 0.5
@@ -309,7 +311,8 @@ class RegCache:
 
     def get(self, a: np.ndarray, access: int) -> _Reg | None:
         """The registration covering ``a`` (its use count raised: ``put`` it back), or None
-        if the memory cannot be registered (the caller bounces it)."""
+        if the memory cannot be registered (the caller bounces it).  The whole owning array
+        is registered unless it is much larger than ``a`` (then the pages of ``a``)."""
         o = self._owner(a)
         if not (o.flags.c_contiguous or o.flags.f_contiguous):
             return None
@@ -318,10 +321,16 @@ class RegCache:
         if n == 0 or not base <= lo <= lo + a.nbytes <= base + n:
             return None
         writable = bool(o.flags.writeable)
+        if n > max(_WHOLE_MAX, 8 * a.nbytes):       # a slice of a huge array: its pages
+            start = lo - lo % _PAGE
+            end = -(-(lo + a.nbytes) // _PAGE) * _PAGE
+            base, n = max(start, base), min(end, base + n) - max(start, base)
         key = (id(o), base, n, writable)
         r = self.entries.get(key)
+        if r is None and n != o.nbytes:             # a whole-array registration covers it
+            r = self.entries.get((id(o), _addr(o), o.nbytes, writable))
         if r is not None:
-            self.entries.move_to_end(key)
+            self.entries.move_to_end(r.key)
             self.hits += 1
             r.uses += 1
             return r
@@ -624,6 +633,7 @@ class VerbsTransport:
         self.wr: dict[int, tuple] = {}
         self.wr_next = 0
         self.sq_used: dict[int, int] = {}
+        self._recv_wr = None
         self.closed = False
 
     # -- availability ----------------------------------------------------------------------
@@ -826,10 +836,14 @@ class VerbsTransport:
         return wid
 
     def _post_recv(self, ep: VerbsEndpoint) -> None:
-        from pyverbs.wr import SGE, RecvWR
-        # RDMA WRITE WITH IMM consumes a receive but writes nowhere through it
-        ep.qp.post_recv(RecvWR(wr_id=_W_RECV, num_sge=1,
-                               sg=[SGE(self.ctrl_mr.buf, 0, self.ctrl_mr.lkey)]))
+        # RDMA WRITE WITH IMM consumes a receive but writes nowhere through it: one work
+        # request object serves every post (pyverbs copies it into the queue)
+        wr = self._recv_wr
+        if wr is None:
+            from pyverbs.wr import SGE, RecvWR
+            wr = self._recv_wr = RecvWR(wr_id=_W_RECV, num_sge=1,
+                                        sg=[SGE(self.ctrl_mr.buf, 0, self.ctrl_mr.lkey)])
+        ep.qp.post_recv(wr)
 
     def post_slot(self, ep: VerbsEndpoint, item) -> bool:
         """Write one control/eager message into the peer's next ring slot, if a credit, a

@@ -1,0 +1,55 @@
+#!/bin/bash
+# Runs inside the Soft-RoCE guest(s) (tests/rdma/harness.py run(...), cwd = the project at
+# /mnt/host, $GUEST_MPIEXEC = mpiexec over every guest): the verbs transport's real-device
+# checks, one section after another.  Each section prints
+#     === BEGIN name
+#     ...its output...
+#     === END name rc=N seconds=S
+# and tests/test_verbs.py asserts on them.
+#
+#   guest_suite.sh one   # one guest: 2 and 3 ranks, every peer over verbs
+#   guest_suite.sh two   # two guests = two nodes, 2 ranks each: verbs between, shm inside
+set -u
+mode=${1:?one or two}
+export PYTHONUNBUFFERED=1 GPURT_TIMEOUT=240
+
+section() {  # section NAME COMMAND...
+    local name=$1; shift
+    local t0=$SECONDS
+    echo "=== BEGIN $name"
+    "$@" 2>&1
+    local rc=$?
+    echo "=== END $name rc=$rc seconds=$((SECONDS - t0))"
+}
+
+failures() {  # failures CASE NRANKS: a rank fails mid-stream; every survivor reports
+    local dir=/tmp/verbs-$1
+    rm -rf "$dir"; mkdir -p "$dir"
+    GPURT_PEER_STOPPED=3 GPURT_IB_TIMEOUT=14 $GUEST_MPIEXEC -disable-auto-cleanup -n "$2" \
+        sh -c "trap true USR1; python3 tests/rdma/verbs_failures.py $1 $dir"
+    echo "mpiexec rc=$?"
+    cat "$dir"/rank[0-9]* 2>/dev/null
+}
+
+case $mode in
+one)
+    export GPURT_TRANSPORTS=verbs
+    section cases2 $GUEST_MPIEXEC -n 2 python3 tests/rdma/verbs_cases.py
+    section cases3 $GUEST_MPIEXEC -n 3 python3 tests/rdma/verbs_cases.py
+    section sweep2 $GUEST_MPIEXEC -n 2 python3 tests/mpi_sweep.py algorithms
+    section sweep3 $GUEST_MPIEXEC -n 3 python3 tests/mpi_sweep.py algorithms
+    section qp_error failures qp_error 2
+    section kill failures kill 3
+    ;;
+two)
+    # rxe between two TCG guests: ~13 MB/s, a few ms per round trip (the tuner's constants
+    # for it, so that it prefers the hierarchical schedules as on a real cluster)
+    export GPURT_TEST_NET=verbs GPURT_COST="verbs=2e-3/1.3e7/2e8"
+    section multinode $GUEST_MPIEXEC -n 4 -ppn 2 python3 tests/multinode_check.py 2 sweep
+    section cases_2x2 env GPURT_TRANSPORTS=verbs $GUEST_MPIEXEC -n 4 -ppn 2 \
+        python3 tests/rdma/verbs_cases.py
+    ;;
+*)
+    echo "usage: guest_suite.sh one|two" >&2; exit 2;;
+esac
+echo "=== DONE"

@@ -1,0 +1,159 @@
+"""The ``verbs`` transport on real verbs devices: Soft-RoCE (rdma_rxe) in QEMU guests that
+run Debian's Python and Debian's pyverbs (rdma-core 44), booted by ``tests/rdma/harness.py``.
+
+* one guest: 2 and 3 ranks with every peer over ``verbs`` (``GPURT_TRANSPORTS=verbs``):
+  the transport's own checks (``tests/rdma/verbs_cases.py``), every collective x every
+  algorithm x sizes x roots exact (``tests/mpi_sweep.py algorithms``), a queue pair put in
+  the error state and a SIGKILLed rank (``tests/rdma/verbs_failures.py``);
+* two guests joined by a virtual link, as two nodes of 2 ranks: ``shm`` inside a node,
+  ``verbs`` between (``tests/multinode_check.py``: hierarchical schedules and the whole
+  sweep, exact), and the transport checks over verbs on 4 ranks.
+
+Each guest boot runs its whole suite once (``tests/rdma/guest_suite.sh``, a module-scoped
+fixture); the tests below assert on its sections.  Without QEMU, root or the guest image
+these tests skip, saying why — unless ``GPURT_RDMA_VM=required`` (set by ``.ci/run``),
+which makes a missing guest a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE / "rdma"))
+import harness  # noqa: E402
+
+REQUIRED = os.environ.get("GPURT_RDMA_VM", "") == "required"
+pytestmark = pytest.mark.rdma
+
+
+def _unavailable() -> str:
+    if os.environ.get("GPURT_RDMA_VM", "") == "0":
+        return "GPURT_RDMA_VM=0"
+    if os.geteuid() != 0:
+        return "the Soft-RoCE guests need root (to build the image)"
+    ok, why = harness.image_ready()
+    if not ok and not shutil.which("apt-get"):
+        return f"no guest image ({why}) and no apt-get to build one"
+    return ""
+
+
+def _boot(mode: str, nodes: int) -> dict[str, tuple[int, str]]:
+    why = _unavailable()
+    if why:
+        if REQUIRED:
+            pytest.fail(f"GPURT_RDMA_VM=required but {why}")
+        pytest.skip(why)
+    harness.ensure_image()
+    harness.stage()
+    rc, out = harness.run(f"bash tests/rdma/guest_suite.sh {mode}", nodes=nodes, timeout=900)
+    sections = {}
+    for m in re.finditer(r"^=== BEGIN (\S+)\n(.*?)^=== END \1 rc=(\d+) seconds=(\d+)$", out,
+                         re.S | re.M):
+        sections[m.group(1)] = (int(m.group(3)), m.group(2))
+    if "=== DONE" not in out:
+        pytest.fail(f"the guest suite did not finish (rc {rc}):\n{out[-6000:]}")
+    return sections
+
+
+@pytest.fixture(scope="module")
+def one_guest():
+    return _boot("one", 1)
+
+
+@pytest.fixture(scope="module")
+def two_guests():
+    return _boot("two", 2)
+
+
+def _json_line(text: str, prefix: str) -> dict:
+    for line in text.splitlines():
+        if line.startswith(prefix + " "):
+            return json.loads(line[len(prefix) + 1:])
+    raise AssertionError(f"no {prefix} line in:\n{text[-4000:]}")
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_transport_cases_one_guest(one_guest, ranks):
+    rc, out = one_guest[f"cases{ranks}"]
+    res = _json_line(out, "VERBS_CASES")
+    assert rc == 0 and res["failures"] == [], out[-4000:]
+    assert res["ranks"] == ranks
+    assert "rxe0" in res["probe"] and "RoCE, GID index 1" in res["probe"], res["probe"]
+    assert "192.168.77.1" in res["probe"]                 # the IPv4-mapped RoCE v2 GID
+    assert res["reg_misses"] <= 2 and res["reg_hits"] >= 3 and res["reg_entries_freed"] >= 1
+    assert "CollectiveMismatchError" not in res["mismatch_checked"]   # the text itself
+    assert "count=4097" in res["mismatch_checked"] and "count=4096" in res["mismatch_checked"]
+    if ranks == 2:   # the transport's own check, both ends of a rendezvous message
+        for r in (0, 1):
+            assert "verbs" in res[f"mismatch_transport_r{r}"]
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_every_collective_and_algorithm_over_verbs(one_guest, ranks):
+    rc, out = one_guest[f"sweep{ranks}"]
+    m = re.search(r"(\d+) checks on (\d+) ranks \(algorithms\): (\d+) failed", out)
+    assert rc == 0 and m, out[-4000:]
+    assert int(m.group(2)) == ranks and int(m.group(3)) == 0
+    assert int(m.group(1)) > 500
+
+
+def _fail_records(out: str) -> dict[int, dict]:
+    recs = {}
+    for line in out.splitlines():
+        if line.startswith("VERBS_FAIL "):
+            rec = json.loads(line[len("VERBS_FAIL "):])
+            recs[rec["rank"]] = rec
+    return recs
+
+
+def test_qp_error_fails_both_sides_with_the_verbs_status(one_guest):
+    rc, out = one_guest["qp_error"]
+    recs = _fail_records(out)
+    assert set(recs) == {0, 1}, out[-4000:]
+    r1, r0 = recs[1], recs[0]
+    # rank 1 broke its own queue pair: its work requests are flushed
+    assert r1["exc"] == "TransportError" and "IBV_WC_WR_FLUSH_ERR" in r1["text"], r1
+    assert "rank 0" in r1["text"] and r1["calls"] == 3, r1
+    # rank 0 learns it within the bound, with the rank and a verbs status
+    assert r0["exc"] in ("PeerFailure", "TransportError") and "IBV_WC_" in r0["text"], r0
+    assert "rank 1" in r0["text"] and r0["calls"] == 3, r0
+    assert r0["seconds"] < 10 and r1["seconds"] < 10, (r0, r1)
+
+
+def test_killed_peer_is_a_peer_failure_on_every_survivor(one_guest):
+    rc, out = one_guest["kill"]
+    recs = _fail_records(out)
+    assert set(recs) == {0, 2}, out[-4000:]
+    for q, rec in recs.items():
+        assert rec["exc"] == "PeerFailure" and rec["blame"] == 1, rec
+        assert rec["calls"] == 3, rec
+        # GPURT_PEER_STOPPED=3 (heartbeats), or the dead queue pair's retries run out
+        assert rec["seconds"] < 3 + 5, rec
+
+
+def test_two_guests_verbs_between_shm_inside_every_collective(two_guests):
+    rc, out = two_guests["multinode"]
+    res = _json_line(out, "MULTINODE")
+    assert rc == 0 and res["failures"] == 0, out[-4000:]
+    assert res["nnodes"] == 2 and res["size"] == 4
+    hosts = {r["host"] for r in res["ranks"]}
+    assert len(hosts) == 2, hosts                       # node0, node1
+    for r in res["ranks"]:
+        assert r["transports"] == ["shm", "verbs"], r
+    assert all(a == "hierarchical" for a in res["chosen"].values()), res["chosen"]
+    assert res["cases"] > 500
+
+
+def test_two_guests_transport_cases_over_verbs_only(two_guests):
+    rc, out = two_guests["cases_2x2"]
+    res = _json_line(out, "VERBS_CASES")
+    assert rc == 0 and res["failures"] == [], out[-4000:]
+    assert res["ranks"] == 4
