@@ -31,13 +31,15 @@ from typing import Any
 
 import numpy as np
 
-from . import config
+from . import callsite, config
 from .buffers import Buf, as_buf, check_writable, empty_like, overlaps, same
 from .errors import (CollectiveMismatchError, CollectiveTimeout, CommunicatorClosed,
                      GpurtError, ResourceError, relay_text,
                      TransportError)
 from .executor import Chain, Engine, Request, _Run, check_timeout
+from . import fused
 from .flight import FlightRecorder
+from .fused import FusedRun
 from .ops import DTYPES, Op, as_op, check_op, host_finalize, reducer
 from .schedule import Recv, Schedule, Send, Slice
 from .algorithms import REGISTRY, Cost
@@ -121,6 +123,7 @@ class Communicator:
         self.board = None
         self._check = False
         self._netcheck = False
+        self._fuse = 0
         self.flight: FlightRecorder | None = None
         self._fastplans: dict = {}
         #: the algorithm (or native protocol) the last collective call used
@@ -139,10 +142,11 @@ class Communicator:
             self.flight = FlightRecorder(self.rank, self.size, self.cid, nflight) \
                 if nflight > 0 else None
             self.engine.on_poison = self._on_poison
-            cost, levels, forced, profile, check = self._tuner_inputs()
+            cost, levels, forced, profile, (check, self._fuse) = self._tuner_inputs()
             natives = self._natives()             # sets self.board on one-node communicators
             self._check = bool(check) and self.board is not None
-            # several nodes (or no board): agree through the endpoints instead
+            # several nodes (or no board): agree through the endpoints instead (rank 0's
+            # settings: every rank takes the same path)
             self._netcheck = bool(check) and self.board is None and self.size > 1
             self.tuner = Tuner(self.size, self.rank, tuple(range(self.size)), cost,
                                natives, self.nnodes, forced, profile,
@@ -253,7 +257,7 @@ class Communicator:
                 profile = load_profile(str(config.get("GPURT_PROFILE")), self.size,
                                        self.nnodes)
                 inputs = (cost, levels, dict(config.get("GPURT_ALGO")), profile,
-                          bool(config.get("GPURT_CHECK")))
+                          (bool(config.get("GPURT_CHECK")), int(config.get("GPURT_CHECK_FUSE"))))
             except ValueError as e:
                 err = str(e)
         inputs, err = self.mpi.bcast((inputs, err), 0)
@@ -266,13 +270,15 @@ class Communicator:
         self._seq += 1
         seq = self._seq
         meta = (shm_board.COLLS.index(coll), 0, 0, 0, 0)
+        site = callsite.here()
         if self.board is not None:
             def start():
                 return shm_board.BoardRun(self.board, coll, seq, shm_board.REJECTED, meta,
-                                          _EMPTY_U8, _EMPTY_U8, 0, None, 0, publish_only=True)
+                                          _EMPTY_U8, _EMPTY_U8, 0, None, 0, publish_only=True,
+                                          site=site)
         else:   # several nodes: take part in the agreement allgather with a REJECTED header
             def start():
-                return self._agreement_run(seq, shm_board.REJECTED, meta)[0]
+                return self._agreement_run(seq, shm_board.REJECTED, meta, site)[0]
         req = Request(self.engine, f"{coll} (rejected)", seq, start)
         try:   # queued in call order; published now if it can be, else by the next call
             self.engine.submit(req)
@@ -280,35 +286,51 @@ class Communicator:
         except GpurtError:
             pass     # the user's own error is the one to raise
 
-    def _agreement_run(self, seq: int, sig: int, meta: tuple) -> tuple[_Run, np.ndarray]:
-        """Multi-node (no board): every rank's header (call number, signature, arguments)
-        to every rank by a small allgather over the endpoints, before the data moves."""
-        hdr = np.array((seq, sig & _M64) + tuple(meta), np.uint64)
+    def _agreement_run(self, seq: int, sig: int, meta: tuple, site: tuple
+                       ) -> tuple[_Run, np.ndarray]:
+        """Multi-node (no board): every rank's header (call number, signature, arguments,
+        call site) to every rank by a small allgather over the endpoints, before the data
+        moves."""
+        hdr = self._agreement_header(seq, sig, meta, site)
         every = np.zeros(self.size * hdr.size, np.uint64)
         sched = _agreement_schedule(self.size, self.rank, hdr.size)
         bufs = {"in": hdr, "out": every, "tmp": np.empty(sched.tmp, np.uint64)}
         return _Run(sched, bufs, False, None, self.endpoints, 0, seq, _AGREE_SIG), every
 
-    def _agree(self, every: np.ndarray, seq: int, sig: int, meta: tuple) -> None:
+    @staticmethod
+    def _agreement_header(seq: int, sig: int, meta: tuple, site: tuple) -> np.ndarray:
+        return np.array((seq, sig & _M64) + tuple(meta) + (site or callsite.encode("")),
+                        np.uint64)
+
+    def _fusable(self, coll: str, n: int, dtype: np.dtype, algo: str | None) -> bool:
+        """Run the agreement fused with the data (``gpurt/fused.py``)?  Small calls, up to
+        32 ranks, no algorithm forced."""
+        if algo is not None or coll in self.tuner.forced or self.size > fused.MAX_RANKS:
+            return False
+        return fused.payload_elems(coll, self.size, n) * dtype.itemsize <= self._fuse
+
+    def _agree(self, every: np.ndarray, seq: int, sig: int, meta: tuple, site: tuple) -> None:
         rows = every.reshape(self.size, -1)
+        nm = 2 + len(meta)
         bad = []
         for k in range(self.size):
             s, g = int(rows[k][0]), int(rows[k][1])
+            where = callsite.at(rows[k][nm:])
             if s != seq:
-                bad.append(f"rank {k} is at call #{s}")
+                bad.append(f"rank {k} is at call #{s}{where}")
             elif g == shm_board.REJECTED:
                 c = int(rows[k][2])
                 what = shm_board.COLLS[c] if c < len(shm_board.COLLS) else "collective"
-                bad.append(f"rank {k} rejected its own {what} call as invalid input (its "
-                           f"ValueError/TypeError says why)")
+                bad.append(f"rank {k} rejected its own {what} call{where} as invalid input "
+                           f"(its ValueError/TypeError says why)")
             elif g != sig & _M64:
                 bad.append(f"rank {k} called "
-                           f"{shm_board.describe(tuple(int(v) for v in rows[k][2:]))}")
+                           f"{shm_board.describe(tuple(int(v) for v in rows[k][2:nm]))}{where}")
         if bad:
             more = f" (and {len(bad) - 4} more ranks)" if len(bad) > 4 else ""
             raise CollectiveMismatchError(
-                f"call #{seq}: rank {self.rank} called {shm_board.describe(meta)}, but "
-                + "; ".join(bad[:4]) + more)
+                f"call #{seq}: rank {self.rank} called {shm_board.describe(meta)}"
+                f"{callsite.at(site)}, but " + "; ".join(bad[:4]) + more)
 
     def _on_poison(self, exc: BaseException) -> None:
         """The communicator just failed here (a mismatch, a dead peer, a timeout, abort(),
@@ -379,6 +401,8 @@ class Communicator:
         self._seq += 1                # from here on the call is part of the sequence
         seq = self._seq
         sig = _signature(coll, dtype.str, n, op, root)
+        site = callsite.here()
+        name_fused = False
         alias = xb is not None and ob is not None and same(xb, ob)
         red = reducer(op) if op is not None else None
         empty = np.empty(0, dtype)
@@ -390,7 +414,7 @@ class Communicator:
                 xa = xb.array.view(dtype) if xb is not None else empty
                 oa = ob.array.view(dtype) if ob is not None else empty
                 return shm_board.BoardRun(self.board, coll, seq, sig, meta, xa, oa, root,
-                                          red, n)
+                                          red, n, site=site)
         else:
             start = self._schedule_start(sched, xb, ob, dtype, alias, red, seq, sig)
             if self._check and sched.steps:
@@ -401,24 +425,39 @@ class Communicator:
 
                 def start() -> Chain:  # noqa: F811 - the checked variant
                     check = shm_board.BoardRun(self.board, coll, seq, sig, meta, empty8, empty8,
-                                               root, None, n, check=True)
+                                               root, None, n, check=True, site=site)
                     return Chain(check, data_start)
+            elif self._netcheck and sched.steps and self._fusable(coll, n, dtype, algo):
+                # small: the header round and the data in one round (gpurt/fused.py)
+                meta = _board_meta(coll, dtype, n, op, root)
+                name_fused = True
+
+                def start() -> FusedRun:  # noqa: F811 - the fused check
+                    xa = xb.array.view(dtype) if xb is not None else empty
+                    oa = ob.array.view(dtype) if ob is not None else empty
+                    return FusedRun(self.endpoints, self.size, self.rank, coll, seq, sig,
+                                    self._agreement_header(seq, sig, meta, site), _AGREE_SIG,
+                                    xa, oa, root, red, n, dtype,
+                                    lambda every: self._agree(every, seq, sig, meta, site))
             elif self._netcheck and sched.steps:
                 meta = _board_meta(coll, dtype, n, op, root)
                 data_start = start
 
                 def start() -> Chain:  # noqa: F811 - the checked variant, over the network
-                    run, every = self._agreement_run(seq, sig, meta)
+                    run, every = self._agreement_run(seq, sig, meta, site)
 
                     def then():
-                        self._agree(every, seq, sig, meta)
+                        self._agree(every, seq, sig, meta, site)
                         return data_start()
 
                     return Chain(run, then)
 
         name = alg.name if alg else "none"
+        if name_fused:
+            name = "fused"
         fl = self.flight
-        rec = fl.start(seq, coll, (dtype.str, n, op, root if coll in _ROOTED else None), name) \
+        rec = fl.start(seq, coll, (dtype.str, n, op, root if coll in _ROOTED else None), name,
+                       site) \
             if fl is not None else None
 
         def finish() -> Any:
@@ -582,13 +621,14 @@ class Communicator:
         self.last_algorithm = "shm_board"
         self._seq += 1
         seq = self._seq
+        site = callsite.here()
         fl = self.flight
         if fl is not None:
-            rec = [seq, coll, fargs, "shm_board", time.time(), 0.0, "running"]
+            rec = [seq, coll, fargs, "shm_board", time.time(), 0.0, "running", site]
             fl.events.append(rec)
         oflat = res.reshape(-1)
         run = shm_board.BoardRun(self.board, coll, seq, sig, meta, x.reshape(-1), oflat, root,
-                                 red, n)
+                                 red, n, site=site)
         try:
             eng.run_inline(run, coll, seq, timeout)
         except CollectiveTimeout as e:

@@ -18,10 +18,11 @@ import sys
 import time
 from collections import deque
 
-from . import config
+from . import callsite, config
 
-# record fields (a list, so the hot path only appends and assigns)
-SEQ, KIND, ARGS, ALGO, T0, T1, STATE = range(7)
+# record fields (a list, so the hot path only appends and assigns); SITE: the call site's
+# header words (gpurt.callsite), decoded only when the records are shown
+SEQ, KIND, ARGS, ALGO, T0, T1, STATE, SITE = range(8)
 
 
 class FlightRecorder:
@@ -32,8 +33,8 @@ class FlightRecorder:
         self.events: deque = deque(maxlen=max(1, n))
         self.dumped = False
 
-    def start(self, seq: int, kind: str, args: tuple, algo: str) -> list:
-        rec = [seq, kind, args, algo, time.time(), 0.0, "running"]
+    def start(self, seq: int, kind: str, args: tuple, algo: str, site: tuple = ()) -> list:
+        rec = [seq, kind, args, algo, time.time(), 0.0, "running", site]
         self.events.append(rec)
         return rec
 
@@ -44,7 +45,8 @@ class FlightRecorder:
 
     def records(self) -> list[dict]:
         return [{"seq": e[SEQ], "kind": e[KIND], "args": _args(e[ARGS]), "algorithm": e[ALGO],
-                 "t_start": e[T0], "t_end": e[T1] or None, "state": e[STATE]}
+                 "t_start": e[T0], "t_end": e[T1] or None, "state": e[STATE],
+                 "site": callsite.decode(e[SITE]) if len(e) > SITE and e[SITE] else ""}
                 for e in self.events]
 
     def dump(self, reason: BaseException) -> str | None:
@@ -62,7 +64,8 @@ class FlightRecorder:
         for r in recs[-8:]:
             took = f"{(r['t_end'] - r['t_start']) * 1e3:.1f} ms" if r["t_end"] else "-"
             lines.append(f"  #{r['seq']:<6} {r['kind']:<16} {r['args']:<36} "
-                         f"{r['algorithm']:<18} {took:>10}  {r['state']}")
+                         f"{r['algorithm']:<18} {took:>10}  {r['state']}"
+                         + (f"  ({r['site']})" if r["site"] else ""))
         print("\n".join(lines), file=sys.stderr, flush=True)
         d = str(config.get("GPURT_FLIGHT_DIR"))
         if not d:
@@ -119,6 +122,10 @@ def line_up(paths: list[str]) -> str:
             out.append(f"  first call not completed everywhere: #{first_open} {rec['kind']} "
                        f"({rec['args']}, {rec['algorithm']})")
             out.append(f"    entered by rank(s) {inside}")
+            for rk in inside:
+                site = state[rk][first_open].get("site")
+                if site:
+                    out.append(f"      rank {rk} from {site}")
             for rk in sorted(set(state) - set(inside)):
                 out.append(f"    rank {rk} never entered it; its last completed call: "
                            f"#{last_done[rk]}")

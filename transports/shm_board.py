@@ -35,13 +35,15 @@ from typing import Callable
 
 import numpy as np
 
+from gpurt.callsite import WORDS, at
 from gpurt.errors import CollectiveMismatchError
 
 from .fence import fence as _fence
 from gpurt.ops import DTYPES, Op
 
 CTRL = 64            # per rank: flag (+0), done (+8)
-HDR = 64             # per buffer: seq, sig, nbytes, coll, dtype, n, op, root
+HDR = 128            # per buffer: seq, sig, nbytes, coll, dtype, n, op, root, call site (64 B)
+_SITE = 8            # header word where the call site's 8 words start
 _U8 = np.dtype(np.uint8)
 
 # the signature a rank publishes for a call it rejected as invalid input (no real call's
@@ -89,15 +91,11 @@ class Board:
         got = self._roles.get(key)
         if got is None:
             p, r = self.nlocal, self.me
-            others = [k for k in range(p) if k != r]
-            if coll in ("broadcast", "scatter"):
-                # the root waits for everyone's header (not data): a rank that believes
-                # another root is then an error everywhere, not a silent stale buffer
-                got = (True, others if r == root else [root])
-            elif coll in ("reduce", "gather"):
-                got = (True, others if r == root else [])
-            else:
-                got = (True, others)
+            # every rank waits for every rank's header, also in the rooted collectives
+            # where only the root reads data: a rank that believes another root (or called
+            # anything else) is then an error on every rank, never a silent stale buffer
+            # or a rank that returned from a call its peers reject
+            got = (True, [k for k in range(p) if k != r])
             self._roles[key] = got
         return got
 
@@ -119,16 +117,18 @@ class BoardRun:
     """One collective on the board; ``advance`` never blocks (the executor's protocol)."""
 
     __slots__ = ("board", "coll", "seq", "sig", "meta", "x", "out", "root", "red", "p",
-                 "r", "n", "nbytes", "phase", "need", "writes", "b", "check")
+                 "r", "n", "nbytes", "phase", "need", "writes", "b", "check", "site")
 
     def __init__(self, board: Board, coll: str, seq: int, sig: int, meta: tuple,
                  x: np.ndarray, out: np.ndarray, root: int, red: Callable | None, n: int,
-                 check: bool = False, publish_only: bool = False):
+                 check: bool = False, publish_only: bool = False, site: tuple = ()):
         """``check=True``: only the headers go round (every rank waits for every other's
         and compares) — the agreement check run before a collective moves its data by
         another algorithm.  ``publish_only``: publish the header and wait for nobody (a
-        rank announcing that it rejected its own call)."""
+        rank announcing that it rejected its own call).  ``site``: the call site's header
+        words (``gpurt.callsite``), shown in mismatch errors, never compared."""
         self.board, self.coll, self.seq, self.sig, self.meta = board, coll, seq, sig, meta
+        self.site = site
         self.x, self.out, self.root, self.red, self.n = x, out, root, red, n
         self.p, self.r = board.nlocal, board.me
         self.b = seq & 1
@@ -173,6 +173,12 @@ class BoardRun:
             q[h + 5] = meta[2]
             q[h + 6] = meta[3]
             q[h + 7] = meta[4]
+            site = self.site
+            if site:
+                for i in range(WORDS):
+                    q[h + _SITE + i] = site[i]
+            else:
+                q[h + _SITE] = 0
             q[bd.ctrl[self.r]] = self.seq        # publish (x86 TSO: data is visible first)
             bd.last_use[self.b] = self.seq
             self.phase, moved = 1, True
@@ -192,58 +198,70 @@ class BoardRun:
             self.phase, moved = 2, True
         return moved
 
-    def _slot(self, k: int, nbytes: int, off: int = 0) -> np.ndarray:
+    def _slot(self, k: int, nbytes: int, off: int) -> np.ndarray:
         return self.board.view(k, self.b, off, nbytes, self.x.dtype)
 
     def _read(self) -> None:
-        coll, p, r, n, out = self.coll, self.p, self.r, self.n, self.out
-        isz = self.x.dtype.itemsize
-        if coll in ("allreduce", "reduce"):
-            if coll == "reduce" and r != self.root:
-                return
-            nb = n * isz
-            np.copyto(out, self._slot(0, nb))
-            for k in range(1, p):
-                self.red(out, self._slot(k, nb), out)
-        elif coll == "reduce_scatter":
-            nb = n * isz
-            np.copyto(out, self._slot(0, nb, r * nb))
-            for k in range(1, p):
-                self.red(out, self._slot(k, nb, r * nb), out)
-        elif coll in ("allgather", "gather"):
-            if coll == "gather" and r != self.root:
-                return
-            nb = n * isz
-            for k in range(p):
-                out[k * n:(k + 1) * n] = self._slot(k, nb)
-        elif coll == "alltoall":
-            nb = n * isz
-            for k in range(p):
-                out[k * n:(k + 1) * n] = self._slot(k, nb, r * nb)
-        elif coll == "broadcast":
-            if r != self.root:
-                np.copyto(out, self._slot(self.root, n * isz))
-        elif coll == "scatter":
-            nb = n * isz
-            np.copyto(out, self._slot(self.root, nb, r * nb))
-        # barrier: the flags were the message
+        read_into(self.coll, self.p, self.r, self.n, self.root, self.out, self.red,
+                  self.x.dtype, self._slot)
 
     def _mismatch(self, k: int, h: int) -> None:
         q = self.board.q
+        theirs_at = at(tuple(q[h + _SITE + i] for i in range(WORDS)))
+        mine_at = at(self.site)
         if q[h] != self.seq:
             raise CollectiveMismatchError(
                 f"rank {k} published call #{q[h]} on the shm board where call #{self.seq} was "
-                f"expected: the ranks called different collectives or sizes")
+                f"expected: the ranks called different collectives or sizes (rank {self.r}'s "
+                f"call{mine_at or ' site unknown'})")
         if q[h + 1] == REJECTED:
             coll = COLLS[q[h + 3]] if q[h + 3] < len(COLLS) else "a collective"
             raise CollectiveMismatchError(
-                f"call #{self.seq}: rank {k} rejected its own {coll} call as invalid input "
-                f"(its ValueError/TypeError says why); rank {self.r} called "
-                f"{describe(self.meta)}")
+                f"call #{self.seq}: rank {k} rejected its own {coll} call{theirs_at} as invalid "
+                f"input (its ValueError/TypeError says why); rank {self.r} called "
+                f"{describe(self.meta)}{mine_at}")
         theirs = describe(tuple(q[h + 3 + i] for i in range(len(self.meta))))
         mine = describe(self.meta)
-        raise CollectiveMismatchError(f"call #{self.seq}: rank {k} called {theirs}, "
-                                      f"rank {self.r} called {mine}")
+        raise CollectiveMismatchError(f"call #{self.seq}: rank {k} called {theirs}{theirs_at}, "
+                                      f"rank {self.r} called {mine}{mine_at}")
+
+
+def read_into(coll: str, p: int, r: int, n: int, root: int, out: np.ndarray,
+              red: Callable | None, dtype: np.dtype, slot: Callable) -> None:
+    """Rank ``r``'s result of ``coll`` from every rank's published contribution:
+    ``slot(k, nbytes, offset)`` is a ``dtype`` view of rank k's (the board's buffers; the
+    fused multi-node check's received messages).  Reductions go in rank order 0, 1, ...
+    on every rank, so every rank computes the same bits."""
+    isz = np.dtype(dtype).itemsize
+    if coll in ("allreduce", "reduce"):
+        if coll == "reduce" and r != root:
+            return
+        nb = n * isz
+        np.copyto(out, slot(0, nb, 0))
+        for k in range(1, p):
+            red(out, slot(k, nb, 0), out)
+    elif coll == "reduce_scatter":
+        nb = n * isz
+        np.copyto(out, slot(0, nb, r * nb))
+        for k in range(1, p):
+            red(out, slot(k, nb, r * nb), out)
+    elif coll in ("allgather", "gather"):
+        if coll == "gather" and r != root:
+            return
+        nb = n * isz
+        for k in range(p):
+            out[k * n:(k + 1) * n] = slot(k, nb, 0)
+    elif coll == "alltoall":
+        nb = n * isz
+        for k in range(p):
+            out[k * n:(k + 1) * n] = slot(k, nb, r * nb)
+    elif coll == "broadcast":
+        if r != root:
+            np.copyto(out, slot(root, n * isz, 0))
+    elif coll == "scatter":
+        nb = n * isz
+        np.copyto(out, slot(root, nb, r * nb))
+    # barrier: the flags (headers) were the message
 
 
 def meta_of(coll: str, dtype: np.dtype, n: int, op: Op | None, root: int) -> tuple:

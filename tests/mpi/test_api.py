@@ -11,6 +11,7 @@ from __future__ import annotations
 import array
 import contextlib
 import os
+import re
 import time
 
 import numpy as np
@@ -371,6 +372,9 @@ def test_board_mismatch_names_both_calls(comm, what):
              "op": "allreduce(float32, count=4, op=MAX)",
              "dtype": "allreduce(float64, count=4, op=SUM)"}[what]
         assert other in msg, msg
+        # both calls' sites (shown, not compared): this line, on both ranks
+        assert msg.count("test_api.py:") >= 2 and \
+            "in test_board_mismatch_names_both_calls" in msg, msg
         assert (x == 1).all()                 # nothing written into the user's buffer
 
 
@@ -434,30 +438,33 @@ def test_bad_timeout_and_dtype_are_rejected_before_the_call_counts(comm):
     assert (x == p).all() and comm._seq == seq + 1
 
 
-@pytest.mark.parametrize("coll", ["broadcast", "scatter"])
-def test_root_disagreement_is_an_error_on_the_board(comm, coll):
-    """Ranks that disagree on the root: both would-be roots raise, so none keeps a stale
-    buffer silently; a rank in between gets what its own call asked for (rank 0's data)
-    or raises too.  (Making every rank raise is the reliability issue's job.)"""
+@pytest.mark.parametrize("coll", ["broadcast", "scatter", "reduce", "gather"])
+def test_root_disagreement_is_an_error_on_every_rank(comm, coll):
+    """Ranks that disagree on the root (small calls: the board on one node, the agreement
+    check on several): every rank raises CollectiveMismatchError naming the roots — the
+    ranks in between too, although their own call's root did answer — and no output
+    buffer is written."""
     p, r = comm.size, comm.rank
     if p == 1:
         pytest.skip("needs 2 ranks")
     with scratch(comm) as c:
         root = p - 1 if r == p - 1 else 0    # the last rank thinks it is the root
-        x = np.full(4 * (p if coll == "scatter" else 1), r, np.float32)
-        out = np.full(4, -1, np.float32)
-        try:
+        n = 4
+        x = np.full(n * (p if coll == "scatter" else 1), r, np.float32)
+        out = np.full(n * (p if coll == "gather" else 1), -1, np.float32)
+        with pytest.raises(gpurt.CollectiveMismatchError) as ei:
             if coll == "broadcast":
                 c.broadcast(x, root=root, timeout=20)
-            else:
+            elif coll == "scatter":
                 c.scatter(x, out, root=root, timeout=20)
-            raised = None
-        except gpurt.CollectiveMismatchError as e:
-            raised = str(e)
-        if r in (0, p - 1):
-            assert raised is not None and "root=" in raised, raised
-        elif raised is None:
-            assert ((x if coll == "broadcast" else out) == 0).all()
+            elif coll == "reduce":
+                c.reduce(x, out, root=root, timeout=20)
+            else:
+                c.gather(x, out, root=root, timeout=20)
+        assert "root=" in str(ei.value), str(ei.value)
+        assert (out == -1).all()
+        if coll == "broadcast":
+            assert (x == r).all()
 
 
 @pytest.mark.parametrize("case", ["kind", "count", "root"])
@@ -483,6 +490,11 @@ def test_every_rank_detects_a_mismatch_before_data_moves(comm, case):
                 c.allreduce(x, out, timeout=20)
         msg = str(ei.value)
         assert "called" in msg and msg.count("(") >= 2, msg
+        lines = set(re.findall(r"test_api\.py:(\d+) in test_every_rank", msg))
+        if case == "kind":          # the odd rank called from another line: both are named
+            assert len(lines) == 2, msg
+        else:
+            assert len(lines) >= 1, msg
         assert (out == -1).all() and (x == 1).all()     # nothing written anywhere
 
 
@@ -536,3 +548,46 @@ def test_a_bad_timeout_on_one_rank_is_announced_too(comm):
         else:
             with pytest.raises(gpurt.CollectiveMismatchError, match="rank 0 rejected"):
                 c.allreduce(x, timeout=30)
+
+
+def test_small_calls_across_nodes_carry_their_check_with_the_data(comm):
+    """On several nodes, a small collective sends its agreement header and its data in one
+    round (``gpurt/fused.py``): every kind gives the exact result; a forced algorithm or a
+    larger call takes the separate header round; on one node the board does it."""
+    p, r = comm.size, comm.rank
+    if p == 1:
+        pytest.skip("needs 2 ranks")
+    n = 100
+    x = np.arange(n, dtype=np.float64) + r
+    base = np.arange(n, dtype=np.float64)
+    fused_or_board = "fused" if comm.nnodes > 1 else "shm_board"
+    total = sum(base + q for q in range(p))
+    got = comm.allreduce(x.copy())
+    assert np.array_equal(got, total) and comm.last_algorithm == fused_or_board
+    got = comm.allgather(x)
+    assert np.array_equal(np.asarray(got).reshape(-1),
+                          np.concatenate([base + q for q in range(p)]))
+    assert comm.last_algorithm == fused_or_board
+    for root in sorted({0, p - 1}):
+        b = x.copy()
+        comm.broadcast(b, root=root)
+        assert np.array_equal(b, base + root) and comm.last_algorithm == fused_or_board
+        out = np.empty(n)
+        comm.reduce(x, out, root=root)
+        if r == root:
+            assert np.array_equal(out, total)
+        assert comm.last_algorithm == fused_or_board
+    big = np.arange(p * n, dtype=np.float64) + r
+    got = comm.reduce_scatter(big)
+    assert np.array_equal(got, sum(np.arange(p * n, dtype=np.float64) + q
+                                   for q in range(p))[r * n:(r + 1) * n])
+    got = comm.alltoall(big)
+    assert np.array_equal(np.asarray(got).reshape(-1), np.concatenate(
+        [(np.arange(p * n, dtype=np.float64) + q)[r * n:(r + 1) * n] for q in range(p)]))
+    comm.barrier()
+    assert comm.last_algorithm == fused_or_board
+    comm.allreduce(x.copy(), algo="direct")
+    assert comm.last_algorithm == "direct"
+    if comm.nnodes > 1:
+        comm.allreduce(np.ones(1 << 16, np.float64))       # 512 KiB: header round, then data
+        assert comm.last_algorithm not in ("fused", "shm_board")
