@@ -37,9 +37,7 @@ from .errors import (CollectiveMismatchError, CollectiveTimeout, CommunicatorClo
                      GpurtError, ResourceError, relay_text,
                      TransportError)
 from .executor import Chain, Engine, Request, _Run, check_timeout
-from . import fused
 from .flight import FlightRecorder
-from .fused import FusedRun
 from .ops import DTYPES, Op, as_op, check_op, host_finalize, reducer
 from .schedule import Recv, Schedule, Send, Slice
 from .algorithms import REGISTRY, Cost
@@ -123,7 +121,6 @@ class Communicator:
         self.board = None
         self._check = False
         self._netcheck = False
-        self._fuse = 0
         self.flight: FlightRecorder | None = None
         self._fastplans: dict = {}
         #: the algorithm (or native protocol) the last collective call used
@@ -142,11 +139,10 @@ class Communicator:
             self.flight = FlightRecorder(self.rank, self.size, self.cid, nflight) \
                 if nflight > 0 else None
             self.engine.on_poison = self._on_poison
-            cost, levels, forced, profile, (check, self._fuse) = self._tuner_inputs()
+            cost, levels, forced, profile, check = self._tuner_inputs()
             natives = self._natives()             # sets self.board on one-node communicators
             self._check = bool(check) and self.board is not None
-            # several nodes (or no board): agree through the endpoints instead (rank 0's
-            # settings: every rank takes the same path)
+            # several nodes (or no board): agree through the endpoints instead
             self._netcheck = bool(check) and self.board is None and self.size > 1
             self.tuner = Tuner(self.size, self.rank, tuple(range(self.size)), cost,
                                natives, self.nnodes, forced, profile,
@@ -257,7 +253,7 @@ class Communicator:
                 profile = load_profile(str(config.get("GPURT_PROFILE")), self.size,
                                        self.nnodes)
                 inputs = (cost, levels, dict(config.get("GPURT_ALGO")), profile,
-                          (bool(config.get("GPURT_CHECK")), int(config.get("GPURT_CHECK_FUSE"))))
+                          bool(config.get("GPURT_CHECK")))
             except ValueError as e:
                 err = str(e)
         inputs, err = self.mpi.bcast((inputs, err), 0)
@@ -301,13 +297,6 @@ class Communicator:
     def _agreement_header(seq: int, sig: int, meta: tuple, site: tuple) -> np.ndarray:
         return np.array((seq, sig & _M64) + tuple(meta) + (site or callsite.encode("")),
                         np.uint64)
-
-    def _fusable(self, coll: str, n: int, dtype: np.dtype, algo: str | None) -> bool:
-        """Run the agreement fused with the data (``gpurt/fused.py``)?  Small calls, up to
-        32 ranks, no algorithm forced."""
-        if algo is not None or coll in self.tuner.forced or self.size > fused.MAX_RANKS:
-            return False
-        return fused.payload_elems(coll, self.size, n) * dtype.itemsize <= self._fuse
 
     def _agree(self, every: np.ndarray, seq: int, sig: int, meta: tuple, site: tuple) -> None:
         rows = every.reshape(self.size, -1)
@@ -402,7 +391,6 @@ class Communicator:
         seq = self._seq
         sig = _signature(coll, dtype.str, n, op, root)
         site = callsite.here()
-        name_fused = False
         alias = xb is not None and ob is not None and same(xb, ob)
         red = reducer(op) if op is not None else None
         empty = np.empty(0, dtype)
@@ -427,18 +415,6 @@ class Communicator:
                     check = shm_board.BoardRun(self.board, coll, seq, sig, meta, empty8, empty8,
                                                root, None, n, check=True, site=site)
                     return Chain(check, data_start)
-            elif self._netcheck and sched.steps and self._fusable(coll, n, dtype, algo):
-                # small: the header round and the data in one round (gpurt/fused.py)
-                meta = _board_meta(coll, dtype, n, op, root)
-                name_fused = True
-
-                def start() -> FusedRun:  # noqa: F811 - the fused check
-                    xa = xb.array.view(dtype) if xb is not None else empty
-                    oa = ob.array.view(dtype) if ob is not None else empty
-                    return FusedRun(self.endpoints, self.size, self.rank, coll, seq, sig,
-                                    self._agreement_header(seq, sig, meta, site), _AGREE_SIG,
-                                    xa, oa, root, red, n, dtype,
-                                    lambda every: self._agree(every, seq, sig, meta, site))
             elif self._netcheck and sched.steps:
                 meta = _board_meta(coll, dtype, n, op, root)
                 data_start = start
@@ -453,8 +429,6 @@ class Communicator:
                     return Chain(run, then)
 
         name = alg.name if alg else "none"
-        if name_fused:
-            name = "fused"
         fl = self.flight
         rec = fl.start(seq, coll, (dtype.str, n, op, root if coll in _ROOTED else None), name,
                        site) \

@@ -64,10 +64,6 @@ VARIABLES: tuple[Var, ...] = (
     Var("GPURT_CHECK", "1", _flag,
         "Before a collective moves data by a schedule, every rank checks that every rank "
         "made the same call (one shm-board round on one-node communicators); 0 skips it."),
-    Var("GPURT_CHECK_FUSE", "16K", _bytes,
-        "On communicators spanning nodes, collectives whose per-message data is at most "
-        "this many bytes send it together with the agreement check's header, in one round "
-        "(0: a separate header round for every call). Rank 0's value is used everywhere."),
     Var("GPURT_PEER_STOPPED", "5", float,
         "Seconds a local peer may stay stopped (SIGSTOP, a debugger) while others wait for "
         "it before they raise PeerFailure."),

@@ -49,7 +49,7 @@ ROOTED = ("reduce", "broadcast", "gather", "scatter")
 OPS = ("sum", "prod", "min", "max", "avg", "band", "bor", "bxor")
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "int16", "int32", "int64",
           "uint8", "uint16", "uint32", "uint64", "complex64", "complex128", "bool")
-BASELINES = ("mpi", "gloo")
+BASELINES = ("mpi", "gloo", "nocheck")
 
 
 # ---------------------------------------------------------------------------------------
@@ -629,7 +629,19 @@ class _GlooLib(_Lib):
         super().close()
 
 
-_LIBS = {"gpurt": _GpurtLib, "mpi": _MpiLib, "gloo": _GlooLib}
+class _NoCheckLib(_GpurtLib):
+    """gpurt itself with ``GPURT_CHECK=0``: the baseline that prices the agreement check."""
+
+    name = "nocheck"
+
+    def __init__(self) -> None:
+        os.environ["GPURT_CHECK"] = "0"
+        from gpurt import config
+        config.reload()
+        super().__init__()
+
+
+_LIBS = {"gpurt": _GpurtLib, "mpi": _MpiLib, "gloo": _GlooLib, "nocheck": _NoCheckLib}
 
 
 # ---------------------------------------------------------------------------------------
@@ -1163,7 +1175,7 @@ def run_bench(cfg: dict, nranks: int | None, json_path: str | None, plot_path: s
                         continue
                     c = dict(base, lib=lib, label=f"{lib} {rep + 1}/{cfg['repeat']}",
                              ceiling_bytes=cfg["ceiling_bytes"] if lib == "gpurt" else 0)
-                    if lib != "gpurt":
+                    if lib not in ("gpurt", "nocheck"):
                         c["algo"] = None
                     res = _launch(c, nranks, tmp, f"{lib}-{rep}")
                     if "skipped" in res:
@@ -1221,8 +1233,9 @@ class _SizeType(click.ParamType):
 @click.option("-c", "--check", is_flag=True,
               help="Also run a separate checked call per size and report #wrong.")
 @click.option("--baseline", "baselines", type=click.Choice(BASELINES), multiple=True,
-              help="Also run the sweep through mpi4py (mpi) or torch.distributed gloo "
-                   "(gloo), each in its own launch; repeatable.")
+              help="Also run the sweep through mpi4py (mpi), torch.distributed gloo "
+                   "(gloo), or gpurt with GPURT_CHECK=0 (nocheck: what the agreement check "
+                   "costs), each in its own launch; repeatable.")
 @click.option("--repeat", type=click.IntRange(1), default=1, show_default=True,
               help="Alternate the launches this many times (gpurt, mpi, gpurt, mpi, ...); "
                    "medians per size.")

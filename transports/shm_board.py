@@ -229,9 +229,8 @@ class BoardRun:
 def read_into(coll: str, p: int, r: int, n: int, root: int, out: np.ndarray,
               red: Callable | None, dtype: np.dtype, slot: Callable) -> None:
     """Rank ``r``'s result of ``coll`` from every rank's published contribution:
-    ``slot(k, nbytes, offset)`` is a ``dtype`` view of rank k's (the board's buffers; the
-    fused multi-node check's received messages).  Reductions go in rank order 0, 1, ...
-    on every rank, so every rank computes the same bits."""
+    ``slot(k, nbytes, offset)`` is a ``dtype`` view of rank k's buffer.  Reductions go in
+    rank order 0, 1, ... on every rank, so every rank computes the same bits."""
     isz = np.dtype(dtype).itemsize
     if coll in ("allreduce", "reduce"):
         if coll == "reduce" and r != root:
