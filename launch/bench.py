@@ -420,7 +420,7 @@ class _GpurtLib(_Lib):
     def info(self) -> dict:
         c = self.comm
         return {"gpurt": self.gpurt.__version__, "nodes": c.nnodes,
-                "local_size": c.local_size,
+                "local_size": c.local_size, "check": bool(c._check or c._netcheck),
                 "transports": sorted(set(getattr(c, "transport_of", {}).values()))}
 
     def explain(self, coll: str, nbytes: int) -> str | None:

@@ -106,6 +106,22 @@ def test_baseline_mpi(tmp_path):
     assert firsts == ["[gpurt 1/2]", "[mpi 1/2]", "[gpurt 2/2]", "[mpi 2/2]"]
 
 
+def test_baseline_nocheck_prices_the_agreement_check(tmp_path):
+    """gpurt against itself with GPURT_CHECK=0, in its own launch: exact both ways, and the
+    second launch really ran unchecked (its communicator says so)."""
+    out = tmp_path / "nocheck.json"
+    proc = run_bench(["allreduce", "-n", "2", "-b", "512K", "-e", "512K", "-c",
+                      "--baseline", "nocheck", "--json", str(out)] + QUICK)
+    assert "nocheck p50(us)" in proc.stdout and "ratio" in proc.stdout
+    rep = json.loads(out.read_text())
+    row = rep["rows"][0]
+    assert row["gpurt"]["wrong"] == 0 and row["nocheck"]["wrong"] == 0
+    assert row["ratio"]["nocheck"] > 0
+    assert rep["libraries"]["gpurt"]["info"]["check"] is True
+    assert rep["libraries"]["nocheck"]["info"]["check"] is False
+    assert "nocheck" in B.BASELINES and B._LIBS["nocheck"].name == "nocheck"
+
+
 @pytest.mark.parametrize("coll", B.COLLECTIVES)
 def test_every_collective_checked_on_3_ranks(coll, tmp_path):
     out = tmp_path / f"{coll}.json"
