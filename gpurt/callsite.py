@@ -5,9 +5,11 @@ agreement's), so a ``CollectiveMismatchError`` names the line on every rank that
 and the flight recorder keeps it.  The site is *shown*, never compared: ranks may call the
 same collective from different lines (``if rank == 0: ... else: ...``) and that is fine.
 
-``here()`` walks out of gpurt's own frames (a few frames, a string prefix test each) and
-caches the text and its header encoding per (code object, line): a few hundred
-nanoseconds per call.
+``site()`` walks out of gpurt's own frames (a few frames, a string prefix test each) and
+interns the site: a small integer per (code object, line), numbered in order of first use
+in this process, whose text ``words(id)`` gives.  The shm board publishes a rank's site
+texts once, in a table of its own, and each call's header carries just the number; the
+multi-node agreement header carries the text.
 """
 
 from __future__ import annotations
@@ -16,31 +18,55 @@ import os
 import sys
 
 WORDS = 8                                   # header words: 64 bytes of UTF-8 text
-_PKG = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_CACHE: dict = {}
+# gpurt's own code: the package, and gpurt.transports (a directory of its own in a
+# development install)
+_PKG: tuple[str, ...] = (os.path.dirname(os.path.abspath(__file__)) + os.sep,
+                         os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
+                             __file__))), "transports") + os.sep)
 _NONE = (0,) * WORDS
+_MAX = 1 << 16                              # distinct sites remembered (then: unknown)
+_IDS: dict = {}                 # id(code) -> (code, is gpurt's, {instruction offset: id})
+_BYLINE: dict = {}              # (id(code), line) -> id
+_TEXTS: list[tuple[int, ...]] = [_NONE]     # id -> header words (id 0: unknown)
 
 
-def here(depth: int = 2) -> tuple[int, ...]:
-    """The header words of the first frame outside gpurt, from ``depth`` frames up."""
+def site(depth: int = 2) -> int:
+    """The interned id (>= 1) of the first frame outside gpurt, from ``depth`` frames up;
+    0 if there is none.  Per code object (keyed by id, checked by identity: hashing a code
+    object hashes its contents) it remembers whether it is gpurt's and, per instruction
+    offset, the id — line numbers and text only on first sight."""
     try:
         f = sys._getframe(depth)
     except ValueError:
-        return _NONE
-    while f is not None and f.f_code.co_filename.startswith(_PKG):
-        f = f.f_back
-    if f is None:
-        return _NONE
-    key = (f.f_code, f.f_lineno)
-    words = _CACHE.get(key)
-    if words is None:
-        if len(_CACHE) > 4096:
-            _CACHE.clear()
+        return 0
+    while True:
         code = f.f_code
-        name = getattr(code, "co_qualname", code.co_name)
-        words = _CACHE[key] = encode(f"{os.path.basename(code.co_filename)}:{f.f_lineno}"
-                                     f" in {name}")
-    return words
+        ent = _IDS.get(id(code))
+        if ent is None or ent[0] is not code:
+            ent = _IDS[id(code)] = (code, code.co_filename.startswith(_PKG), {})
+        if not ent[1]:
+            break
+        f = f.f_back
+        if f is None:
+            return 0
+    sid = ent[2].get(f.f_lasti)
+    if sid is None:
+        if len(_TEXTS) > _MAX:
+            return 0
+        line = f.f_lineno
+        key = (id(code), line)
+        sid = _BYLINE.get(key)
+        if sid is None:
+            name = getattr(code, "co_qualname", code.co_name)
+            _TEXTS.append(encode(f"{os.path.basename(code.co_filename)}:{line} in {name}"))
+            sid = _BYLINE[key] = len(_TEXTS) - 1
+        ent[2][f.f_lasti] = sid
+    return sid
+
+
+def words(sid: int) -> tuple[int, ...]:
+    """The header words of site ``sid`` (zeros when unknown)."""
+    return _TEXTS[sid] if 0 < sid < len(_TEXTS) else _NONE
 
 
 def encode(text: str) -> tuple[int, ...]:
@@ -48,12 +74,12 @@ def encode(text: str) -> tuple[int, ...]:
     return tuple(int.from_bytes(raw[i:i + 8], "little") for i in range(0, 8 * WORDS, 8))
 
 
-def decode(words) -> str:
-    raw = b"".join(int(w).to_bytes(8, "little") for w in words)
+def decode(ws) -> str:
+    raw = b"".join(int(w).to_bytes(8, "little") for w in ws)
     return raw.rstrip(b"\0").decode("utf-8", "replace")
 
 
-def at(words) -> str:
+def at(ws) -> str:
     """`` at FILE:LINE in F`` (or '' when unknown), to append to a call's description."""
-    text = decode(words) if len(words) else ""
+    text = decode(ws) if len(ws) else ""
     return f" at {text}" if text else ""

@@ -21,7 +21,7 @@ from collections import deque
 from . import callsite, config
 
 # record fields (a list, so the hot path only appends and assigns); SITE: the call site's
-# header words (gpurt.callsite), decoded only when the records are shown
+# id (gpurt.callsite), turned into text only when the records are shown
 SEQ, KIND, ARGS, ALGO, T0, T1, STATE, SITE = range(8)
 
 
@@ -33,10 +33,17 @@ class FlightRecorder:
         self.events: deque = deque(maxlen=max(1, n))
         self.dumped = False
 
-    def start(self, seq: int, kind: str, args: tuple, algo: str, site: tuple = ()) -> list:
+    def start(self, seq: int, kind: str, args: tuple, algo: str, site: int = 0) -> list:
         rec = [seq, kind, args, algo, time.time(), 0.0, "running", site]
         self.events.append(rec)
         return rec
+
+    def name_site(self, sid: int) -> None:
+        """Give the calls still running that recorded no call site this one (the failing
+        call's, found when it failed)."""
+        for e in self.events:
+            if e[STATE] == "running" and not e[SITE]:
+                e[SITE] = sid
 
     @staticmethod
     def done(rec: list) -> None:
@@ -46,7 +53,7 @@ class FlightRecorder:
     def records(self) -> list[dict]:
         return [{"seq": e[SEQ], "kind": e[KIND], "args": _args(e[ARGS]), "algorithm": e[ALGO],
                  "t_start": e[T0], "t_end": e[T1] or None, "state": e[STATE],
-                 "site": callsite.decode(e[SITE]) if len(e) > SITE and e[SITE] else ""}
+                 "site": callsite.decode(callsite.words(e[SITE])) if len(e) > SITE else ""}
                 for e in self.events]
 
     def dump(self, reason: BaseException) -> str | None:

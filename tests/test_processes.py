@@ -384,6 +384,9 @@ def test_flight_recorder_shows_who_is_missing(tmp_path):
     out = res.stdout
     assert "first call not completed everywhere: #3 allreduce (<f4 x 4 SUM" in out, out
     assert "entered by rank(s) [0, 1]" in out and "no dump from rank(s) [2]" in out, out
+    # where each rank made the call it is stuck in (the script's line 11, `python -c`)
+    assert "rank 0 from <string>:11 in <module>" in out, out
+    assert "rank 1 from <string>:11 in <module>" in out, out
     assert "CollectiveTimeout" in out
 
 

@@ -35,15 +35,16 @@ from typing import Callable
 
 import numpy as np
 
-from gpurt.callsite import WORDS, at
+from gpurt.callsite import WORDS, at, site, words
 from gpurt.errors import CollectiveMismatchError
 
 from .fence import fence as _fence
 from gpurt.ops import DTYPES, Op
 
 CTRL = 64            # per rank: flag (+0), done (+8)
-HDR = 128            # per buffer: seq, sig, nbytes, coll, dtype, n, op, root, call site (64 B)
-_SITE = 8            # header word where the call site's 8 words start
+HDR = 128            # per buffer: seq, sig, nbytes, coll, dtype, n, op, root, call site id
+_SITE = 8            # header word of the call site's id (gpurt.callsite)
+SITES = 256          # per rank: call-site texts published (64 B each), by id
 _U8 = np.dtype(np.uint8)
 
 # the signature a rank publishes for a call it rejected as invalid input (no real call's
@@ -56,7 +57,7 @@ _OPS = (None,) + tuple(Op)
 
 
 def region_bytes(nlocal: int, slot: int) -> int:
-    return nlocal * (CTRL + 2 * (HDR + slot))
+    return nlocal * (CTRL + 2 * (HDR + slot) + SITES * 8 * WORDS)
 
 
 def written_bytes(coll: str, p: int, S: float) -> float:
@@ -81,9 +82,28 @@ class Board:
         self.data = [[u8[bufs + (k * 2 + b) * (HDR + slot) + HDR:
                          bufs + (k * 2 + b + 1) * (HDR + slot)] for b in range(2)]
                      for k in range(nlocal)]
+        # per rank: a table of call-site texts (by id); a header carries only the id
+        sites = bufs + nlocal * 2 * (HDR + slot)
+        self.sites = [(sites + k * SITES * 8 * WORDS) // 8 for k in range(nlocal)]
+        self.published: set[int] = set()    # site ids whose text is in my table
         self.last_use = [0, 0]      # call number that last wrote my buffer b
         self._roles: dict = {}      # (coll, root) -> (writes, need)
         self._views: dict = {}      # (k, b, off, nbytes, dtype) -> typed view of a buffer
+
+    def publish_site(self, sid: int) -> None:
+        """Write call site ``sid``'s text into my table (once; before a header names it)."""
+        self.published.add(sid)
+        if 0 < sid < SITES:
+            w, base = words(sid), self.sites[self.me] + sid * WORDS
+            for i in range(WORDS):
+                self.q[base + i] = w[i]
+
+    def site_text(self, k: int, sid: int) -> tuple[int, ...]:
+        """Rank k's call site ``sid`` (zeros when unknown)."""
+        if not 0 < sid < SITES:
+            return (0,) * WORDS
+        base = self.sites[k] + sid * WORDS
+        return tuple(self.q[base + i] for i in range(WORDS))
 
     def roles(self, coll: str, root: int) -> tuple[bool, list[int]]:
         """(does this rank write, whose data does it wait for) in ``coll``."""
@@ -121,12 +141,12 @@ class BoardRun:
 
     def __init__(self, board: Board, coll: str, seq: int, sig: int, meta: tuple,
                  x: np.ndarray, out: np.ndarray, root: int, red: Callable | None, n: int,
-                 check: bool = False, publish_only: bool = False, site: tuple = ()):
+                 check: bool = False, publish_only: bool = False, site: int = 0):
         """``check=True``: only the headers go round (every rank waits for every other's
         and compares) — the agreement check run before a collective moves its data by
         another algorithm.  ``publish_only``: publish the header and wait for nobody (a
-        rank announcing that it rejected its own call).  ``site``: the call site's header
-        words (``gpurt.callsite``), shown in mismatch errors, never compared."""
+        rank announcing that it rejected its own call).  ``site``: the call site's id
+        (``gpurt.callsite``), shown in mismatch errors, never compared."""
         self.board, self.coll, self.seq, self.sig, self.meta = board, coll, seq, sig, meta
         self.site = site
         self.x, self.out, self.root, self.red, self.n = x, out, root, red, n
@@ -173,12 +193,10 @@ class BoardRun:
             q[h + 5] = meta[2]
             q[h + 6] = meta[3]
             q[h + 7] = meta[4]
-            site = self.site
-            if site:
-                for i in range(WORDS):
-                    q[h + _SITE + i] = site[i]
-            else:
-                q[h + _SITE] = 0
+            sid = self.site
+            if sid not in bd.published:
+                bd.publish_site(sid)
+            q[h + _SITE] = sid if sid < SITES else 0
             q[bd.ctrl[self.r]] = self.seq        # publish (x86 TSO: data is visible first)
             bd.last_use[self.b] = self.seq
             self.phase, moved = 1, True
@@ -207,8 +225,11 @@ class BoardRun:
 
     def _mismatch(self, k: int, h: int) -> None:
         q = self.board.q
-        theirs_at = at(tuple(q[h + _SITE + i] for i in range(WORDS)))
-        mine_at = at(self.site)
+        theirs = self.board.site_text(k, q[h + _SITE])
+        # the inline fast path publishes no site (it would cost ~2 µs a call): a rank on
+        # it names the peer's call without its line — the peer's own error names it
+        theirs_at = at(theirs) if any(theirs) else ""
+        mine_at = at(words(self.site or site()))
         if q[h] != self.seq:
             raise CollectiveMismatchError(
                 f"rank {k} published call #{q[h]} on the shm board where call #{self.seq} was "

@@ -372,9 +372,9 @@ def test_board_mismatch_names_both_calls(comm, what):
              "op": "allreduce(float32, count=4, op=MAX)",
              "dtype": "allreduce(float64, count=4, op=SUM)"}[what]
         assert other in msg, msg
-        # both calls' sites (shown, not compared): this line, on both ranks
-        assert msg.count("test_api.py:") >= 2 and \
-            "in test_board_mismatch_names_both_calls" in msg, msg
+        # this rank's call site (shown, not compared); the board's inline fast path does
+        # not publish sites, so the peer's line is in the peer's own error
+        assert "test_api.py:" in msg and "in test_board_mismatch_names_both_calls" in msg, msg
         assert (x == 1).all()                 # nothing written into the user's buffer
 
 
