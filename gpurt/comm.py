@@ -287,15 +287,11 @@ class Communicator:
         """Multi-node (no board): every rank's header (call number, signature, arguments,
         call site) to every rank by a small allgather over the endpoints, before the data
         moves."""
-        hdr = self._agreement_header(seq, sig, meta, site)
+        hdr = np.array((seq, sig & _M64) + tuple(meta) + callsite.words(site), np.uint64)
         every = np.zeros(self.size * hdr.size, np.uint64)
         sched = _agreement_schedule(self.size, self.rank, hdr.size)
         bufs = {"in": hdr, "out": every, "tmp": np.empty(sched.tmp, np.uint64)}
         return _Run(sched, bufs, False, None, self.endpoints, 0, seq, _AGREE_SIG), every
-
-    @staticmethod
-    def _agreement_header(seq: int, sig: int, meta: tuple, site: int) -> np.ndarray:
-        return np.array((seq, sig & _M64) + tuple(meta) + callsite.words(site), np.uint64)
 
     def _agree(self, every: np.ndarray, seq: int, sig: int, meta: tuple, site: int) -> None:
         rows = every.reshape(self.size, -1)

@@ -89,6 +89,7 @@ def test_transport_cases_one_guest(one_guest, ranks):
     assert "rxe0" in res["probe"] and "RoCE, GID index 1" in res["probe"], res["probe"]
     assert "192.168.77.1" in res["probe"]                 # the IPv4-mapped RoCE v2 GID
     assert res["reg_misses"] <= 2 and res["reg_hits"] >= 3 and res["reg_entries_freed"] >= 1
+    assert res["rendezvous_in_flight"] >= 160
     assert "CollectiveMismatchError" not in res["mismatch_checked"]   # the text itself
     assert "count=4097" in res["mismatch_checked"] and "count=4096" in res["mismatch_checked"]
     if ranks == 2:   # the transport's own check, both ends of a rendezvous message

@@ -109,6 +109,9 @@ def test_heartbeat_notice_reaches_the_peer_and_strangers_are_ignored():
             time.sleep(0.01)
         assert b.notice(0) == "TransportError: rank 0: the verbs queue pair broke"
         assert a.notice(1) is None
+        b.notify("not for rank 0", only=(7,))           # addressed to another rank only
+        time.sleep(0.2)
+        assert a.notice(1) is None
         assert b.dropped >= 1                    # the forged one
         # garbage on the port changes nothing
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:

@@ -93,10 +93,13 @@ class Heartbeat:
         """The text ``peer`` sent with ``notify``, if any."""
         return self.notices.get(peer)
 
-    def notify(self, text: str) -> None:
-        """Tell every peer ``text`` (best effort: three datagrams each, no waiting)."""
+    def notify(self, text: str, only: tuple[int, ...] | None = None) -> None:
+        """Tell every peer (or those in ``only``) ``text`` (best effort: three datagrams
+        each, no waiting)."""
         body = text.encode("utf-8", "replace")[:_NOTE_MAX]
         for q, addr in self.peers.items():
+            if only is not None and q not in only:
+                continue
             head = _HB.pack(_NOTE, self.me, len(body))
             pkt = head + body + _note_mac(self._secret, head + body, q)
             for _ in range(3):

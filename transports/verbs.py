@@ -344,6 +344,7 @@ class RegCache:
         r = _Reg(mr, base, n, key)
         try:
             r.fin = weakref.finalize(o, self._drop, key)
+            r.fin.atexit = False    # at exit, close() deregisters, after BYE
         except TypeError:           # not weak-referenceable: used once, dropped after
             r.fin = None
         self.entries[key] = r
@@ -367,7 +368,8 @@ class RegCache:
         for key in list(self.entries):
             if self.bytes <= self.limit:
                 break
-            if self.entries[key].uses <= 0:
+            r = self.entries.get(key)     # a finalizer may have dropped it meanwhile
+            if r is not None and r.uses <= 0:
                 self._drop(key)
 
     def _drop(self, key) -> None:
@@ -448,6 +450,7 @@ class VerbsEndpoint:
         self.rndv_in: dict[int, _Recv] = {}     # receives waiting for FIN
         self.next_id = 1
         self.bye = False
+        self.writes: deque = deque()    # rendezvous data to write: (send, addr, rkey, offset)
 
     # -- the Endpoint protocol --------------------------------------------------------
     def send(self, src: np.ndarray, lane: int, tag: int, sig: int) -> _Send:
@@ -497,10 +500,46 @@ class VerbsEndpoint:
                 self.raise_failure()
 
     # -- failure ------------------------------------------------------------------------
-    def fail(self, cls: type, text: str) -> None:
-        if self.failure is None:
-            self.failure = (cls, text)
-            log.debug("verbs: %s", text)
+    def fail(self, cls: type, text: str, tell: bool = False) -> None:
+        """Record the endpoint's failure (the first reason explains the rest).  ``tell``:
+        this rank found it (an error completion, a malformed message): the peer may be
+        waiting on nothing that would ever fail, so it gets an authenticated UDP notice
+        and the queue pair goes to the error state (its writes then fail too)."""
+        if self.failure is not None:
+            return
+        self.failure = (cls, text)
+        log.debug("verbs: %s", text)
+        self.abandon()
+        if tell:
+            own = self.owner
+            if own.heartbeat is not None:
+                own.heartbeat.notify(f"{cls.__name__}: {text}", only=(self.peer,))
+            own.stop_qp(self)
+
+    def abandon(self) -> None:
+        """After a failure nothing more moves: waiting receives and sends fail (a late
+        FIN or CTS is ignored), queued messages are dropped — never a user buffer read
+        or written after the endpoint failed."""
+        cls, text = self.failure or (PeerFailure, f"rank {self.peer} is gone")
+        err = PeerFailure(text, rank=self.blame) if cls is PeerFailure else cls(text)
+        for m in list(self.rndv_in.values()) + list(self.rndv_out.values()):
+            if not m.done and m.error is None:
+                m.error = err
+        self.rndv_in, self.rndv_out = {}, {}
+        for q in self.posted:
+            for m in q:
+                if m.error is None:
+                    m.error = err
+            q.clear()
+        for item in self.backlog:
+            m = item[9]
+            if m is not None and not m.done and m.error is None:
+                m.error = err
+        self.backlog.clear()
+        for m, *_ in self.writes:
+            if not m.done and m.error is None:
+                m.error = err
+        self.writes.clear()
 
     def raise_failure(self) -> None:
         cls, text = self.failure or (PeerFailure, f"rank {self.peer} is gone")
@@ -522,7 +561,7 @@ class VerbsEndpoint:
                 "link cut)" if status in _PEER_GONE else "")
         self.fail(cls, f"rank {own.rank}: the verbs queue pair to rank {self.peer} "
                        f"({self.host}) failed on {what}: {name} (status {status}, vendor "
-                       f"error {vendor:#x}){gone}")
+                       f"error {vendor:#x}){gone}", tell=True)
 
     # -- sending control messages ----------------------------------------------------------
     def _ctrl(self, kind: int, lane: int, msgid: int, tag: int, sig: int, total: int,
@@ -539,10 +578,12 @@ class VerbsEndpoint:
     # -- arrivals ---------------------------------------------------------------------------
     def arrive(self, kind: int, lane: int, msgid: int, tag: int, sig: int, total: int,
                addr: int, rkey: int, payload: np.ndarray) -> None:
+        if self.failure is not None:
+            return                  # after ERROR, BYE or a local failure nothing counts
         if kind in (K_EAGER, K_RTS):
             if lane >= LANES:
                 self.fail(TransportError, f"rank {self.peer} ({self.host}) sent a verbs "
-                                          f"message on unknown lane {lane}")
+                                          f"message on unknown lane {lane}", tell=True)
                 return
             if self.posted[lane]:
                 self._match(self.posted[lane].popleft(), kind, msgid, tag, sig, total,
@@ -554,9 +595,10 @@ class VerbsEndpoint:
             m = self.rndv_out.pop(msgid, None)
             if m is None:
                 self.fail(TransportError, f"rank {self.peer} ({self.host}) sent a CTS for "
-                                          f"unknown message {msgid}")
+                                          f"unknown message {msgid}", tell=True)
                 return
-            self.owner.write_data(self, m, addr, rkey)
+            self.writes.append((m, addr, rkey, 0))
+            self.owner.push_writes(self)
         elif kind == K_NAK:
             m = self.rndv_out.pop(msgid, None)
             if m is not None:
@@ -571,7 +613,7 @@ class VerbsEndpoint:
             m = self.rndv_in.pop(msgid, None)
             if m is None:
                 self.fail(TransportError, f"rank {self.peer} ({self.host}) sent a FIN for "
-                                          f"unknown message {msgid}")
+                                          f"unknown message {msgid}", tell=True)
                 return
             self.owner.finish_rndv(m)
         elif kind == K_ERROR:
@@ -634,6 +676,7 @@ class VerbsTransport:
         self.wr_next = 0
         self.sq_used: dict[int, int] = {}
         self._recv_wr = None
+        self.stopping = False
         self.closed = False
 
     # -- availability ----------------------------------------------------------------------
@@ -743,7 +786,10 @@ class VerbsTransport:
         n = len(peers)
         R = self.slots
         self.sq_depth = min(self.max_wr, 4 * R + 16)
-        cqe = min(self.max_cqe, n * (R + self.sq_depth) + 64)
+        cqe = n * (R + self.sq_depth) + 64
+        if cqe > self.max_cqe:
+            raise ResourceError(f"verbs: {n} peers need a completion queue of {cqe} entries, "
+                                f"the device allows {self.max_cqe} (lower GPURT_IB_SLOTS)")
         self.cq = self._CQ(self.ctx, cqe)
         access = (e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE)
         self.access = access
@@ -880,7 +926,7 @@ class VerbsTransport:
         except Exception as ex:  # noqa: BLE001
             self.wr.pop(wr.wr_id, None)
             ep.fail(TransportError, f"rank {self.rank}: posting to the verbs queue pair of "
-                                    f"rank {ep.peer} ({ep.host}) failed: {ex}")
+                                    f"rank {ep.peer} ({ep.host}) failed: {ex}", tell=True)
             return False
         self.stage_busy[s] = True
         self.sq_used[ep.peer] += 1
@@ -907,42 +953,51 @@ class VerbsTransport:
         except Exception as ex:  # noqa: BLE001
             self.wr.pop(wr.wr_id, None)
             ep.fail(TransportError, f"rank {self.rank}: posting to the verbs queue pair of "
-                                    f"rank {ep.peer} ({ep.host}) failed: {ex}")
+                                    f"rank {ep.peer} ({ep.host}) failed: {ex}", tell=True)
             return
         self.sq_used[ep.peer] += 1
         ep.returned = ep.recvd
 
-    def write_data(self, ep: VerbsEndpoint, m: _Send, addr: int, rkey: int) -> None:
-        """CTS arrived: RDMA WRITE the message straight into the receiver's buffer, then
-        FIN (the write before it on the same queue pair lands first)."""
+    def push_writes(self, ep: VerbsEndpoint) -> None:
+        """CTS arrived: RDMA WRITE the messages straight into the receivers' buffers (in
+        pieces of at most 1 GiB, as the send queue has room, keeping a few entries for
+        control messages and credit returns), then FIN — the write before it on the same
+        queue pair is placed first."""
         import pyverbs.enums as e
         from pyverbs.wr import SGE, SendWR
 
-        src = m.src
-        r = self.reg.get(src, self.access)
-        if r is not None:
-            m.reg, lkey, base = r, r.mr.lkey, _addr(src)
-        else:                       # not registrable: bounce through a registered buffer
-            item = self.pool.get(m.total)
-            item[2][:m.total] = src.reshape(-1).view(np.uint8)
-            m.reg = item
-            lkey, base = item[1].lkey, item[1].buf
-        off = 0
-        while off < m.total:
+        room = self.sq_depth - 4
+        while ep.writes and self.sq_used[ep.peer] < room and ep.failure is None:
+            m, addr, rkey, off = ep.writes[0]
+            if m.reg is None:
+                src = m.src
+                r = self.reg.get(src, self.access)
+                if r is None:       # not registrable: bounce through a registered buffer
+                    r = self.pool.get(m.total)
+                    r[2][:m.total] = src.reshape(-1).view(np.uint8)
+                m.reg = r
+            if isinstance(m.reg, tuple):
+                lkey, base = m.reg[1].lkey, m.reg[1].buf
+            else:
+                lkey, base = m.reg.mr.lkey, _addr(m.src)
             n = min(_MAX_WRITE, m.total - off)
-            wr = SendWR(wr_id=self._wrid(_W_DATA, None), opcode=e.IBV_WR_RDMA_WRITE, num_sge=1,
-                        sg=[SGE(base + off, n, lkey)], send_flags=e.IBV_SEND_SIGNALED)
+            wr = SendWR(wr_id=self._wrid(_W_DATA, None), opcode=e.IBV_WR_RDMA_WRITE,
+                        num_sge=1, sg=[SGE(base + off, n, lkey)],
+                        send_flags=e.IBV_SEND_SIGNALED)
             wr.set_wr_rdma(rkey, addr + off)
             try:
                 ep.qp.post_send(wr)
             except Exception as ex:  # noqa: BLE001
                 self.wr.pop(wr.wr_id, None)
                 ep.fail(TransportError, f"rank {self.rank}: RDMA WRITE to rank {ep.peer} "
-                                        f"({ep.host}) could not be posted: {ex}")
+                                        f"({ep.host}) could not be posted: {ex}", tell=True)
                 return
             self.sq_used[ep.peer] += 1
-            off += n
-        ep._ctrl(K_FIN, m.lane, m.msgid, m.tag, m.sig, m.total, 0, 0, None, m)
+            if off + n < m.total:
+                ep.writes[0] = (m, addr, rkey, off + n)
+            else:
+                ep.writes.popleft()
+                ep._ctrl(K_FIN, m.lane, m.msgid, m.tag, m.sig, m.total, 0, 0, None, m)
 
     def _release(self, reg) -> None:
         if isinstance(reg, tuple):
@@ -980,17 +1035,25 @@ class VerbsTransport:
         if self.cq is None:
             return False
         moved = False
+        first = None
         while True:
             n, wcs = self.cq.poll(32)
             if not n:
                 break
             moved = True
-            for wc in wcs:
-                self._complete(wc)
+            for wc in wcs:          # every polled completion is accounted for, even if
+                try:                # handing one to its receive raised
+                    self._complete(wc)
+                except Exception as ex:  # noqa: BLE001 - re-raised below
+                    first = first or ex
+        if first is not None:
+            raise first
         # credits go back once half the ring is consumed: a sender stalls only with the
         # whole ring in flight, so this can never leave both sides waiting
         half = self.slots // 2
         for ep in self.endpoints.values():
+            if ep.writes:
+                self.push_writes(ep)
             if ep.backlog:
                 ep.flush()
             if ep.recvd - ep.returned >= half:
@@ -1036,14 +1099,14 @@ class VerbsTransport:
         seq = socket.ntohl(wc.imm_data)
         if seq != ep.recvd & 0xFFFFFFFF:
             ep.fail(TransportError, f"rank {ep.peer} ({ep.host}) wrote verbs slot {seq}, this "
-                                    f"rank expects {ep.recvd & 0xFFFFFFFF}")
+                                    f"rank expects {ep.recvd & 0xFFFFFFFF}", tell=True)
             return
         off = (ep.idx * R + ep.recvd % R) * self.slot
         magic, kind, lane, _, msgid, tag, sig, total, addr, rkey, n = \
             _HDR.unpack_from(self.ring, off)
         if magic != MAGIC or kind not in _KIND or n > self.eager:
             ep.fail(TransportError, f"rank {ep.peer} ({ep.host}) wrote a malformed verbs slot "
-                                    f"(magic {magic:#x}, kind {kind}, {n} bytes)")
+                                    f"(magic {magic:#x}, kind {kind}, {n} bytes)", tell=True)
             return
         try:
             ep.arrive(kind, lane, msgid, tag, sig, total, addr, rkey,
@@ -1065,10 +1128,18 @@ class VerbsTransport:
         data = np.frombuffer(text.encode("utf-8", "replace")[:self.eager], np.uint8)
         if self.heartbeat is not None:
             self.heartbeat.notify(text)
+        self.stopping = True
         for ep in self.endpoints.values():
             if ep.failure is None:
+                self._stop_data(ep)
                 ep._ctrl(K_ERROR, 0, 0, 0, 0, data.nbytes, 0, 0, data, None)
         self._drain(_PUBLISH_S)
+        # late writes from peers that have not heard yet land nowhere: this rank's
+        # receive buffers are the user's, and its communicator is finished
+        for ep in self.endpoints.values():
+            self.stop_qp(ep)
+            if ep.failure is None:
+                ep.failure = (PeerFailure, f"rank {self.rank} published its own failure")
 
     def _drain(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
@@ -1078,6 +1149,39 @@ class VerbsTransport:
                        self.endpoints.values() if ep.failure is None):
                 return
             time.sleep(1e-4)
+
+    def stop_qp(self, ep: VerbsEndpoint) -> None:
+        """Move ``ep``'s queue pair to the error state (best effort): nothing more is
+        written into this rank's memory through it, nor sent."""
+        import pyverbs.enums as e
+        from pyverbs.qp import QPAttr
+
+        try:
+            attr = QPAttr()
+            attr.qp_state = e.IBV_QPS_ERR
+            ep.qp.modify(attr, e.IBV_QP_STATE)
+        except Exception:  # noqa: BLE001 - closing anyway
+            pass
+
+    def _stop_data(self, ep: VerbsEndpoint) -> None:
+        """This rank is going down: no user buffer is read for a peer any more (queued
+        eager sends and rendezvous writes dropped, their sends failed), only ERROR/BYE go."""
+        err = TransportError(f"rank {self.rank}: the communicator failed or closed before "
+                             f"this message to rank {ep.peer} left")
+        keep = deque()
+        for item in ep.backlog:
+            if item[0] in (K_ERROR, K_BYE):
+                keep.append(item)
+            elif item[9] is not None and not item[9].done:
+                item[9].error = err
+        ep.backlog = keep
+        for m, *_ in ep.writes:
+            if not m.done:
+                m.error = err
+        ep.writes.clear()
+        for m in ep.rndv_out.values():
+            m.error = err
+        ep.rndv_out = {}
 
     def inject_qp_error(self, peer: int) -> None:
         """Move the queue pair to ``peer`` into the error state (for tests: what a NIC does
@@ -1097,12 +1201,18 @@ class VerbsTransport:
         self.closed = True
         try:
             if self.cq is not None:
+                self.stopping = True
                 for ep in self.endpoints.values():
                     if ep.failure is None:
+                        self._stop_data(ep)
                         ep._ctrl(K_BYE, 0, 0, 0, 0, 0, 0, 0, None, None)
                 self._drain(_BYE_S)
         except Exception:  # noqa: BLE001 - closing must not fail
             pass
+        for ep in self.endpoints.values():
+            if ep.failure is None:
+                ep.failure = (TransportError, f"rank {self.rank}: the verbs transport is "
+                                              f"closed")
         if self.heartbeat is not None:
             self.heartbeat.close()
             self.heartbeat = None
@@ -1111,6 +1221,7 @@ class VerbsTransport:
         if self.pool is not None:
             self.pool.close()
         self.endpoints, self.by_qpn, self.wr = {}, {}, {}
+        self.ring = self.stage = self.ctrl = None       # views of memory freed below
         self._close_ctx()
 
 

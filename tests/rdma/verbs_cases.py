@@ -5,7 +5,8 @@ must do, beyond the collective sweeps (``tests/mpi_sweep.py``).
 * every peer is reached over verbs, the probe names the device, GID and address;
 * point-to-point messages on both sides of the eager/rendezvous boundary, both ways,
   exact; 200 eager messages in a row (more than the credits: the backlog and the
-  receiver's unexpected queue carry them);
+  receiver's unexpected queue carry them); twice as many rendezvous messages in flight as
+  the send queue holds (their RDMA WRITEs wait for room);
 * the registration cache: a buffer reused by a rendezvous collective is registered once;
   freeing it deregisters it; a read-only send buffer goes (registered read-only);
 * mismatches: with the agreement check (default) every rank raises
@@ -74,6 +75,21 @@ def main() -> int:
                     check(False, f"message {i} of {many} arrived as {got[:3]}")
                     break
         facts["credits"] = vt.slots
+        # -- more rendezvous messages in flight than the send queue holds -------------------
+        k = 2 * vt.sq_depth
+        if r == 0 and p > 1:
+            srcs = [np.full(1 << 14, i, np.float32) for i in range(k)]       # 64 KiB each
+            reqs = [comm.isend(srcs[i], 1, tag=1000 + i) for i in range(k)]
+            for q in reqs:
+                q.wait(timeout=120)
+        elif r == 1:
+            dsts = [np.zeros(1 << 14, np.float32) for _ in range(k)]
+            reqs = [comm.irecv(dsts[i], 0, tag=1000 + i) for i in range(k)]
+            for q in reqs:
+                q.wait(timeout=120)
+            bad = [i for i in range(k) if not (dsts[i] == i).all()]
+            check(not bad, f"{len(bad)} of {k} queued rendezvous messages wrong, first {bad[:3]}")
+        facts["rendezvous_in_flight"] = k
         # -- registration cache ------------------------------------------------------------
         buf = np.zeros(1 << 18, np.float64)          # 2 MiB: rendezvous
         m0, h0 = vt.reg.misses, vt.reg.hits
