@@ -92,3 +92,16 @@ def mismatch_detail(lane: int, tag: int, sig: int, total: int,
     if total != want_total:
         return f"it is {total} bytes long, this rank expects {want_total} bytes"
     return None
+
+
+def unpaired(name: str, peer_sets: list[set], hint: str) -> list[str]:
+    """A transport's set-up check after its allgather: every rank that chose ``name`` for
+    a peer must have been chosen by that peer too (else the two would wait on different
+    transports).  One error text per unpaired choice; ``hint`` says what may differ."""
+    errs = []
+    for r, peers in enumerate(peer_sets):
+        for q in sorted(peers):
+            if r not in peer_sets[q]:
+                errs.append(f"rank {r} chose {name} for rank {q} but rank {q} chose another "
+                            f"transport for rank {r} ({hint})")
+    return errs

@@ -110,7 +110,7 @@ import numpy as np
 from gpurt import config
 from gpurt.errors import CollectiveMismatchError, PeerFailure, TransportError, relayed_rank
 
-from .base import LANE_NAMES, LANES, Sink, mismatch_detail
+from .base import LANE_NAMES, LANES, Sink, mismatch_detail, unpaired
 from .heartbeat import Heartbeat
 
 log = logging.getLogger("gpurt.tcp")
@@ -782,12 +782,7 @@ class TcpTransport:
         info = mpi.allgather((err, ip, port, host, sorted(peers), params, hb_port))
         errs = list(dict.fromkeys(i[0] for i in info if i[0]))
         peer_sets = [set(i[4]) for i in info]
-        for r in range(size):
-            for q in sorted(peer_sets[r]):
-                if r not in peer_sets[q]:
-                    errs.append(f"rank {r} chose tcp for rank {q} but rank {q} chose another "
-                                f"transport for rank {r} (does GPURT_TRANSPORTS differ between "
-                                f"ranks?)")
+        errs += unpaired("tcp", peer_sets, "does GPURT_TRANSPORTS differ between ranks?")
         if errs:
             self.close()
             raise TransportError("tcp: " + "; ".join(errs[:3]) +

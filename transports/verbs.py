@@ -78,7 +78,7 @@ from gpurt import config
 from gpurt.errors import (CollectiveMismatchError, PeerFailure, ResourceError, TransportError,
                           relayed_rank)
 
-from .base import LANE_NAMES, LANES, Sink, mismatch_detail
+from .base import LANE_NAMES, LANES, Sink, mismatch_detail, unpaired
 from .heartbeat import Heartbeat
 
 log = logging.getLogger("gpurt.verbs")
@@ -231,14 +231,11 @@ def _settings() -> tuple[int, int, int, int]:
 
 
 # -- completions ---------------------------------------------------------------------------
-class _Send:
-    __slots__ = ("peer", "ep", "done", "error", "src", "total", "msgid", "lane", "tag", "sig",
-                 "reg")
+class _Done:
+    """A completion: ``test()`` polls the transport; raises the message's own error (a
+    mismatch) or the endpoint's failure."""
 
-    def __init__(self, ep: "VerbsEndpoint", src: np.ndarray, lane: int, tag: int, sig: int):
-        self.peer, self.ep, self.src, self.total = ep.peer, ep, src, src.nbytes
-        self.lane, self.tag, self.sig = lane, tag, sig
-        self.done, self.error, self.msgid, self.reg = False, None, 0, None
+    __slots__ = ()
 
     def test(self) -> bool:
         if self.done:
@@ -255,7 +252,17 @@ class _Send:
         return False
 
 
-class _Recv:
+class _Send(_Done):
+    __slots__ = ("peer", "ep", "done", "error", "src", "total", "msgid", "lane", "tag", "sig",
+                 "reg")
+
+    def __init__(self, ep: "VerbsEndpoint", src: np.ndarray, lane: int, tag: int, sig: int):
+        self.peer, self.ep, self.src, self.total = ep.peer, ep, src, src.nbytes
+        self.lane, self.tag, self.sig = lane, tag, sig
+        self.done, self.error, self.msgid, self.reg = False, None, 0, None
+
+
+class _Recv(_Done):
     __slots__ = ("peer", "ep", "done", "error", "lane", "tag", "sig", "total", "sink", "dst",
                  "scratch", "reg")
 
@@ -267,20 +274,6 @@ class _Recv:
         self.dst = dst if (isinstance(dst, np.ndarray) and dst.dtype == np.uint8 and
                            dst.flags.c_contiguous and dst.nbytes == nbytes) else None
         self.done, self.error, self.scratch, self.reg = False, None, None, None
-
-    def test(self) -> bool:
-        if self.done:
-            return True
-        if self.error is not None:
-            raise self.error
-        self.ep.owner.poll()
-        if self.done:
-            return True
-        if self.error is not None:
-            raise self.error
-        if self.ep.failure is not None:
-            self.ep.raise_failure()
-        return False
 
 
 # -- registration cache ----------------------------------------------------------------------
@@ -737,7 +730,7 @@ class VerbsTransport:
     def connect(self, peers: list[int], comm) -> dict[int, VerbsEndpoint]:
         """Collective over ``comm.mpi`` (every rank calls it, with or without peers)."""
         mpi = comm.mpi
-        me, size = mpi.Get_rank(), mpi.Get_size()
+        me = mpi.Get_rank()
         self.rank = me
         host = socket.gethostname()
         peers = sorted(peers)
@@ -753,12 +746,8 @@ class VerbsTransport:
         info = mpi.allgather((err, host, peers, mine, secret))
         errs = list(dict.fromkeys(i[0] for i in info if i[0]))
         peer_sets = [set(i[2]) for i in info]
-        for r in range(size):
-            for q in sorted(peer_sets[r]):
-                if r not in peer_sets[q]:
-                    errs.append(f"rank {r} chose verbs for rank {q} but rank {q} chose another "
-                                f"transport for rank {r} (does it lack the RDMA device, or "
-                                f"does GPURT_TRANSPORTS differ between ranks?)")
+        errs += unpaired("verbs", peer_sets, "does it lack the RDMA device, or does "
+                                             "GPURT_TRANSPORTS differ between ranks?")
         if not errs and peers:
             try:
                 self._wire(peers, info)
