@@ -138,7 +138,11 @@ def test_failure_report_text():
 # -- gpurt launch on real processes ----------------------------------------------------------
 
 def test_launch_three_ranks(tmp_path):
-    s = script(tmp_path, "hello.py", f"print('hello', {RANK}, sys.argv[1:])\n")
+    # one write per line: hydra forwards each rank's pipe as it reads it, so print()'s
+    # separate writes of text and newline can interleave with another rank's line
+    s = script(tmp_path, "hello.py",
+               f"sys.stdout.write(' '.join(map(str, ('hello', {RANK}, sys.argv[1:]))) "
+               f"+ '\\n')\n")
     t0 = time.monotonic()
     p = run(["launch", "-n", "3", s, "--lr", "0.1", "-n", "9"])
     assert p.returncode == 0, both(p)
@@ -162,8 +166,9 @@ def test_dry_run_prints_the_command(tmp_path):
 
 
 def test_env_and_gpurt_variables_reach_every_rank(tmp_path):
-    s = script(tmp_path, "env.py", f"print('env', {RANK}, os.environ.get('K'), "
-                                   f"os.environ.get('GPURT_LAUNCH_TEST_VAR'))\n")
+    s = script(tmp_path, "env.py",
+               f"sys.stdout.write(' '.join(map(str, ('env', {RANK}, os.environ.get('K'), "
+               f"os.environ.get('GPURT_LAUNCH_TEST_VAR')))) + '\\n')\n")
     p = run(["launch", "-n", "3", "--env", "K=a b", s], GPURT_LAUNCH_TEST_VAR="yes")
     assert p.returncode == 0, both(p)
     lines = sorted(l for l in p.stdout.splitlines() if l.startswith("env"))
