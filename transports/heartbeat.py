@@ -89,6 +89,18 @@ class Heartbeat:
         t = self.last.get(peer)
         return 0.0 if t is None else time.monotonic() - t
 
+    def stopped(self, peer: int, host: str, what: str) -> str | None:
+        """Why ``peer`` counts as failed — silent for more than ``GPURT_PEER_STOPPED``
+        seconds (``what`` says what that may be) — or None."""
+        from gpurt import config
+
+        bound = float(config.get("GPURT_PEER_STOPPED"))
+        silent = self.silent_for(peer)
+        if silent <= bound:
+            return None
+        return (f"rank {peer} ({host}) has sent no heartbeat for {silent:.1f} s (more than "
+                f"GPURT_PEER_STOPPED={bound:g} s): {what}")
+
     def notice(self, peer: int) -> str | None:
         """The text ``peer`` sent with ``notify``, if any."""
         return self.notices.get(peer)

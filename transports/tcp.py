@@ -652,14 +652,11 @@ class TcpEndpoint:
         if self.failure is not None:
             self.raise_failure()
         hb = getattr(self.owner, "heartbeat", None)
-        if hb is not None:
-            bound = float(config.get("GPURT_PEER_STOPPED"))
-            silent = hb.silent_for(self.peer)
-            if silent > bound:
-                self.fail(PeerFailure, f"rank {self.peer} ({self.host}) has sent no heartbeat "
-                                       f"for {silent:.1f} s (more than GPURT_PEER_STOPPED="
-                                       f"{bound:g} s): stopped (SIGSTOP, a debugger) or hung")
-                self.raise_failure()
+        why = hb.stopped(self.peer, self.host, "stopped (SIGSTOP, a debugger) or hung") \
+            if hb is not None else None
+        if why:
+            self.fail(PeerFailure, why)
+            self.raise_failure()
 
     # -- failure ------------------------------------------------------------------------
     def fail(self, cls: type, text: str) -> None:

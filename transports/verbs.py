@@ -481,16 +481,11 @@ class VerbsEndpoint:
         if note:
             self.peer_error(note)
             self.raise_failure()
-        hb = own.heartbeat
-        if hb is not None:
-            bound = float(config.get("GPURT_PEER_STOPPED"))
-            silent = hb.silent_for(self.peer)
-            if silent > bound:
-                self.fail(PeerFailure, f"rank {self.peer} ({self.host}) has sent no heartbeat "
-                                       f"for {silent:.1f} s (more than GPURT_PEER_STOPPED="
-                                       f"{bound:g} s): killed, stopped (SIGSTOP, a debugger) "
-                                       f"or hung")
-                self.raise_failure()
+        why = own.heartbeat.stopped(self.peer, self.host, "killed, stopped (SIGSTOP, a "
+                                    "debugger) or hung") if own.heartbeat is not None else None
+        if why:
+            self.fail(PeerFailure, why)
+            self.raise_failure()
 
     # -- failure ------------------------------------------------------------------------
     def fail(self, cls: type, text: str, tell: bool = False) -> None:
@@ -870,6 +865,19 @@ class VerbsTransport:
         self.wr[wid] = what
         return wid
 
+    def _post(self, ep: VerbsEndpoint, wr, what: str) -> bool:
+        """Post ``wr`` on ``ep``'s queue pair and count it; a refused post fails the
+        endpoint (and tells the peer)."""
+        try:
+            ep.qp.post_send(wr)
+        except Exception as ex:  # noqa: BLE001 - pyverbs raises its own errors
+            self.wr.pop(wr.wr_id, None)
+            ep.fail(TransportError, f"rank {self.rank}: posting {what} to the verbs queue pair "
+                                    f"of rank {ep.peer} ({ep.host}) failed: {ex}", tell=True)
+            return False
+        self.sq_used[ep.peer] += 1
+        return True
+
     def _post_recv(self, ep: VerbsEndpoint) -> None:
         # RDMA WRITE WITH IMM consumes a receive but writes nowhere through it: one work
         # request object serves every post (pyverbs copies it into the queue)
@@ -910,15 +918,9 @@ class VerbsTransport:
                     send_flags=e.IBV_SEND_SIGNALED)
         wr.imm_data = socket.htonl(ep.sent & 0xFFFFFFFF)
         wr.set_wr_rdma(ep.r_ring_key, ep.r_ring + (ep.sent % R) * self.slot)
-        try:
-            ep.qp.post_send(wr)
-        except Exception as ex:  # noqa: BLE001
-            self.wr.pop(wr.wr_id, None)
-            ep.fail(TransportError, f"rank {self.rank}: posting to the verbs queue pair of "
-                                    f"rank {ep.peer} ({ep.host}) failed: {ex}", tell=True)
+        if not self._post(ep, wr, "an eager/control write"):
             return False
         self.stage_busy[s] = True
-        self.sq_used[ep.peer] += 1
         ep.sent += 1
         if done is not None and kind == K_EAGER:
             done.done = True
@@ -937,15 +939,8 @@ class VerbsTransport:
                     sg=[SGE(self.ctrl_mr.buf + ep.idx * _CTRL + 8, 8, self.ctrl_mr.lkey)],
                     send_flags=e.IBV_SEND_SIGNALED)
         wr.set_wr_rdma(ep.r_ctrl_key, ep.r_ctrl)
-        try:
-            ep.qp.post_send(wr)
-        except Exception as ex:  # noqa: BLE001
-            self.wr.pop(wr.wr_id, None)
-            ep.fail(TransportError, f"rank {self.rank}: posting to the verbs queue pair of "
-                                    f"rank {ep.peer} ({ep.host}) failed: {ex}", tell=True)
-            return
-        self.sq_used[ep.peer] += 1
-        ep.returned = ep.recvd
+        if self._post(ep, wr, "a credit return"):
+            ep.returned = ep.recvd
 
     def push_writes(self, ep: VerbsEndpoint) -> None:
         """CTS arrived: RDMA WRITE the messages straight into the receivers' buffers (in
@@ -974,14 +969,8 @@ class VerbsTransport:
                         num_sge=1, sg=[SGE(base + off, n, lkey)],
                         send_flags=e.IBV_SEND_SIGNALED)
             wr.set_wr_rdma(rkey, addr + off)
-            try:
-                ep.qp.post_send(wr)
-            except Exception as ex:  # noqa: BLE001
-                self.wr.pop(wr.wr_id, None)
-                ep.fail(TransportError, f"rank {self.rank}: RDMA WRITE to rank {ep.peer} "
-                                        f"({ep.host}) could not be posted: {ex}", tell=True)
+            if not self._post(ep, wr, "an RDMA WRITE of rendezvous data"):
                 return
-            self.sq_used[ep.peer] += 1
             if off + n < m.total:
                 ep.writes[0] = (m, addr, rkey, off + n)
             else:
