@@ -73,7 +73,9 @@ VARIABLES: tuple[Var, ...] = (
         "A profile written by `gpurt tune`: the tuner picks its measured winners for "
         "communicators of the same shape (GPURT_ALGO and algo= still override)."),
     Var("GPURT_TRANSPORTS", "", _list,
-        "Order and filter the transport registry, e.g. 'shm,tcp'. Empty: all, default order."),
+        "Order and filter the transport registry, e.g. 'shm,tcp'. Empty: all, default order. "
+        "Device buffers use cuda_ipc inside a node when this is empty or names it; set "
+        "without it, they are staged through pinned host memory everywhere."),
     Var("GPURT_SHM_SLOT", "256K", _bytes,
         "shm: bytes per ring slot (a message larger than a slot streams through the ring)."),
     Var("GPURT_SHM_SLOTS", "8", int, "shm: slots per ring (per ordered pair of ranks and lane)."),
@@ -120,6 +122,22 @@ VARIABLES: tuple[Var, ...] = (
         "verbs: QP local ACK timeout exponent (4.096 us * 2^N per try, as NCCL_IB_TIMEOUT)."),
     Var("GPURT_IB_RETRY_CNT", "7", int,
         "verbs: QP retry count; after the last try the QP errors (IBV_WC_RETRY_EXC_ERR)."),
+    Var("GPURT_DEVICE", "", str,
+        "GPU path: the device index this rank binds to (default: local rank modulo the visible "
+        "devices; several ranks may share one GPU). CUDA_VISIBLE_DEVICES is respected."),
+    Var("GPURT_DEVICE_BACKEND", "auto", str,
+        "GPU path: 'auto'/'cuda' (CuPy) or 'standin' (a host-memory stand-in for testing the "
+        "device protocol without a GPU; not a GPU)."),
+    Var("GPURT_DEVICE_STAGE", "4M", _bytes,
+        "GPU path: chunk size of pinned host staging for device buffers sent over host "
+        "transports (shm across GPUs without P2P, tcp, verbs without GPUDirect)."),
+    Var("GPURT_STANDIN_DELAY_US", "0", float,
+        "Stand-in device only: each queued device operation waits this long first (widens "
+        "race windows in tests)."),
+    Var("GPURT_STANDIN_DEVICES", "1", int,
+        "Stand-in device only: how many devices it pretends to have."),
+    Var("GPURT_STANDIN_P2P", "1", _flag,
+        "Stand-in device only: 0 declares that distinct devices cannot reach each other."),
     Var("GPURT_SPIN_US", "50", float,
         "Waits poll this many microseconds before yielding the CPU, then back off to sleeps."),
     Var("GPURT_COST", "", _cost,

@@ -1,0 +1,728 @@
+"""The CUDA device backend: the interface of ``gpurt.device`` on CuPy's runtime bindings,
+plus the driver library (``libcuda.so.1``, through ctypes) for the few calls CuPy lacks
+(``cuMemGetAddressRange``, ``cuDeviceGetUuid``).
+
+CuPy is imported lazily, inside the methods: ``import gpurt`` (and this module) never needs
+it; ``CudaBackend.probe()`` says whether it is there and sees a GPU.
+
+Views are flat CuPy arrays.  bfloat16 has no CuPy dtype: a bfloat16 view is a ``uint16``
+CuPy array (``typed(v, BFLOAT16)``), and ``reduce``/``scale`` take the logical dtype as
+``dtype=`` and run their own kernel for it (16-bit storage widened to float32, the op,
+round-to-nearest-even back, as ml_dtypes computes on the host).
+
+Every method makes the bound device current for its call and restores the caller's device
+afterwards (as NCCL does), so a progress loop may run on any thread.  CUDA errors are raised
+as ``TransportError`` (``ResourceError`` when out of memory) naming the call.
+
+Memory from ``alloc`` comes from CuPy's pool and goes back to it when the view is dropped:
+drop a scratch view only after an event recorded after its last use has fired (the pool may
+hand the bytes to the next allocation on the same stream at once).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Any
+
+import numpy as np
+
+from .errors import ResourceError, TransportError
+from .ops import BFLOAT16, Op
+
+_U8 = np.dtype(np.uint8)
+_U16 = np.dtype(np.uint16)
+_BOOL = np.dtype(np.bool_)
+
+# CUDA runtime constants
+_MEMCPY_DEFAULT = 4                  # cudaMemcpyDefault (UVA decides the direction)
+_EVENT_DISABLE_TIMING = 2            # cudaEventDisableTiming
+_EVENT_INTERPROCESS = 4              # cudaEventInterprocess
+_IPC_LAZY_PEER = 1                   # cudaIpcMemLazyEnablePeerAccess
+_SUCCESS, _NOT_READY = 0, 600        # cudaSuccess, cudaErrorNotReady
+_OOM_STATUS = 2                      # cudaErrorMemoryAllocation == CUDA_ERROR_OUT_OF_MEMORY
+_MEMTYPE_UNREGISTERED, _MEMTYPE_HOST = 0, 1   # cudaMemoryType (2 device, 3 managed)
+
+
+def _is_bf16(dtype) -> bool:
+    return BFLOAT16 is not None and dtype == BFLOAT16
+
+
+def _version(v: int) -> str:
+    """12040 -> '12.4'."""
+    return f"{v // 1000}.{(v % 1000) // 10}"
+
+
+# -- errors ------------------------------------------------------------------------------
+_CUDA_ERRORS = frozenset({"CUDARuntimeError", "CUDADriverError", "CompileException",
+                          "NVRTCError"})
+
+
+def _translate(call: str, e: BaseException) -> BaseException | None:
+    """The gpurt error for a CUDA failure in ``call``; None when ``e`` is not one (bad
+    arguments and the like propagate as themselves)."""
+    if isinstance(e, (TransportError, ResourceError)):
+        return None
+    name = type(e).__name__
+    if name == "OutOfMemoryError":     # CuPy's pool (and torch.cuda's)
+        return ResourceError(f"{call}: out of device memory: {e}")
+    if name in _CUDA_ERRORS:
+        status = getattr(e, "status", None)
+        cls = ResourceError if status == _OOM_STATUS else TransportError
+        return cls(f"{call} failed: {e}")
+    return None
+
+
+def _reraise(call: str, e: BaseException):
+    w = _translate(call, e)
+    if w is None:
+        raise e
+    raise w from e
+
+
+def _runtime_error_text(status: int) -> str:
+    try:
+        import cupy
+
+        return str(cupy.cuda.runtime.CUDARuntimeError(status))
+    except Exception:  # noqa: BLE001 - only for the message
+        return f"CUDA error {status}"
+
+
+# -- the driver library (ctypes), for what CuPy does not wrap ------------------------------
+class _Driver:
+    """``libcuda.so.1``: cuMemGetAddressRange_v2, cuDeviceGetUuid(_v2), cuCtxGetCurrent."""
+
+    def __init__(self):
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+        except OSError as e:
+            raise TransportError(f"cannot load the CUDA driver library libcuda.so.1: {e}") from e
+        c_int, c_uint, c_size_t, c_u64 = ctypes.c_int, ctypes.c_uint, ctypes.c_size_t, \
+            ctypes.c_uint64
+        lib.cuInit.argtypes, lib.cuInit.restype = [c_uint], c_int
+        lib.cuGetErrorName.argtypes = [c_int, ctypes.POINTER(ctypes.c_char_p)]
+        lib.cuGetErrorName.restype = c_int
+        lib.cuGetErrorString.argtypes = [c_int, ctypes.POINTER(ctypes.c_char_p)]
+        lib.cuGetErrorString.restype = c_int
+        lib.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(c_u64), ctypes.POINTER(c_size_t),
+                                                c_u64]
+        lib.cuMemGetAddressRange_v2.restype = c_int
+        lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+        lib.cuCtxGetCurrent.restype = c_int
+        lib.cuDeviceGet.argtypes, lib.cuDeviceGet.restype = [ctypes.POINTER(c_int), c_int], c_int
+        self.get_uuid = getattr(lib, "cuDeviceGetUuid_v2", None) or \
+            getattr(lib, "cuDeviceGetUuid", None)
+        if self.get_uuid is not None:
+            self.get_uuid.argtypes = [ctypes.c_char * 16, c_int]
+            self.get_uuid.restype = c_int
+        self.lib = lib
+        self.check(lib.cuInit(0), "cuInit")
+
+    def check(self, rc: int, call: str) -> None:
+        if rc == 0:
+            return
+        name, text = ctypes.c_char_p(), ctypes.c_char_p()
+        self.lib.cuGetErrorName(rc, ctypes.byref(name))
+        self.lib.cuGetErrorString(rc, ctypes.byref(text))
+        msg = f"{call} failed: {(name.value or b'CUDA_ERROR_%d' % rc).decode()}: " \
+              f"{(text.value or b'').decode()}"
+        raise (ResourceError if rc == _OOM_STATUS else TransportError)(msg)
+
+    def has_context(self) -> bool:
+        ctx = ctypes.c_void_p()
+        return self.lib.cuCtxGetCurrent(ctypes.byref(ctx)) == 0 and bool(ctx.value)
+
+    def address_range(self, ptr: int) -> tuple[int, int]:
+        base, size = ctypes.c_uint64(), ctypes.c_size_t()
+        self.check(self.lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size),
+                                                    ptr), "cuMemGetAddressRange")
+        return int(base.value), int(size.value)
+
+    def uuid(self, ordinal: int) -> str | None:
+        if self.get_uuid is None:
+            return None
+        dev = ctypes.c_int()
+        self.check(self.lib.cuDeviceGet(ctypes.byref(dev), ordinal), "cuDeviceGet")
+        buf = (ctypes.c_char * 16)()
+        self.check(self.get_uuid(buf, dev.value), "cuDeviceGetUuid")
+        return _format_uuid(bytes(buf))
+
+
+def _format_uuid(b: bytes) -> str:
+    """16 bytes -> 'GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx' (as nvidia-smi -L shows)."""
+    h = b.hex()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+
+
+_DRIVER: _Driver | None = None
+_DRIVER_LOCK = threading.Lock()
+
+
+def _driver() -> _Driver:
+    global _DRIVER
+    if _DRIVER is None:
+        with _DRIVER_LOCK:
+            if _DRIVER is None:
+                _DRIVER = _Driver()
+    return _DRIVER
+
+
+# -- bfloat16 kernels ------------------------------------------------------------------------
+_BF16_PREAMBLE = r"""
+__device__ __forceinline__ float gpurt_bf2f(unsigned short h) {
+    return __uint_as_float(((unsigned int)h) << 16);
+}
+__device__ __forceinline__ unsigned short gpurt_f2bf(float f) {
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {       /* NaN: a quiet NaN of the same sign */
+        return (u & 0x80000000u) ? (unsigned short)0xffc0u : (unsigned short)0x7fc0u;
+    }
+    u += 0x7fffu + ((u >> 16) & 1u);              /* round to nearest, ties to even */
+    return (unsigned short)(u >> 16);
+}
+"""
+
+# out = a op b on bfloat16 bits (as ml_dtypes: float32 arithmetic, one rounding; MIN/MAX
+# return one of the inputs unchanged, a NaN operand wins)
+_BF16_BODY = {
+    Op.SUM: "c = gpurt_f2bf(gpurt_bf2f(a) + gpurt_bf2f(b))",
+    Op.AVG: "c = gpurt_f2bf(gpurt_bf2f(a) + gpurt_bf2f(b))",
+    Op.PROD: "c = gpurt_f2bf(gpurt_bf2f(a) * gpurt_bf2f(b))",
+    Op.MIN: "float x = gpurt_bf2f(a), y = gpurt_bf2f(b); c = (x != x || x < y) ? a : b",
+    Op.MAX: "float x = gpurt_bf2f(a), y = gpurt_bf2f(b); c = (x != x || x > y) ? a : b",
+}
+_KERNELS: dict = {}
+_KLOCK = threading.Lock()
+
+
+def _bf16_kernel(op: Op):
+    k = _KERNELS.get(op)
+    if k is None:
+        body = _BF16_BODY.get(op)
+        if body is None:
+            raise TypeError(f"op {op.name} is not defined for bfloat16")
+        import cupy
+
+        with _KLOCK:
+            k = _KERNELS.get(op)
+            if k is None:
+                k = _KERNELS[op] = cupy.ElementwiseKernel(
+                    "uint16 a, uint16 b", "uint16 c", body, f"gpurt_bf16_{op.name.lower()}",
+                    preamble=_BF16_PREAMBLE)
+    return k
+
+
+def _bf16_scale_kernel():
+    k = _KERNELS.get("scale")
+    if k is None:
+        import cupy
+
+        with _KLOCK:
+            k = _KERNELS.get("scale")
+            if k is None:
+                k = _KERNELS["scale"] = cupy.ElementwiseKernel(
+                    "float32 d", "uint16 v", "v = gpurt_f2bf(gpurt_bf2f(v) / d)",
+                    "gpurt_bf16_scale", preamble=_BF16_PREAMBLE)
+    return k
+
+
+# -- events ------------------------------------------------------------------------------------
+class Event:
+    """A CUDA event: ``ev`` (the ``cudaEvent_t`` as an int) and ``handle`` (the IPC handle's
+    64 bytes when interprocess, else None).  Destroyed by ``close()`` or when collected."""
+
+    __slots__ = ("ev", "handle", "opened", "__weakref__")
+
+    def __init__(self, ev: int, handle: bytes | None, opened: bool = False):
+        self.ev, self.handle, self.opened = ev, handle, opened
+
+    def close(self) -> None:
+        ev, self.ev = self.ev, 0
+        if ev:
+            try:
+                import cupy
+
+                cupy.cuda.runtime.eventDestroy(ev)
+            except Exception:  # noqa: BLE001 - at exit the context may be gone already
+                pass
+
+    def __del__(self) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        kind = "opened" if self.opened else ("ipc" if self.handle else "local")
+        return f"<gpurt CUDA Event {kind} {self.ev:#x}>"
+
+
+# -- the backend -----------------------------------------------------------------------------------
+class CudaBackend:
+    """The device interface (``gpurt.device``) on CuPy and the CUDA driver."""
+
+    name = "cuda"
+
+    @classmethod
+    def probe(cls) -> tuple[bool, str]:
+        try:
+            import cupy
+        except ImportError as e:
+            return False, f"CuPy not installed ({e}); pip install cupy-cuda12x"
+        except Exception as e:  # noqa: BLE001 - a broken install is a reason, not a crash
+            return False, f"CuPy failed to import: {type(e).__name__}: {e}"
+        try:
+            n = cupy.cuda.runtime.getDeviceCount()
+        except Exception as e:  # noqa: BLE001
+            return False, f"no CUDA device: {e}"
+        if n <= 0:
+            return False, "no CUDA device: cudaGetDeviceCount() returned 0"
+        try:
+            rt = _version(cupy.cuda.runtime.runtimeGetVersion())
+            drv = _version(cupy.cuda.runtime.driverGetVersion())
+        except Exception as e:  # noqa: BLE001
+            return False, f"no usable CUDA driver: {e}"
+        return True, f"CUDA {rt}, driver {drv}, {n} GPU(s)"
+
+    def __init__(self):
+        import cupy
+
+        self._cp = cupy
+        self._rt = cupy.cuda.runtime
+        self._streams: dict = {}
+        self._uuids: dict[int, str] = {}
+        self._ctx_ok = threading.local()
+        try:
+            self._device = self._rt.getDevice()
+        except Exception as e:  # noqa: BLE001
+            _reraise("cudaGetDevice", e)
+
+    # -- device scope: the bound device is current during a call, the caller's after ------
+    def _enter(self) -> int:
+        prev = self._rt.getDevice()
+        if prev == self._device:
+            return -1
+        self._rt.setDevice(self._device)
+        return prev
+
+    def _leave(self, prev: int) -> None:
+        if prev >= 0:
+            self._rt.setDevice(prev)
+
+    def _stream(self, handle: int):
+        """A CuPy stream object for a raw handle (0/1 legacy, 2 per-thread, else a
+        cudaStream_t), to make current around CuPy kernel launches."""
+        key = (handle, self._device)
+        s = self._streams.get(key)
+        if s is None:
+            ext = self._cp.cuda.ExternalStream
+            try:
+                s = ext(handle, self._device)
+            except TypeError:      # CuPy < 12: no device_id argument
+                s = ext(handle)
+            if len(self._streams) > 256:
+                self._streams.clear()
+            self._streams[key] = s
+        return s
+
+    # -- devices ------------------------------------------------------------------------------
+    def count(self) -> int:
+        try:
+            return self._rt.getDeviceCount()
+        except Exception as e:  # noqa: BLE001
+            _reraise("cudaGetDeviceCount", e)
+
+    def bind(self, device: int) -> None:
+        try:
+            self._cp.cuda.Device(int(device)).use()
+        except Exception as e:  # noqa: BLE001
+            _reraise(f"cudaSetDevice({device})", e)
+        self._device = int(device)
+        self._streams.clear()
+
+    def current(self) -> int:
+        return self._device
+
+    def uuid(self, device: int) -> str:
+        """The physical GPU (MIG instance) as 'GPU-<uuid>' from the driver, else
+        'PCI-<domain:bus:device.function>': the same string in every process that sees the
+        GPU, whatever its CUDA_VISIBLE_DEVICES."""
+        d = int(device)
+        got = self._uuids.get(d)
+        if got is not None:
+            return got
+        try:
+            got = _driver().uuid(d)
+        except Exception:  # noqa: BLE001 - fall back to the PCI address
+            got = None
+        if got is None:
+            try:
+                got = "PCI-" + self._rt.deviceGetPCIBusId(d).lower()
+            except Exception as e:  # noqa: BLE001
+                _reraise(f"cudaDeviceGetPCIBusId({d})", e)
+        self._uuids[d] = got
+        return got
+
+    def can_access_peer(self, a: int, b: int) -> bool:
+        if a == b:
+            return True
+        try:
+            return bool(self._rt.deviceCanAccessPeer(int(a), int(b)))
+        except Exception as e:  # noqa: BLE001
+            _reraise(f"cudaDeviceCanAccessPeer({a}, {b})", e)
+
+    def device_of(self, ptr: int) -> int:
+        try:
+            attrs = self._rt.pointerGetAttributes(int(ptr))
+        except Exception as e:  # noqa: BLE001
+            _reraise("cudaPointerGetAttributes", e)
+        if attrs.type in (_MEMTYPE_UNREGISTERED, _MEMTYPE_HOST) or attrs.device < 0:
+            raise TransportError(f"cudaPointerGetAttributes: {int(ptr):#x} is not device memory "
+                                 f"(memory type {attrs.type})")
+        return int(attrs.device)
+
+    def address_range(self, ptr: int) -> tuple[int, int]:
+        prev = self._enter()
+        try:
+            drv = _driver()
+            if not getattr(self._ctx_ok, "ok", False):
+                if not drv.has_context():
+                    self._rt.memGetInfo()        # any runtime call makes the context current
+                self._ctx_ok.ok = True
+            return drv.address_range(int(ptr))
+        except Exception as e:  # noqa: BLE001
+            _reraise("cuMemGetAddressRange", e)
+        finally:
+            self._leave(prev)
+
+    # -- IPC memory -------------------------------------------------------------------------------
+    def ipc_handle(self, base: int) -> bytes:
+        prev = self._enter()
+        try:
+            return bytes(self._rt.ipcGetMemHandle(int(base)))
+        except Exception as e:  # noqa: BLE001
+            _reraise("cudaIpcGetMemHandle", e)
+        finally:
+            self._leave(prev)
+
+    def ipc_open(self, handle: bytes) -> int:
+        prev = self._enter()
+        try:
+            return int(self._rt.ipcOpenMemHandle(bytes(handle), _IPC_LAZY_PEER))
+        except Exception as e:  # noqa: BLE001
+            _reraise("cudaIpcOpenMemHandle", e)
+        finally:
+            self._leave(prev)
+
+    def ipc_close(self, base: int) -> None:
+        prev = self._enter()
+        try:
+            self._rt.ipcCloseMemHandle(int(base))
+        except Exception as e:  # noqa: BLE001
+            _reraise("cudaIpcCloseMemHandle", e)
+        finally:
+            self._leave(prev)
+
+    # -- memory -------------------------------------------------------------------------------------
+    def view(self, ptr: int, nbytes: int, owner: Any):
+        """A flat uint8 CuPy array over ``nbytes`` at ``ptr`` (``owner`` kept alive)."""
+        cp = self._cp
+        ptr, nbytes = int(ptr), int(nbytes)
+        try:
+            # the device that holds the bytes (a peer's, for opened IPC memory); CuPy looks
+            # it up from the pointer when told -1
+            mem = cp.cuda.UnownedMemory(ptr, nbytes, owner, -1 if ptr else self._device)
+            return cp.ndarray((nbytes,), _U8, cp.cuda.MemoryPointer(mem, 0))
+        except Exception as e:  # noqa: BLE001
+            _reraise("view (cudaPointerGetAttributes)", e)
+
+    def ptr(self, v) -> int:
+        return v.data.ptr
+
+    def typed(self, v, dtype):
+        """``v`` reinterpreted as ``dtype``; bfloat16 (no CuPy dtype) as uint16."""
+        dtype = np.dtype(dtype)
+        if _is_bf16(dtype):
+            dtype = _U16
+        return v if v.dtype == dtype else v.view(dtype)
+
+    def alloc(self, nbytes: int):
+        prev = self._enter()
+        try:
+            return self._cp.empty((int(nbytes),), dtype=_U8)
+        except Exception as e:  # noqa: BLE001
+            _reraise(f"alloc({nbytes})", e)
+        finally:
+            self._leave(prev)
+
+    def empty(self, shape, dtype, like):
+        """A new array like ``like``: a torch tensor (same device) for a torch input, a CuPy
+        array on ``like``'s device for CuPy (or any other ``__cuda_array_interface__``)
+        input.  bfloat16 exists only as a torch tensor here."""
+        shape = tuple(int(s) for s in shape) if isinstance(shape, (tuple, list)) else \
+            (int(shape),)
+        dtype = np.dtype(dtype)
+        mod = type(like).__module__ or ""
+        if mod.startswith("torch"):
+            import torch
+
+            tdt = like.dtype if _torch_matches(like.dtype, dtype) else _torch_dtype(dtype)
+            try:
+                return torch.empty(shape, dtype=tdt, device=like.device)
+            except Exception as e:  # noqa: BLE001
+                _reraise(f"torch.empty({shape}, {tdt})", e)
+        if _is_bf16(dtype):
+            raise TypeError(f"cannot allocate a bfloat16 result like a {type(like).__name__}: "
+                            f"CuPy has no bfloat16; pass out= (or use torch.bfloat16 tensors)")
+        cp = self._cp
+        if isinstance(like, cp.ndarray):
+            dev = like.device.id
+        else:
+            cai = getattr(like, "__cuda_array_interface__", None)
+            if cai is None:
+                raise TypeError(f"cannot allocate a device array like a {type(like).__name__}")
+            ptr = int(cai["data"][0])
+            dev = self.device_of(ptr) if ptr else self._device
+        try:
+            with cp.cuda.Device(dev):
+                return cp.empty(shape, dtype=dtype)
+        except Exception as e:  # noqa: BLE001
+            _reraise(f"cupy.empty({shape}, {dtype})", e)
+
+    def pinned(self, nbytes: int) -> np.ndarray:
+        nbytes = int(nbytes)
+        if nbytes == 0:
+            return np.empty(0, _U8)
+        prev = self._enter()
+        try:
+            mem = self._cp.cuda.alloc_pinned_memory(nbytes)
+        except Exception as e:  # noqa: BLE001
+            _reraise(f"cudaHostAlloc({nbytes})", e)
+        finally:
+            self._leave(prev)
+        # the array's base holds the PinnedMemoryPointer: freed when the array goes
+        return np.frombuffer(mem, _U8, nbytes)
+
+    # -- streams and events --------------------------------------------------------------------
+    def current_stream(self) -> int:
+        prev = self._enter()
+        try:
+            return int(self._cp.cuda.get_current_stream().ptr)
+        finally:
+            self._leave(prev)
+
+    def event(self, ipc: bool = True) -> Event:
+        flags = _EVENT_DISABLE_TIMING | (_EVENT_INTERPROCESS if ipc else 0)
+        prev = self._enter()
+        try:
+            ev = Event(self._rt.eventCreateWithFlags(flags), None)
+            if ipc:       # on failure ev is collected, and destroyed
+                ev.handle = bytes(self._rt.ipcGetEventHandle(ev.ev))
+            return ev
+        except Exception as e:  # noqa: BLE001
+            _reraise("cudaEventCreateWithFlags/cudaIpcGetEventHandle", e)
+        finally:
+            self._leave(prev)
+
+    def event_open(self, handle: bytes) -> Event:
+        prev = self._enter()
+        try:
+            return Event(self._rt.ipcOpenEventHandle(bytes(handle)), bytes(handle), True)
+        except Exception as e:  # noqa: BLE001
+            _reraise("cudaIpcOpenEventHandle", e)
+        finally:
+            self._leave(prev)
+
+    def record(self, ev: Event, stream) -> None:
+        prev = self._enter()
+        try:
+            self._rt.eventRecord(ev.ev, int(stream))
+        except Exception as e:  # noqa: BLE001
+            _reraise("cudaEventRecord", e)
+        finally:
+            self._leave(prev)
+
+    def query(self, ev: Event) -> bool:
+        st = self._rt.eventQuery(ev.ev)   # returns the status, raises nothing
+        if st == _SUCCESS:
+            return True
+        if st == _NOT_READY:
+            return False
+        raise TransportError(f"cudaEventQuery failed: {_runtime_error_text(st)}")
+
+    def wait_event(self, stream, ev: Event) -> None:
+        prev = self._enter()
+        try:
+            self._rt.streamWaitEvent(int(stream), ev.ev, 0)
+        except Exception as e:  # noqa: BLE001
+            _reraise("cudaStreamWaitEvent", e)
+        finally:
+            self._leave(prev)
+
+    # -- work ----------------------------------------------------------------------------------
+    def _memcpy(self, dst: int, src: int, n: int, stream, call: str) -> None:
+        if not n:
+            return
+        prev = self._enter()
+        try:
+            self._rt.memcpyAsync(dst, src, n, _MEMCPY_DEFAULT, int(stream))
+        except Exception as e:  # noqa: BLE001
+            _reraise(call, e)
+        finally:
+            self._leave(prev)
+
+    def copy(self, dst, src, stream) -> None:
+        if dst.nbytes != src.nbytes:
+            raise ValueError(f"copy: {dst.nbytes} bytes <- {src.nbytes}")
+        self._memcpy(dst.data.ptr, src.data.ptr, src.nbytes, stream, "cudaMemcpyAsync (D2D)")
+
+    def to_host(self, dst: np.ndarray, src, stream) -> None:
+        if dst.nbytes != src.nbytes:
+            raise ValueError(f"to_host: {dst.nbytes} bytes <- {src.nbytes}")
+        if not dst.flags.c_contiguous:
+            raise ValueError("to_host: the host array is not contiguous")
+        self._memcpy(dst.__array_interface__["data"][0], src.data.ptr, src.nbytes, stream,
+                     "cudaMemcpyAsync (D2H)")
+
+    def from_host(self, dst, src: np.ndarray, stream) -> None:
+        if dst.nbytes != src.nbytes:
+            raise ValueError(f"from_host: {dst.nbytes} bytes <- {src.nbytes}")
+        if not src.flags.c_contiguous:
+            raise ValueError("from_host: the host array is not contiguous")
+        self._memcpy(dst.data.ptr, src.__array_interface__["data"][0], src.nbytes, stream,
+                     "cudaMemcpyAsync (H2D)")
+
+    def reduce(self, op: Op, acc, src, out, stream, dtype=None) -> None:
+        """out = acc op src element-wise, queued on ``stream``.  ``dtype`` is the logical
+        dtype (default: ``out.dtype``); the views are reinterpreted as it (bfloat16: uint16
+        storage, reduced by gpurt's kernel).  ``out`` may be ``acc``."""
+        dtype = np.dtype(dtype) if dtype is not None else out.dtype
+        if out.nbytes != acc.nbytes or out.nbytes != src.nbytes:
+            raise ValueError(f"reduce: sizes differ (acc {acc.nbytes}, src {src.nbytes}, "
+                             f"out {out.nbytes} bytes)")
+        if not out.nbytes:
+            return
+        bf16 = _is_bf16(dtype)
+        store = _U16 if bf16 else dtype
+        a = acc if acc.dtype == store else acc.view(store)
+        b = src if src.dtype == store else src.view(store)
+        o = out if out.dtype == store else out.view(store)
+        if bf16:
+            kern = _bf16_kernel(op)
+        else:
+            kern = _ufunc(self._cp, op, dtype)
+        prev = self._enter()
+        try:
+            with self._stream(int(stream)):
+                if bf16:
+                    kern(a, b, o)
+                else:
+                    kern(a, b, out=o)
+        except Exception as e:  # noqa: BLE001
+            _reraise(f"reduce {op.name} {dtype}", e)
+        finally:
+            self._leave(prev)
+
+    def scale(self, v, divisor, stream, dtype=None) -> None:
+        """v /= divisor in place (AVG's final division), queued on ``stream``."""
+        dtype = np.dtype(dtype) if dtype is not None else v.dtype
+        if not v.nbytes:
+            return
+        bf16 = _is_bf16(dtype)
+        store = _U16 if bf16 else dtype
+        w = v if v.dtype == store else v.view(store)
+        prev = self._enter()
+        try:
+            with self._stream(int(stream)):
+                if bf16:
+                    # the divisor as a bfloat16 value, as numpy's divide on bfloat16 uses it
+                    d = float(np.array(divisor, np.float32).astype(BFLOAT16).astype(np.float32))
+                    _bf16_scale_kernel()(np.float32(d), w)
+                else:
+                    self._cp.divide(w, dtype.type(divisor), out=w)
+        except Exception as e:  # noqa: BLE001
+            _reraise(f"scale {dtype}", e)
+        finally:
+            self._leave(prev)
+
+    def synchronize(self, stream) -> None:
+        prev = self._enter()
+        try:
+            self._rt.streamSynchronize(int(stream))
+        except Exception as e:  # noqa: BLE001
+            _reraise("cudaStreamSynchronize", e)
+        finally:
+            self._leave(prev)
+
+    # -- for `gpurt info` -------------------------------------------------------------------------
+    def info(self) -> dict:
+        return info()
+
+
+def _ufunc(cp, op: Op, dtype: np.dtype):
+    if dtype == _BOOL and op in (Op.MIN, Op.MAX):
+        return cp.logical_and if op is Op.MIN else cp.logical_or
+    return {Op.SUM: cp.add, Op.AVG: cp.add, Op.PROD: cp.multiply, Op.MIN: cp.minimum,
+            Op.MAX: cp.maximum, Op.BAND: cp.bitwise_and, Op.BOR: cp.bitwise_or,
+            Op.BXOR: cp.bitwise_xor}[op]
+
+
+def _torch_dtype(dtype: np.dtype):
+    import torch
+
+    if _is_bf16(dtype):
+        return torch.bfloat16
+    return torch.from_numpy(np.empty(0, dtype)).dtype
+
+
+def _torch_matches(tdt, dtype: np.dtype) -> bool:
+    try:
+        return tdt == _torch_dtype(dtype)
+    except Exception:  # noqa: BLE001 - a dtype torch lacks
+        return False
+
+
+def info() -> dict:
+    """CUDA runtime/driver and CuPy versions, the GPUs, and the P2P matrix.  Never raises."""
+    ok, why = CudaBackend.probe()
+    out: dict = {"backend": "cuda", "available": ok, "why": why}
+    if not ok:
+        return out
+    try:
+        import cupy
+
+        rt = cupy.cuda.runtime
+        out["cupy"] = cupy.__version__
+        out["cuda_runtime"] = _version(rt.runtimeGetVersion())
+        out["cuda_driver"] = _version(rt.driverGetVersion())
+        n = rt.getDeviceCount()
+        gpus = []
+        for d in range(n):
+            row: dict = {"index": d}
+            try:
+                p = rt.getDeviceProperties(d)
+                name = p.get("name", b"?")
+                row["name"] = name.decode(errors="replace") if isinstance(name, bytes) else name
+                row["memory_bytes"] = int(p.get("totalGlobalMem", 0))
+                row["memory"] = f"{int(p.get('totalGlobalMem', 0)) / 2**30:.1f} GiB"
+                row["compute_capability"] = f"{p.get('major')}.{p.get('minor')}"
+                row["pci"] = rt.deviceGetPCIBusId(d).lower()
+            except Exception as e:  # noqa: BLE001
+                row["error"] = f"{type(e).__name__}: {e}"
+            try:
+                row["uuid"] = _driver().uuid(d)
+            except Exception as e:  # noqa: BLE001
+                row["uuid"] = f"unavailable: {e}"
+            gpus.append(row)
+        out["gpus"] = gpus
+        p2p = []
+        for a in range(n):
+            line = []
+            for b in range(n):
+                try:
+                    line.append(True if a == b else bool(rt.deviceCanAccessPeer(a, b)))
+                except Exception:  # noqa: BLE001
+                    line.append(None)
+            p2p.append(line)
+        out["p2p"] = p2p
+    except Exception as e:  # noqa: BLE001 - info must not raise
+        out["error"] = f"{type(e).__name__}: {e}"
+    return out
