@@ -10,8 +10,8 @@ Recognised, in this order:
    ``memoryview``, ``bytearray``): kind ``"host"``.
 
 Host buffers carry ``array``: a flat, C-contiguous NumPy view of the user's memory
-(no copy).  Device buffers are described (pointer, dtype, count, device) and rejected
-by the communicator until a device transport is installed.
+(no copy).  Device buffers are described (pointer, dtype, count, stream); the
+communicator checks them against its device backend (``gpurt.device``).
 """
 
 from __future__ import annotations
@@ -99,7 +99,10 @@ def as_buf(x: Any, what: str = "x") -> Buf:
         return x
     if isinstance(x, np.ndarray):
         return _host(x, x, what)
-    cai = getattr(x, "__cuda_array_interface__", None)
+    try:
+        cai = getattr(x, "__cuda_array_interface__", None)
+    except (RuntimeError, AttributeError, TypeError):
+        cai = None   # e.g. a torch tensor that requires grad: DLPack below
     if cai is not None:
         return _cuda(cai, x, what)
     if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
@@ -111,8 +114,15 @@ def as_buf(x: Any, what: str = "x") -> Buf:
                 raise TypeError(f"{what}: cannot view {type(x).__name__} through DLPack: {e}") from e
             return _host(arr, x, what)
         if int(dev_type) in (_DL_CUDA, _DL_CUDA_MANAGED):
-            raise TypeError(f"{what}: a CUDA DLPack tensor without __cuda_array_interface__ "
-                            f"({type(x).__name__}); device buffers need the cuda_ipc transport")
+            try:   # a CUDA DLPack tensor without __cuda_array_interface__: view it in CuPy
+                import cupy
+                view = cupy.from_dlpack(x)
+            except Exception as e:  # noqa: BLE001 - no CuPy, or an unviewable tensor
+                raise TypeError(f"{what}: a CUDA DLPack tensor ({type(x).__name__}) without "
+                                f"__cuda_array_interface__ needs CuPy to be viewed: {e}") from None
+            b = _cuda(view.__cuda_array_interface__, x, what)
+            b.owner = x
+            return b
         raise TypeError(f"{what}: DLPack device type {dev_type} is not supported")
     try:
         mv = memoryview(x)
@@ -136,9 +146,11 @@ def empty_like(b: Buf, count: int, shape: tuple[int, ...] | None = None) -> tupl
     """A new array of the same kind and dtype as ``b`` with ``count`` elements
     (``shape`` if given): a PyTorch tensor for a PyTorch input (``new_empty``),
     else a NumPy array."""
-    if b.kind != "host":
-        raise TypeError(f"cannot allocate {b.kind} memory yet")
     shape = shape if shape is not None else (count,)
+    if b.kind != "host":   # on the same device, of the same kind (CuPy, torch, ...)
+        from . import device
+        obj = device.get().empty(shape, b.dtype, b.owner)
+        return obj, as_buf(obj, "out")
     new_empty = getattr(b.owner, "new_empty", None)
     if new_empty is not None and not isinstance(b.owner, np.ndarray):
         obj = new_empty(shape)

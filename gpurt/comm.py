@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from . import callsite, config
+from . import callsite, config, devpath
 from .buffers import Buf, as_buf, check_writable, empty_like, overlaps, same
 from .errors import (CollectiveMismatchError, CollectiveTimeout, CommunicatorClosed,
                      GpurtError, ResourceError, relay_text,
@@ -103,6 +103,8 @@ class Communicator:
                             "intercommunicator; Merge() it first)")
         self._closed = False
         self._transports: list = []
+        self.dev, self.dev_why, self.dev_endpoints, self.dev_ipc = None, "not set up", {}, None
+        self._devtuner = self._devtmp = self._devlast = None
         self.mpi = mpi_comm if _owned else mpi_comm.Dup()
         self.rank: int = self.mpi.Get_rank()
         self.size: int = self.mpi.Get_size()
@@ -147,6 +149,8 @@ class Communicator:
             self.tuner = Tuner(self.size, self.rank, tuple(range(self.size)), cost,
                                natives, self.nnodes, forced, profile,
                                shape=Shape.of(self.topo.local_ranks), levels=levels)
+            self._tuner_in = (cost, levels, forced, profile, check)
+            devpath.setup(self)      # device backend, device endpoints (collective)
         except BaseException:
             self._release()
             raise
@@ -375,7 +379,14 @@ class Communicator:
 
     def _submit(self, coll: str, xb: Buf | None, ob: Buf | None, n: int, dtype: np.dtype,
                 op: Op | None, root: int, result: Any, algo: str | None = None,
-                finish_root_only: bool = False) -> Request:
+                finish_root_only: bool = False, stream: Any = None) -> Request:
+        b = xb if xb is not None else ob
+        if b is not None and b.kind != "host":
+            return self._submit_device(coll, xb, ob, n, dtype, op, root, result, algo,
+                                       finish_root_only, stream)
+        if stream is not None:
+            raise ValueError(f"rank {self.rank}: {coll}: stream= is for device buffers; "
+                             f"these are host memory")
         if self.size == 1 and coll == "barrier":
             alg, sched = None, Schedule()
         else:
@@ -441,6 +452,104 @@ class Communicator:
         req.algorithm = self.last_algorithm = name
         return self.engine.submit(req)
 
+    # -- device buffers -----------------------------------------------------------------
+    def _dev_tuner(self) -> Tuner:
+        """The tuner for device calls: the same inputs without the host-only natives (the
+        shm board moves host memory)."""
+        if self._devtuner is None:
+            cost, levels, forced, profile, _check = self._tuner_in
+            self._devtuner = Tuner(self.size, self.rank, tuple(range(self.size)), cost, (),
+                                   self.nnodes, forced, profile,
+                                   shape=Shape.of(self.topo.local_ranks), levels=levels)
+        return self._devtuner
+
+    def _dev_view(self, b: Buf | None, dtype: np.dtype):
+        be = self.dev
+        if b is None or not b.nbytes:
+            return be.typed(self._dev_scratch(0), dtype)
+        return be.typed(be.view(b.ptr, b.nbytes, b.owner), dtype)
+
+    def _dev_scratch(self, nbytes: int):
+        if self._devtmp is None or self._devtmp.nbytes < nbytes:
+            self._devtmp = self.dev.alloc(1 << max(12, (max(nbytes, 1) - 1).bit_length()))
+        return self._devtmp[:nbytes]
+
+    def _submit_device(self, coll: str, xb: Buf | None, ob: Buf | None, n: int,
+                       dtype: np.dtype, op: Op | None, root: int, result: Any,
+                       algo: str | None, finish_root_only: bool, stream: Any) -> Request:
+        """A collective on device buffers: a schedule of the device tuner run by the
+        executor on device views, through the device endpoints (``cuda_ipc`` inside a
+        node, pinned staging elsewhere), everything ordered on one stream: ``stream=``,
+        else the buffer's ``__cuda_array_interface__`` stream, else the current one."""
+        be = self.dev
+        b = xb if xb is not None else ob
+        try:
+            st = devpath.stream_of(be, stream, b)
+        except TypeError as e:
+            raise TypeError(_prefix(self.rank, e)) from None
+        try:
+            alg, sched = self._dev_tuner().plan(coll, n, dtype.itemsize, root, algo)
+        except ValueError as e:
+            raise ValueError(_prefix(self.rank, e)) from None
+        self._seq += 1
+        seq = self._seq
+        sig = _signature(coll, dtype.str + "@device", n, op, root)
+        site = callsite.site()
+        alias = xb is not None and ob is not None and same(xb, ob)
+        meta = shm_board.meta_of(coll, dtype, n, op, root, device=True)
+        ctx = devpath.DevCtx(be, st, dtype, op)
+
+        def data_start() -> _Run | None:
+            if self._devlast is not None:       # the scratch may still be read by the
+                be.wait_event(st, self._devlast)  # previous call's stream
+            if not sched.steps:
+                return None
+            bufs = {"in": self._dev_view(xb, dtype), "out": self._dev_view(ob, dtype)}
+            if alias:
+                bufs["in"] = bufs["out"]
+            bufs["tmp"] = be.typed(self._dev_scratch(sched.tmp * dtype.itemsize), dtype)
+            return _Run(sched, bufs, alias, None, self.dev_endpoints, 0, seq, sig, dev=ctx,
+                        dtype=dtype)
+
+        def board_checked() -> Chain:
+            check = shm_board.BoardRun(self.board, coll, seq, sig, meta, _EMPTY_U8, _EMPTY_U8,
+                                       root, None, n, check=True, site=site)
+            return Chain(check, data_start)
+
+        def net_checked() -> Chain:
+            run, every = self._agreement_run(seq, sig, meta, site)
+
+            def then():
+                self._agree(every, seq, sig, meta, site)
+                return data_start()
+
+            return Chain(run, then)
+
+        start = data_start
+        if sched.steps and self._check:
+            start = board_checked
+        elif sched.steps and self._netcheck:
+            start = net_checked
+
+        name = alg.name
+        fl = self.flight
+        rec = fl.start(seq, coll, (dtype.str, n, op, root if coll in _ROOTED else None),
+                       name + "@device", site) if fl is not None else None
+
+        def finish() -> Any:
+            if op is Op.AVG and ob is not None and (not finish_root_only or self.rank == root):
+                be.scale(self._dev_view(ob, dtype), self.size, st, dtype=dtype)
+            if self._devlast is None:
+                self._devlast = be.event(False)
+            be.record(self._devlast, st)
+            if rec is not None:
+                FlightRecorder.done(rec)
+            return result
+
+        req = Request(self.engine, coll, seq, start, finish)
+        req.algorithm = self.last_algorithm = name
+        return self.engine.submit(req)
+
     def _schedule_start(self, sched, xb, ob, dtype, alias, red, seq, sig):
         empty = np.empty(0, dtype)
 
@@ -479,11 +588,22 @@ class Communicator:
 
     # -- argument preparation ---------------------------------------------------------
     def _host(self, b: Buf, what: str) -> Buf:
+        """Host buffers pass; a device buffer needs this rank's device backend and must
+        live on the device this rank uses."""
         if b.kind != "host":
-            raise TypeError(f"rank {self.rank}: {what} is a {b.kind} device buffer "
-                            f"({type(b.owner).__name__}); device memory needs the cuda_ipc "
-                            f"transport, which this build does not include yet — pass host "
-                            f"memory (see `gpurt info`)")
+            if self.dev is None:
+                raise TypeError(f"{what} is a {b.kind} device buffer "
+                                f"({type(b.owner).__name__}) but this rank has no device "
+                                f"backend: {self.dev_why} (see `gpurt info`)")
+            try:
+                d = self.dev.device_of(b.ptr) if b.nbytes else self.dev.current()
+            except Exception as e:  # noqa: BLE001 - a pointer the backend does not know
+                raise TypeError(f"{what}: {e}") from None
+            if d != self.dev.current():
+                raise ValueError(f"{what} is on device {d} but this rank uses device "
+                                 f"{self.dev.current()} (GPURT_DEVICE, else local rank "
+                                 f"modulo the visible devices)")
+            b.device = d
         return b
 
     def _in(self, x: Any, what: str = "x") -> Buf:
@@ -499,6 +619,9 @@ class Communicator:
             check_writable(ob, what)
         except (ValueError, TypeError) as e:
             raise type(e)(_prefix(self.rank, e)) from None
+        if ob.kind != x.kind:
+            raise TypeError(f"rank {self.rank}: {what} is {ob.kind} memory and x is {x.kind} "
+                            f"memory; pass both on the host or both on the device")
         if ob.dtype != x.dtype:
             raise TypeError(f"rank {self.rank}: {what} has dtype {ob.dtype}, x has {x.dtype}")
         if ob.count != count:
@@ -529,7 +652,7 @@ class Communicator:
 
     # -- collectives (i-variants first; the blocking ones wait on them) -----------------
     @_announces_rejection("allreduce")
-    def iallreduce(self, x: Any, out: Any = None, op: Any = Op.SUM, *, algo: str | None = None
+    def iallreduce(self, x: Any, out: Any = None, op: Any = Op.SUM, *, algo: str | None = None, stream: Any = None
                    ) -> Request:
         """Element-wise reduction of ``x`` over all ranks, result on every rank.
         ``out=None``: in place into ``x``."""
@@ -544,17 +667,17 @@ class Communicator:
                 raise ValueError(f"rank {self.rank}: allreduce: out partly overlaps x "
                                  f"(use out=None or out=x for in place)")
             result = out
-        return self._submit("allreduce", xb, ob, xb.count, xb.dtype, o, 0, result, algo)
+        return self._submit("allreduce", xb, ob, xb.count, xb.dtype, o, 0, result, algo, stream=stream)
 
     def allreduce(self, x: Any, out: Any = None, op: Any = Op.SUM, *,
-                  timeout: float | None = None, algo: str | None = None) -> Any:
+                  timeout: float | None = None, algo: str | None = None, stream: Any = None) -> Any:
         timeout = self._timeout_arg(timeout, "allreduce")
         if self._fastpath and (algo is None or algo == "shm_board") and \
                 type(x) is np.ndarray and (out is None or type(out) is np.ndarray):
             done = self._board_inline("allreduce", x, op, 0, timeout, out, algo)
             if done is not None:
                 return done
-        return self._blocking(self.iallreduce(x, out, op, algo=algo), timeout)
+        return self._blocking(self.iallreduce(x, out, op, algo=algo, stream=stream), timeout)
 
     def _board_inline(self, coll: str, x: np.ndarray, op: Any, root: int,
                       timeout: float | None, out: np.ndarray | None = None,
@@ -637,7 +760,7 @@ class Communicator:
         return xb
 
     @_announces_rejection("broadcast")
-    def ibroadcast(self, x: Any, root: int = 0, *, algo: str | None = None) -> Request:
+    def ibroadcast(self, x: Any, root: int = 0, *, algo: str | None = None, stream: Any = None) -> Request:
         """Copy ``x`` of ``root`` into ``x`` on every rank (in place; ``x`` must be
         writable on every rank, the root included)."""
         self._check_open()
@@ -646,24 +769,24 @@ class Communicator:
         # writable on the root too: some algorithms (scatter_allgather) pass the root's
         # own blocks back through it
         self._in_place(xb, x)
-        return self._submit("broadcast", xb, xb, xb.count, xb.dtype, None, root, x, algo)
+        return self._submit("broadcast", xb, xb, xb.count, xb.dtype, None, root, x, algo, stream=stream)
 
     def broadcast(self, x: Any, root: int = 0, *, timeout: float | None = None,
-                  algo: str | None = None) -> Any:
+                  algo: str | None = None, stream: Any = None) -> Any:
         timeout = self._timeout_arg(timeout, "broadcast")
         if self._fastpath and (algo is None or algo == "shm_board") and \
                 type(x) is np.ndarray and type(root) is int and 0 <= root < self.size:
             done = self._board_inline("broadcast", x, None, root, timeout, None, algo)
             if done is not None:
                 return done
-        return self._blocking(self.ibroadcast(x, root, algo=algo), timeout)
+        return self._blocking(self.ibroadcast(x, root, algo=algo, stream=stream), timeout)
 
     bcast = broadcast
     ibcast = ibroadcast
 
     @_announces_rejection("reduce")
     def ireduce(self, x: Any, out: Any = None, op: Any = Op.SUM, root: int = 0, *,
-                algo: str | None = None) -> Request:
+                algo: str | None = None, stream: Any = None) -> Request:
         """Reduction of ``x`` over all ranks into ``out`` on ``root`` (``out=None``: into
         ``x`` on the root).  Other ranks' ``x`` and ``out`` are left untouched."""
         self._check_open()
@@ -683,15 +806,15 @@ class Communicator:
         if self.rank != root:
             ob = xb  # never written off the root
         return self._submit("reduce", xb, ob, xb.count, xb.dtype, o, root, result, algo,
-                            finish_root_only=True)
+                            finish_root_only=True, stream=stream)
 
     def reduce(self, x: Any, out: Any = None, op: Any = Op.SUM, root: int = 0, *,
-               timeout: float | None = None, algo: str | None = None) -> Any:
+               timeout: float | None = None, algo: str | None = None, stream: Any = None) -> Any:
         timeout = self._timeout_arg(timeout, "reduce")
-        return self._blocking(self.ireduce(x, out, op, root, algo=algo), timeout)
+        return self._blocking(self.ireduce(x, out, op, root, algo=algo, stream=stream), timeout)
 
     @_announces_rejection("allgather")
-    def iallgather(self, x: Any, out: Any = None, *, algo: str | None = None) -> Request:
+    def iallgather(self, x: Any, out: Any = None, *, algo: str | None = None, stream: Any = None) -> Request:
         """Concatenate every rank's ``x`` in rank order: ``out`` has ``size * x.size``
         elements (allocated with shape ``(size, *x.shape)`` when ``out=None``)."""
         self._check_open()
@@ -701,16 +824,16 @@ class Communicator:
         else:
             ob = self._out(out, xb, self.size * xb.count)
             self._distinct(xb, ob, "allgather")
-        return self._submit("allgather", xb, ob, xb.count, xb.dtype, None, 0, out, algo)
+        return self._submit("allgather", xb, ob, xb.count, xb.dtype, None, 0, out, algo, stream=stream)
 
     def allgather(self, x: Any, out: Any = None, *, timeout: float | None = None,
-                  algo: str | None = None) -> Any:
+                  algo: str | None = None, stream: Any = None) -> Any:
         timeout = self._timeout_arg(timeout, "allgather")
-        return self._blocking(self.iallgather(x, out, algo=algo), timeout)
+        return self._blocking(self.iallgather(x, out, algo=algo, stream=stream), timeout)
 
     @_announces_rejection("reduce_scatter")
     def ireduce_scatter(self, x: Any, out: Any = None, op: Any = Op.SUM, *,
-                        algo: str | None = None) -> Request:
+                        algo: str | None = None, stream: Any = None) -> Request:
         """Reduce ``x`` (``size`` equal blocks) over all ranks; rank r gets block r."""
         self._check_open()
         xb = self._in(x)
@@ -721,12 +844,12 @@ class Communicator:
         else:
             ob = self._out(out, xb, n)
             self._distinct(xb, ob, "reduce_scatter")
-        return self._submit("reduce_scatter", xb, ob, n, xb.dtype, o, 0, out, algo)
+        return self._submit("reduce_scatter", xb, ob, n, xb.dtype, o, 0, out, algo, stream=stream)
 
     def reduce_scatter(self, x: Any, out: Any = None, op: Any = Op.SUM, *,
-                       timeout: float | None = None, algo: str | None = None) -> Any:
+                       timeout: float | None = None, algo: str | None = None, stream: Any = None) -> Any:
         timeout = self._timeout_arg(timeout, "reduce_scatter")
-        return self._blocking(self.ireduce_scatter(x, out, op, algo=algo), timeout)
+        return self._blocking(self.ireduce_scatter(x, out, op, algo=algo, stream=stream), timeout)
 
     def _blocks(self, xb: Buf, coll: str) -> int:
         if xb.count % self.size:
@@ -735,7 +858,7 @@ class Communicator:
         return xb.count // self.size
 
     @_announces_rejection("alltoall")
-    def ialltoall(self, x: Any, out: Any = None, *, algo: str | None = None) -> Request:
+    def ialltoall(self, x: Any, out: Any = None, *, algo: str | None = None, stream: Any = None) -> Request:
         """Block i of ``x`` goes to rank i; block j of ``out`` came from rank j."""
         self._check_open()
         xb = self._in(x)
@@ -745,15 +868,15 @@ class Communicator:
         else:
             ob = self._out(out, xb, xb.count)
             self._distinct(xb, ob, "alltoall")
-        return self._submit("alltoall", xb, ob, n, xb.dtype, None, 0, out, algo)
+        return self._submit("alltoall", xb, ob, n, xb.dtype, None, 0, out, algo, stream=stream)
 
     def alltoall(self, x: Any, out: Any = None, *, timeout: float | None = None,
-                 algo: str | None = None) -> Any:
+                 algo: str | None = None, stream: Any = None) -> Any:
         timeout = self._timeout_arg(timeout, "alltoall")
-        return self._blocking(self.ialltoall(x, out, algo=algo), timeout)
+        return self._blocking(self.ialltoall(x, out, algo=algo, stream=stream), timeout)
 
     @_announces_rejection("gather")
-    def igather(self, x: Any, out: Any = None, root: int = 0, *, algo: str | None = None
+    def igather(self, x: Any, out: Any = None, root: int = 0, *, algo: str | None = None, stream: Any = None
                 ) -> Request:
         """Every rank's ``x`` into ``out`` on ``root``, in rank order (``size * x.size``
         elements; allocated with shape ``(size, *x.shape)`` when ``out=None``).  Returns
@@ -769,15 +892,15 @@ class Communicator:
                 ob = self._out(out, xb, self.size * xb.count)
                 self._distinct(xb, ob, "gather")
             result = out
-        return self._submit("gather", xb, ob, xb.count, xb.dtype, None, root, result, algo)
+        return self._submit("gather", xb, ob, xb.count, xb.dtype, None, root, result, algo, stream=stream)
 
     def gather(self, x: Any, out: Any = None, root: int = 0, *, timeout: float | None = None,
-               algo: str | None = None) -> Any:
+               algo: str | None = None, stream: Any = None) -> Any:
         timeout = self._timeout_arg(timeout, "gather")
-        return self._blocking(self.igather(x, out, root, algo=algo), timeout)
+        return self._blocking(self.igather(x, out, root, algo=algo, stream=stream), timeout)
 
     @_announces_rejection("scatter")
-    def iscatter(self, x: Any, out: Any = None, root: int = 0, *, algo: str | None = None
+    def iscatter(self, x: Any, out: Any = None, root: int = 0, *, algo: str | None = None, stream: Any = None
                  ) -> Request:
         """Block r of ``x`` on ``root`` goes to rank r.  ``x`` has ``size`` equal blocks;
         off the root it may be ``None`` if ``out`` is given (otherwise it only tells the
@@ -809,12 +932,12 @@ class Communicator:
                 self._distinct(xb, ob, "scatter")
         if self.rank != root:
             xb = None
-        return self._submit("scatter", xb, ob, n, ob.dtype, None, root, out, algo)
+        return self._submit("scatter", xb, ob, n, ob.dtype, None, root, out, algo, stream=stream)
 
     def scatter(self, x: Any, out: Any = None, root: int = 0, *, timeout: float | None = None,
-                algo: str | None = None) -> Any:
+                algo: str | None = None, stream: Any = None) -> Any:
         timeout = self._timeout_arg(timeout, "scatter")
-        return self._blocking(self.iscatter(x, out, root, algo=algo), timeout)
+        return self._blocking(self.iscatter(x, out, root, algo=algo, stream=stream), timeout)
 
     @_announces_rejection("barrier")
     def ibarrier(self, *, algo: str | None = None) -> Request:
@@ -839,20 +962,37 @@ class Communicator:
             raise ValueError(f"rank {self.rank}: {what} to itself is not supported (copy instead)")
         return int(peer)
 
-    def _p2p(self, kind: str, b: Buf, peer: int, tag: int) -> Request:
+    def _p2p(self, kind: str, b: Buf, peer: int, tag: int, stream: Any = None) -> Request:
         if not isinstance(tag, (int, np.integer)) or tag < 0:
             raise ValueError(f"rank {self.rank}: tag must be a non-negative int, got {tag!r}")
-        sig = zlib.crc32(f"p2p|{b.dtype.str}".encode())
+        dev = b.kind != "host"
+        sig = zlib.crc32(f"p2p|{b.dtype.str}{'@device' if dev else ''}".encode())
         sl = Slice("in" if kind == "send" else "out", 0, b.count)
         sched = Schedule(((Send(peer, sl) if kind == "send" else Recv(peer, sl),),))
-        arr = b.array.view(b.dtype)
-        empty = np.empty(0, b.dtype)
-        bufs = {"in": arr, "out": empty, "tmp": empty} if kind == "send" else \
-               {"in": empty, "out": arr, "tmp": empty}
         from gpurt.transports import LANE_P2P
 
+        if dev:
+            be = self.dev
+            try:
+                st = devpath.stream_of(be, stream, b)
+            except TypeError as e:
+                raise TypeError(_prefix(self.rank, e)) from None
+            if peer not in self.dev_endpoints:
+                raise TypeError(f"rank {self.rank}: {kind} of a device buffer to rank {peer}, "
+                                f"which has no device backend")
+            arr, empty = self._dev_view(b, b.dtype), self._dev_view(None, b.dtype)
+            ctx, eps = devpath.DevCtx(be, st, b.dtype, None), self.dev_endpoints
+        else:
+            if stream is not None:
+                raise ValueError(f"rank {self.rank}: stream= is for device buffers")
+            arr, empty = b.array.view(b.dtype), np.empty(0, b.dtype)
+            ctx, eps = None, self.endpoints
+        bufs = {"in": arr, "out": empty, "tmp": empty} if kind == "send" else \
+               {"in": empty, "out": arr, "tmp": empty}
+
         def start() -> _Run:
-            return _Run(sched, bufs, False, None, self.endpoints, LANE_P2P, int(tag), sig)
+            return _Run(sched, bufs, False, None, eps, LANE_P2P, int(tag), sig, dev=ctx,
+                        dtype=b.dtype)
 
         what = f"{kind} {'to' if kind == 'send' else 'from'} rank {peer}"
         fl = self.flight
@@ -868,17 +1008,18 @@ class Communicator:
         req.algorithm = "p2p"
         return self.engine.submit(req)
 
-    def isend(self, x: Any, peer: int, tag: int = 0) -> Request:
+    def isend(self, x: Any, peer: int, tag: int = 0, *, stream: Any = None) -> Request:
         """Send ``x`` to ``peer``.  Messages between two ranks are matched in order; the
         tag, dtype and size are checked against the receive, not used to reorder."""
         self._check_open()
-        return self._p2p("send", self._in(x), self._peer(peer, "send"), tag)
+        return self._p2p("send", self._in(x), self._peer(peer, "send"), tag, stream)
 
-    def send(self, x: Any, peer: int, tag: int = 0, *, timeout: float | None = None) -> None:
+    def send(self, x: Any, peer: int, tag: int = 0, *, timeout: float | None = None,
+             stream: Any = None) -> None:
         timeout = self._timeout_arg(timeout)
-        self._blocking(self.isend(x, peer, tag), timeout)
+        self._blocking(self.isend(x, peer, tag, stream=stream), timeout)
 
-    def irecv(self, out: Any, peer: int, tag: int = 0) -> Request:
+    def irecv(self, out: Any, peer: int, tag: int = 0, *, stream: Any = None) -> Request:
         """Receive the next message from ``peer`` into ``out`` (same size and dtype)."""
         self._check_open()
         try:
@@ -886,11 +1027,12 @@ class Communicator:
             check_writable(ob, "out")
         except (ValueError, TypeError) as e:
             raise type(e)(_prefix(self.rank, e)) from None
-        return self._p2p("recv", ob, self._peer(peer, "recv"), tag)
+        return self._p2p("recv", ob, self._peer(peer, "recv"), tag, stream)
 
-    def recv(self, out: Any, peer: int, tag: int = 0, *, timeout: float | None = None) -> Any:
+    def recv(self, out: Any, peer: int, tag: int = 0, *, timeout: float | None = None,
+             stream: Any = None) -> Any:
         timeout = self._timeout_arg(timeout)
-        return self._blocking(self.irecv(out, peer, tag), timeout)
+        return self._blocking(self.irecv(out, peer, tag, stream=stream), timeout)
 
     # -- communicators ------------------------------------------------------------
     def split(self, color: int | None, key: int = 0) -> "Communicator | None":
@@ -936,6 +1078,10 @@ class Communicator:
         self._release()
 
     def _release(self) -> None:
+        ipc = getattr(self, "dev_ipc", None)
+        if ipc is not None:
+            ipc.close()
+        self.dev_endpoints, self._devtmp, self._devlast = {}, None, None
         for t in self._transports:
             try:
                 t.close()

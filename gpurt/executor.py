@@ -61,16 +61,19 @@ class _Run:
     """One schedule executing on bound buffers."""
 
     __slots__ = ("steps", "k", "pending", "bufs", "alias", "red", "eps", "lane", "tag", "sig",
-                 "isz", "dtype")
+                 "isz", "dtype", "dev")
 
     def __init__(self, sched: Schedule, bufs: dict[str, np.ndarray], alias: bool,
-                 red: Callable | None, eps: dict, lane: int, tag: int, sig: int):
+                 red: Callable | None, eps: dict, lane: int, tag: int, sig: int,
+                 dev=None, dtype: np.dtype | None = None):
         self.steps, self.k, self.pending = sched.split_steps, 0, []
         self.bufs, self.alias, self.red, self.eps = bufs, alias, red, eps
         self.lane, self.tag, self.sig = lane, tag, sig
-        arr = next(iter(bufs.values()))
-        self.dtype = arr.dtype
-        self.isz = arr.dtype.itemsize
+        #: device memory: a ``gpurt.devpath.DevCtx`` (its copy, reduce and stream); the
+        #: buffers are then device views and the endpoints device endpoints
+        self.dev = dev
+        self.dtype = dtype if dtype is not None else next(iter(bufs.values())).dtype
+        self.isz = self.dtype.itemsize
 
     def view(self, s: Slice) -> np.ndarray:
         return self.bufs[s.buf][s.off:s.off + s.n]
@@ -83,6 +86,10 @@ class _Run:
 
     def _sink(self, op) -> Callable[[int, np.ndarray], None]:
         dst = self.view(op.dst)
+        if self.dev is not None:
+            if isinstance(op, Recv):
+                return self.dev.sink(dst, None, True)
+            return self.dev.sink(dst, self.view(op.acc) if op.acc is not None else None, False)
         if isinstance(op, Recv):
             return _CopySink(dst.view(_U8))
         acc = self.view(op.acc) if op.acc is not None else dst
@@ -96,6 +103,8 @@ class _Run:
         return reduce
 
     def _start_step(self) -> None:
+        if self.dev is not None:
+            return self._start_device_step()
         local, comm = self.steps[self.k]
         self.k += 1
         bufs = self.bufs
@@ -122,6 +131,33 @@ class _Run:
                 pend.append(ep.send(bufs[s.buf][s.off:s.off + s.n].view(_U8), lane, tag, sig))
             else:
                 pend.append(ep.recv(op.dst.n * isz, self._sink(op), lane, tag, sig))
+
+    def _start_device_step(self) -> None:
+        """The same step on device memory: local copies and reductions are queued on the
+        call's stream; device endpoints order their transfers after them (events)."""
+        local, comm = self.steps[self.k]
+        self.k += 1
+        dev, view = self.dev, self.view
+        for op in local:
+            src, dst = op.src, op.dst
+            if type(op) is Copy:
+                if self.alias and src.off == dst.off and src.buf != dst.buf and \
+                        src.buf != "tmp" and dst.buf != "tmp":
+                    continue
+                dev.copy(view(dst), view(src))
+            else:
+                d = view(dst)
+                dev.reduce(d if op.acc is None else view(op.acc), view(src), d)
+        pend, eps, stream = self.pending, self.eps, dev.stream
+        lane, tag, sig, isz = self.lane, self.tag, self.sig, self.isz
+        for op in comm:
+            ep = eps.get(op.peer)
+            if ep is None:
+                self._ep(op.peer)
+            if type(op) is Send:
+                pend.append(ep.send(dev.u8(view(op.src)), lane, tag, sig, stream))
+            else:
+                pend.append(ep.recv(op.dst.n * isz, self._sink(op), lane, tag, sig, stream))
 
     def advance(self) -> bool:
         """Move as far as possible without blocking; True if anything happened."""

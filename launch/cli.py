@@ -62,9 +62,45 @@ def _transports() -> list[dict[str, str]]:
         except Exception as e:  # noqa: BLE001
             ok, why = False, f"probe failed: {e}"
         rows.append({"name": name, "available": ok, "why": why})
+    rows.append(_cuda_ipc_row(rows))
     for name, why in PLANNED.items():
         rows.append({"name": name, "available": False, "why": why})
     return rows
+
+
+def _cuda_ipc_row(rows: list[dict]) -> dict:
+    """cuda_ipc: available when the device backend is and shm is (its control path)."""
+    from gpurt import device, devpath
+    from gpurt.transports import device_ipc_enabled
+
+    want, why = devpath.wanted()
+    if want:
+        want, why = device.probe()
+    shm = next((r for r in rows if r["name"] == "shm"), None)
+    if want and not (shm and shm["available"]):
+        want, why = False, "needs the shm transport (its descriptors and acknowledgements)"
+    if want and not device_ipc_enabled():
+        want, why = False, "GPURT_TRANSPORTS does not name it: device buffers are staged"
+    if want:
+        why += ("; device buffers inside a node are read straight from the peer's GPU "
+                "memory (same GPU or P2P), staged through pinned host memory otherwise")
+    return {"name": "cuda_ipc", "available": want, "why": why}
+
+
+def _device_backend() -> dict:
+    """The device backend gpurt would use, and what it sees (CUDA: versions, GPUs, the
+    P2P matrix) — without importing CuPy when it is not installed."""
+    from gpurt import device, devpath
+
+    name = device.backend_name()
+    want, why = devpath.wanted()
+    if not want:
+        return {"backend": name, "available": False, "why": why}
+    if name == "cuda":
+        from gpurt.device_cuda import info as cuda_info
+        return cuda_info()
+    ok, why = device.probe()
+    return {"backend": name, "available": ok, "why": why}
 
 
 def _launcher() -> dict[str, str]:
@@ -183,6 +219,7 @@ def info(as_json: bool, show_env: bool) -> None:
                      "release": platform.release(), "cpus": os.cpu_count()},
         "launcher": _launcher(),
         "devices": _devices(),
+        "device_backend": _device_backend(),
         "simulate": _simulate(),
         "transports": _transports(),
         "algorithms": _algorithms(),
@@ -207,6 +244,15 @@ def info(as_json: bool, show_env: bool) -> None:
     for what in ("gpus", "rdma"):
         val = d[what]
         click.echo(f"{what}: " + (", ".join(val) if isinstance(val, list) else val))
+    db = data["device_backend"]
+    click.echo(f"device backend: {db.get('backend')} " +
+               ("yes  " if db.get("available") else "no   ") + str(db.get("why", "")))
+    for g in db.get("gpus", []):
+        click.echo(f"  GPU {g.get('index')}: {g.get('name', '?')} {g.get('memory', '')} "
+                   f"cc {g.get('compute_capability', '?')} {g.get('pci', '')} "
+                   f"{g.get('uuid', '')}")
+    if db.get("p2p"):
+        click.echo(f"  P2P: {db['p2p']}")
     click.echo(f"gpurt launch --simulate: {data['simulate']}")
     click.echo("transports:")
     for t in data["transports"]:

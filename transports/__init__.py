@@ -29,13 +29,24 @@ register("verbs", _verbs)  # RDMA: ahead of tcp for the peers it can reach (othe
 register("tcp", _tcp)      # the fallback: reaches every peer, so it comes last
 
 # Transports the design has but this build does not ship yet, with the reason
-# `gpurt info` prints for them.
-PLANNED = {
-    "cuda_ipc": "not in this build yet (GPU path: CuPy/PyTorch device buffers over CUDA IPC)",
-}
+# `gpurt info` prints for them (none at present).
+PLANNED: dict[str, str] = {}
+
+# Device-only transports: not in the host registry (they carry device buffers between
+# peers that a host transport already connects), but GPURT_TRANSPORTS may name them.
+DEVICE = ("cuda_ipc",)
 
 __all__ = ["LANE_COLL", "LANE_P2P", "Completion", "Endpoint", "Transport", "register",
-           "registered", "PLANNED", "selected"]
+           "registered", "PLANNED", "DEVICE", "selected", "device_ipc_enabled"]
+
+
+def device_ipc_enabled() -> bool:
+    """``cuda_ipc`` may carry device buffers: GPURT_TRANSPORTS is unset or names it (set
+    without it, device buffers are staged through pinned host memory everywhere)."""
+    from gpurt import config
+
+    want = config.get("GPURT_TRANSPORTS")
+    return not want or "cuda_ipc" in want
 
 
 def selected() -> list[tuple[str, type]]:
@@ -48,11 +59,13 @@ def selected() -> list[tuple[str, type]]:
         return [(n, loader()) for n, loader in registered()]
     out = []
     for name in want:
+        if name in DEVICE:
+            continue
         if name in avail:
             out.append((name, avail[name]()))
         elif name in PLANNED:
             raise ValueError(f"GPURT_TRANSPORTS names {name!r}: {PLANNED[name]}")
         else:
-            known = ", ".join(list(avail) + list(PLANNED))
+            known = ", ".join(list(avail) + list(DEVICE) + list(PLANNED))
             raise ValueError(f"GPURT_TRANSPORTS names unknown transport {name!r} (known: {known})")
     return out

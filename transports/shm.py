@@ -69,8 +69,11 @@ _ERR = 256                    # per local rank: length word + the text of its fa
 
 def header_bytes(nlocal: int) -> int:
     """Header: word 0 magic, words 8.. one pid per local rank, then one probe address per
-    local rank, then one error record per local rank; page-aligned, one page at least."""
-    nbytes = (8 + 2 * nlocal) * 8 + _ERR * nlocal
+    local rank, then one error record per local rank, then the device path's
+    acknowledgement words (one per ordered pair of local ranks and lane: how many of the
+    sender's device messages the receiver has finished reading, ``cuda_ipc``);
+    page-aligned, one page at least."""
+    nbytes = (8 + 2 * nlocal) * 8 + _ERR * nlocal + nlocal * nlocal * LANES * 8
     return max(_HDR, -(-nbytes // 4096) * 4096)
 
 
@@ -169,6 +172,12 @@ class _Segment:
     def err_off(self, k: int) -> int:
         """Byte offset of local rank k's error record (length word, then UTF-8 text)."""
         return (8 + 2 * self.nlocal) * 8 + _ERR * k
+
+    def ack_i(self, src: int, dst: int, lane: int) -> int:
+        """Word index of the count of ``src``'s device messages on ``lane`` that ``dst``
+        has finished reading (written by ``dst`` only)."""
+        return ((8 + 2 * self.nlocal) * 8 + _ERR * self.nlocal) // 8 + \
+            (src * self.nlocal + dst) * LANES + lane
 
     def write_error(self, k: int, text: str) -> None:
         data = text.encode("utf-8", "replace")[:_ERR - 8]

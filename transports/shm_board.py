@@ -284,15 +284,22 @@ def read_into(coll: str, p: int, r: int, n: int, root: int, out: np.ndarray,
     # barrier: the flags (headers) were the message
 
 
-def meta_of(coll: str, dtype: np.dtype, n: int, op: Op | None, root: int) -> tuple:
+DEVICE_DT = 64   # added to the dtype field for device buffers: ranks mixing host and
+                 # device memory in one call disagree (and are told so)
+
+
+def meta_of(coll: str, dtype: np.dtype, n: int, op: Op | None, root: int,
+            device: bool = False) -> tuple:
     """The call's arguments as integers, for the header (and error messages)."""
-    return (COLLS.index(coll), DTYPES.index(dtype), n, _OPS.index(op), root)
+    return (COLLS.index(coll), DTYPES.index(dtype) + (DEVICE_DT if device else 0), n,
+            _OPS.index(op), root)
 
 
 def describe(meta: tuple) -> str:
     try:
         coll, dt, n, op, root = meta
-        text = f"{COLLS[coll]}({DTYPES[dt]}, count={n}"
+        kind = " device" if dt >= DEVICE_DT else ""
+        text = f"{COLLS[coll]}({DTYPES[dt % DEVICE_DT]}{kind}, count={n}"
         if _OPS[op] is not None:
             text += f", op={_OPS[op].name}"
         if COLLS[coll] in ("reduce", "broadcast", "gather", "scatter"):

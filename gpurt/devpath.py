@@ -1,0 +1,173 @@
+"""The device path of a communicator: which device a rank uses, which endpoint carries
+device buffers to each peer, and the per-call context the executor runs device schedules
+with.
+
+* At communicator creation (``setup``), every rank says whether it has a device backend
+  (``gpurt.device``), binds its device (``GPURT_DEVICE``, else local rank modulo the
+  visible devices — several ranks may share one GPU) and tells the others its GPU's UUID.
+  Two ranks of one node use ``cuda_ipc`` when both can map each other's memory (the same
+  GPU, or P2P both ways), else device buffers are staged through pinned host memory over
+  the host transport the pair already uses; the same for ranks of other nodes.
+* ``DevCtx`` binds a call's stream, dtype and op for the executor: local copies and
+  reductions are queued on the stream, and sinks consume arriving device chunks there.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import numpy as np
+
+from . import config, device
+
+_U8 = np.dtype(np.uint8)
+_BOUND: int | None = None
+
+
+class DevCtx:
+    """One device call: the backend, the stream everything is ordered on, dtype and op."""
+
+    __slots__ = ("be", "stream", "dtype", "op", "isz")
+
+    def __init__(self, be, stream: int, dtype: np.dtype, op):
+        self.be, self.stream, self.dtype, self.op = be, stream, dtype, op
+        self.isz = dtype.itemsize
+
+    def u8(self, v):
+        return self.be.typed(v, _U8)
+
+    def typed(self, v):
+        return self.be.typed(v, self.dtype)
+
+    def copy(self, dst, src) -> None:
+        if dst.nbytes:
+            self.be.copy(self.u8(dst), self.u8(src), self.stream)
+
+    def reduce(self, acc, src, out) -> None:
+        if out.nbytes:
+            self.be.reduce(self.op, acc, src, out, self.stream, dtype=self.dtype)
+
+    def sink(self, dst, acc, plain: bool):
+        be, stream = self.be, self.stream
+        if plain:
+            d8 = self.u8(dst)
+
+            def copy(off: int, chunk) -> None:
+                be.copy(d8[off:off + chunk.nbytes], chunk, stream)
+
+            return copy
+        acc = dst if acc is None else acc
+        isz, op, dtype = self.isz, self.op, self.dtype
+
+        def reduce(off: int, chunk) -> None:
+            e0 = off // isz
+            e1 = e0 + chunk.nbytes // isz
+            be.reduce(op, acc[e0:e1], be.typed(chunk, dtype), dst[e0:e1], stream, dtype=dtype)
+
+        return reduce
+
+
+def stream_of(be, stream: Any, buf) -> int:
+    """The stream a call runs on: ``stream=`` (an int handle, or an object with ``.ptr`` /
+    ``.cuda_stream``), else the buffer's ``__cuda_array_interface__`` stream, else — for a
+    PyTorch tensor — PyTorch's current stream on its device, else the backend's (CuPy's)
+    current stream."""
+    buf_stream = buf.stream
+    if stream is None and buf_stream is None and \
+            (type(buf.owner).__module__ or "").startswith("torch"):
+        import torch
+        return int(torch.cuda.current_stream(buf.owner.device).cuda_stream)
+    for s in (stream, buf_stream):
+        if s is None:
+            continue
+        if isinstance(s, (int, np.integer)):
+            return int(s)
+        for attr in ("ptr", "cuda_stream"):
+            v = getattr(s, attr, None)
+            if v is not None:
+                return int(v)
+        raise TypeError(f"stream={s!r}: pass an int handle or a stream object with .ptr "
+                        f"(CuPy) or .cuda_stream (PyTorch)")
+    return be.current_stream()
+
+
+def wanted() -> tuple[bool, str]:
+    """Should this process set up a device backend at all?  (cheap: no CuPy import when
+    CuPy is not installed)"""
+    name = str(config.get("GPURT_DEVICE_BACKEND")).strip().lower()
+    if name in ("none", "off", "0"):
+        return False, f"GPURT_DEVICE_BACKEND={name}"
+    if name in ("", "auto", "cuda") and importlib.util.find_spec("cupy") is None:
+        return False, "CuPy is not installed (pip install cupy-cuda12x)"
+    return True, ""
+
+
+def setup(comm) -> None:
+    """Collective over ``comm.mpi``: decide the device endpoints (see the module text).
+    Sets ``comm.dev`` (the backend or None), ``comm.dev_why``, ``comm.dev_endpoints``."""
+    global _BOUND
+    comm.dev, comm.dev_endpoints, comm.dev_ipc = None, {}, None
+    ok, why = wanted()
+    mine: tuple = (False, why, "", -1)
+    be = None
+    if ok:
+        ok, why = device.probe()
+        if ok:
+            try:
+                be = device.get()
+                if _BOUND is None:   # once per process, by the first communicator's local rank
+                    be.bind(device.choose_device(comm.local_rank, be.count()))
+                    _BOUND = be.current()
+                d = be.current()
+                mine = (True, "", be.uuid(d), d)
+            except Exception as e:  # noqa: BLE001 - becomes this rank's reason
+                mine = (False, f"{type(e).__name__}: {e}", "", -1)
+        else:
+            mine = (False, why, "", -1)
+    every = comm.mpi.allgather(mine)
+    comm.dev_why = mine[1]
+    if not mine[0]:
+        return
+    comm.dev = be
+    # P2P: the peer's GPU in this process's numbering (CUDA_VISIBLE_DEVICES may differ)
+    ordinal = {}
+    for i in range(be.count()):
+        try:
+            ordinal.setdefault(be.uuid(i), i)
+        except Exception:  # noqa: BLE001 - an unreadable device is not a peer
+            pass
+    row = []
+    for p, (pok, _, uuid, _d) in enumerate(every):
+        if not pok or p == comm.rank or comm.topo.node_of[p] != comm.node:
+            row.append(False)
+        elif uuid == mine[2]:
+            row.append(True)
+        else:
+            o = ordinal.get(uuid)
+            row.append(o is not None and be.can_access_peer(mine[3], o))
+    rows = comm.mpi.allgather(row)
+    shm = comm._shm()
+    from gpurt.transports.cuda_ipc import CudaIpcTransport, StagedEndpoint, _Events, _Pinned
+
+    from gpurt.transports import device_ipc_enabled
+
+    ipc = CudaIpcTransport(be, shm, comm.rank) if shm is not None and shm.seg is not None \
+        and device_ipc_enabled() else None
+    events, pool = _Events(be), _Pinned(be)
+    comm.dev_ipc = ipc
+    comm.dev_peers = every
+    for p, ep in comm.endpoints.items():
+        if not every[p][0]:
+            continue          # that rank has no device: its device calls raise there
+        shm_ep = shm.endpoints.get(p) if shm is not None else None
+        if ipc is not None and shm_ep is not None and ep is shm_ep and rows[comm.rank][p] \
+                and rows[p][comm.rank]:
+            comm.dev_endpoints[p] = ipc.endpoint(p, shm_ep)
+        else:
+            comm.dev_endpoints[p] = StagedEndpoint(ep, be, events, pool)
+
+
+def describe(comm) -> dict:
+    """Which device endpoint each peer gets (for ``gpurt info`` and tests)."""
+    return {p: getattr(ep, "transport", "?") for p, ep in comm.dev_endpoints.items()}

@@ -1,0 +1,393 @@
+"""``cuda_ipc``: device buffers between ranks of one node, read straight from the peer's
+GPU memory; and the pinned host staging that carries device buffers over host transports.
+
+How ``cuda_ipc`` works (all CUDA calls go through ``gpurt.device``'s interface, so the same
+code runs on a GPU and, for tests, on the host-memory stand-in):
+
+* A message is a *descriptor* sent over the ``shm`` ring to the same peer (so tag,
+  signature, order and liveness are checked exactly as for host messages): the message
+  length, the IPC memory handle of the allocation that holds the sender's buffer and the
+  buffer's offset in it (pooled allocators hand out pieces of big allocations; a handle
+  always covers a whole one), and the IPC handle of an event the sender recorded on its
+  stream after the work that produced the buffer.
+* The receiver opens the handle (once: opened allocations are cached by handle, LRU
+  bounded, never closed while a read from them is in flight), makes its stream wait for
+  the sender's event, and runs the copy or the reduction *reading the peer's memory
+  directly* (NVLink / PCIe P2P), then records an event of its own.
+* When that event has fired (polled, never waited on in CUDA) the receiver stores the
+  message's number into its acknowledgement word in the shm segment header; the send
+  completes when the acknowledgement arrives, so the sender cannot reuse its buffer while
+  the peer still reads it.  A receiver whose posted size differs stores a refusal instead
+  and both ranks raise ``CollectiveMismatchError``.
+* The sender records its event when the call is made (so the peer reads what the stream
+  holds at that point, whatever the application queues after it); events come from a
+  per-peer pool of interprocess events, and one returns to the pool only when its
+  message has been acknowledged (the peer may wait on it until then).
+
+Staging (``StagedEndpoint``): device buffers to a peer that ``cuda_ipc`` cannot reach (other
+nodes, or GPUs without P2P) move through page-locked host buffers in chunks of
+``GPURT_DEVICE_STAGE`` bytes, pipelined: each chunk is copied device→host on the stream and
+handed to the host transport as soon as its event fires, while later chunks are still being
+copied; the receiver copies each arriving chunk host→device and consumes it (copy or
+reduce) on its stream.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections import OrderedDict
+
+import numpy as np
+
+from gpurt import config
+from gpurt.errors import CollectiveMismatchError
+
+from .base import LANE_COLL, LANES, mismatch_detail
+
+_DESC = struct.Struct("<8sQQQq64s64s")   # magic, nbytes, offset, seq, device, mem, event
+_MAGIC = b"gpurtDV1"
+_NAK = 1 << 63
+_OPEN_MAX = 256        # opened peer allocations kept (LRU)
+_U8 = np.dtype(np.uint8)
+
+
+class _Events:
+    """Local (non-IPC) events for completions, recycled."""
+
+    def __init__(self, be):
+        self.be, self.free = be, []
+
+    def get(self):
+        return self.free.pop() if self.free else self.be.event(False)
+
+    def put(self, ev) -> None:
+        self.free.append(ev)
+
+
+class CudaIpcTransport:
+    """Per communicator: opened peer allocations and events, and the endpoints."""
+
+    name = "cuda_ipc"
+
+    def __init__(self, be, shm, rank: int):
+        self.be, self.shm, self.rank = be, shm, rank
+        self.opened: OrderedDict[bytes, list] = OrderedDict()   # handle -> [base, in flight]
+        self.peer_events: dict[bytes, object] = {}
+        self.events = _Events(be)
+        self.endpoints: dict[int, IpcEndpoint] = {}
+
+    def endpoint(self, peer: int, shm_ep) -> "IpcEndpoint":
+        ep = IpcEndpoint(self, peer, shm_ep)
+        self.endpoints[peer] = ep
+        return ep
+
+    def open(self, handle: bytes) -> list:
+        ent = self.opened.get(handle)
+        if ent is not None:
+            self.opened.move_to_end(handle)
+            return ent
+        if len(self.opened) >= _OPEN_MAX:
+            for h, e in list(self.opened.items()):
+                if e[1] == 0:
+                    del self.opened[h]
+                    self.be.ipc_close(e[0])
+                    break
+        ent = self.opened[handle] = [self.be.ipc_open(handle), 0]
+        return ent
+
+    def peer_event(self, handle: bytes):
+        ev = self.peer_events.get(handle)
+        if ev is None:
+            ev = self.peer_events[handle] = self.be.event_open(handle)
+        return ev
+
+    def close(self) -> None:
+        for base, _ in self.opened.values():
+            try:
+                self.be.ipc_close(base)
+            except Exception:  # noqa: BLE001 - closing on an error path
+                pass
+        self.opened.clear()
+        self.peer_events.clear()
+        self.endpoints.clear()
+
+
+class IpcEndpoint:
+    transport = "cuda_ipc"
+
+    def __init__(self, owner: CudaIpcTransport, peer: int, shm_ep):
+        self.owner, self.peer, self.shm_ep = owner, peer, shm_ep
+        self.be = owner.be
+        seg = owner.shm.seg
+        me, other = owner.shm.local_rank, shm_ep.local_peer
+        self.q = seg.q
+        self.ack_tx = [seg.ack_i(me, other, lane) for lane in range(LANES)]   # peer writes
+        self.ack_rx = [seg.ack_i(other, me, lane) for lane in range(LANES)]   # we write
+        self.sent = [0] * LANES           # messages sent per lane (the segment is this
+        self.got = [0] * LANES            # communicator's own, so counts start at 0)
+        self.finished: list[set] = [set() for _ in range(LANES)]
+        self.acked_upto = [0] * LANES
+        self.free_evs: list = []          # interprocess events not in use by a message
+
+    def check(self) -> None:
+        self.shm_ep.check()
+
+    def acked(self, lane: int) -> int:
+        return int(self.q[self.ack_tx[lane]])
+
+    def send(self, src, lane: int, tag: int, sig: int, stream) -> "_IpcSend":
+        self.sent[lane] += 1
+        return _IpcSend(self, src, lane, tag, sig, stream, self.sent[lane])
+
+    def recv(self, nbytes: int, sink, lane: int, tag: int, sig: int, stream) -> "_IpcRecv":
+        self.got[lane] += 1
+        return _IpcRecv(self, nbytes, sink, lane, tag, sig, stream, self.got[lane])
+
+    def finish(self, lane: int, seq: int) -> None:
+        """Acknowledge in order: the word says 'all messages up to n are read'."""
+        done = self.finished[lane]
+        done.add(seq)
+        n = self.acked_upto[lane]
+        while n + 1 in done:
+            n += 1
+            done.discard(n)
+        if n != self.acked_upto[lane]:
+            self.acked_upto[lane] = n
+            self.q[self.ack_rx[lane]] = n
+
+    def refuse(self, lane: int, seq: int) -> None:
+        self.q[self.ack_rx[lane]] = seq | _NAK
+
+
+class _IpcSend:
+    __slots__ = ("ep", "src", "lane", "tag", "sig", "stream", "seq", "msg", "peer", "done",
+                 "ev")
+
+    def __init__(self, ep: IpcEndpoint, src, lane, tag, sig, stream, seq):
+        self.ep, self.src, self.lane, self.tag, self.sig = ep, src, lane, tag, sig
+        self.stream, self.seq, self.msg, self.peer, self.done = stream, seq, None, ep.peer, False
+        self._start()
+
+    def _start(self) -> None:
+        """Record the event now (the buffer's content is what the stream holds at the
+        call, whatever is queued after it) and send the descriptor (in call order)."""
+        ep, be = self.ep, self.ep.be
+        self._refused(ep.acked(self.lane))
+        ptr = be.ptr(self.src)
+        nbytes = self.src.nbytes
+        if nbytes:
+            base, _size = be.address_range(ptr)
+            mem = be.ipc_handle(base)
+        else:
+            base, mem = ptr, b""
+        # an event no unacknowledged message uses: the peer may still wait on those
+        ev = self.ev = ep.free_evs.pop() if ep.free_evs else be.event(True)
+        be.record(ev, self.stream)
+        desc = _DESC.pack(_MAGIC, nbytes, ptr - base, self.seq, be.current(), mem, ev.handle)
+        self.msg = ep.shm_ep.send(np.frombuffer(desc, _U8), self.lane, self.tag, self.sig)
+
+    def _refused(self, word: int) -> None:
+        if word & _NAK and (word & ~_NAK) <= self.seq:
+            what = "collective call #" if self.lane == LANE_COLL else "tag "
+            raise CollectiveMismatchError(
+                f"rank {self.ep.owner.rank}: rank {self.peer} refused this rank's device "
+                f"message ({what}{self.tag}, {self.src.nbytes} bytes): the receive it posted "
+                f"differs (cuda_ipc)")
+
+    def test(self) -> bool:
+        if self.done:
+            return True
+        if not self.msg.test():
+            return False
+        word = self.ep.acked(self.lane)
+        self._refused(word)
+        if (word & ~_NAK) >= self.seq:
+            self.ep.free_evs.append(self.ev)
+            self.done, self.src, self.ev = True, None, None
+        return self.done
+
+
+class _IpcRecv:
+    __slots__ = ("ep", "nbytes", "sink", "lane", "tag", "sig", "stream", "seq", "msg", "raw",
+                 "ev", "ent", "peer", "done")
+
+    def __init__(self, ep: IpcEndpoint, nbytes, sink, lane, tag, sig, stream, seq):
+        self.ep, self.nbytes, self.sink, self.lane = ep, nbytes, sink, lane
+        self.tag, self.sig, self.stream, self.seq, self.peer = tag, sig, stream, seq, ep.peer
+        self.raw = np.empty(_DESC.size, _U8)
+        self.ev = self.ent = None
+        self.done = False
+        self.msg = ep.shm_ep.recv(_DESC.size, self._desc, lane, tag, sig)
+
+    def _desc(self, off: int, chunk: np.ndarray) -> None:
+        self.raw[off:off + chunk.nbytes] = chunk
+
+    def _post(self) -> None:
+        ep, be = self.ep, self.ep.be
+        magic, nbytes, off, seq, _dev, mem, evh = _DESC.unpack(self.raw.tobytes())
+        if magic != _MAGIC or seq != self.seq:
+            ep.refuse(self.lane, self.seq)
+            raise CollectiveMismatchError(
+                f"rank {ep.owner.rank}: from rank {self.peer}: not a device message where "
+                f"one was expected (host and device buffers mixed?) (cuda_ipc)")
+        if nbytes != self.nbytes:
+            ep.refuse(self.lane, self.seq)
+            detail = mismatch_detail(self.lane, self.tag, self.sig, nbytes, self.tag,
+                                     self.sig, self.nbytes)
+            raise CollectiveMismatchError(
+                f"rank {ep.owner.rank}: device message from rank {self.peer} does not match "
+                f"the receive posted for it: {detail} (cuda_ipc)")
+        if nbytes:
+            self.ent = ent = ep.owner.open(mem)
+            ent[1] += 1
+            be.wait_event(self.stream, ep.owner.peer_event(evh))
+            self.sink(0, be.view(ent[0] + off, nbytes, ep.owner))
+        self.ev = ep.owner.events.get()
+        be.record(self.ev, self.stream)
+
+    def test(self) -> bool:
+        if self.done:
+            return True
+        if self.ev is None:
+            if not self.msg.test():
+                return False
+            self._post()
+        if not self.ep.be.query(self.ev):
+            return False
+        self.ep.owner.events.put(self.ev)
+        if self.ent is not None:
+            self.ent[1] -= 1
+        self.ep.finish(self.lane, self.seq)
+        self.done, self.sink = True, None
+        return True
+
+
+# -- staging through pinned host memory --------------------------------------------------
+class _Pinned:
+    """Page-locked host buffers and device scratch, reused by size class."""
+
+    def __init__(self, be):
+        self.be, self.host, self.dev = be, {}, {}
+
+    @staticmethod
+    def _cls(n: int) -> int:
+        return 1 << max(12, (max(n, 1) - 1).bit_length())
+
+    def get_host(self, n: int):
+        c = self._cls(n)
+        lst = self.host.get(c)
+        return (lst.pop() if lst else self.be.pinned(c)), c
+
+    def put_host(self, buf, c: int) -> None:
+        self.host.setdefault(c, []).append(buf)
+
+    def get_dev(self, n: int):
+        c = self._cls(n)
+        lst = self.dev.get(c)
+        return (lst.pop() if lst else self.be.alloc(c)), c
+
+    def put_dev(self, buf, c: int) -> None:
+        self.dev.setdefault(c, []).append(buf)
+
+
+class StagedEndpoint:
+    """Device messages over a host endpoint (``shm`` without P2P, ``tcp``, ``verbs``)."""
+
+    def __init__(self, host_ep, be, events: _Events, pool: _Pinned):
+        self.host_ep, self.be, self.events, self.pool = host_ep, be, events, pool
+        self.peer = host_ep.peer
+        self.transport = f"{host_ep.transport}+staged"
+        self.chunk = max(4096, int(config.get("GPURT_DEVICE_STAGE")))
+
+    def check(self) -> None:
+        self.host_ep.check()
+
+    def _spans(self, n: int) -> list[tuple[int, int]]:
+        c = self.chunk
+        return [(a, min(n, a + c)) for a in range(0, n, c)] or [(0, 0)]
+
+    def send(self, src, lane: int, tag: int, sig: int, stream) -> "_StagedSend":
+        return _StagedSend(self, src, lane, tag, sig, stream)
+
+    def recv(self, nbytes: int, sink, lane: int, tag: int, sig: int, stream) -> "_StagedRecv":
+        return _StagedRecv(self, nbytes, sink, lane, tag, sig, stream)
+
+
+class _StagedSend:
+    __slots__ = ("ep", "spans", "host", "cls", "evs", "msgs", "lane", "tag", "sig", "peer",
+                 "done", "src")
+
+    def __init__(self, ep: StagedEndpoint, src, lane, tag, sig, stream):
+        self.ep, self.lane, self.tag, self.sig, self.peer = ep, lane, tag, sig, ep.peer
+        be = ep.be
+        n = src.nbytes
+        self.spans = ep._spans(n)
+        self.host, self.cls = ep.pool.get_host(n)
+        self.evs = []
+        self.src = src                      # kept alive until the copies have run
+        for a, b in self.spans:
+            if b > a:
+                be.to_host(self.host[a:b], src[a:b], stream)
+            ev = ep.events.get()
+            be.record(ev, stream)
+            self.evs.append(ev)
+        self.msgs = []
+        self.done = False
+
+    def test(self) -> bool:
+        if self.done:
+            return True
+        ep = self.ep
+        while len(self.msgs) < len(self.spans) and ep.be.query(self.evs[len(self.msgs)]):
+            a, b = self.spans[len(self.msgs)]
+            self.msgs.append(ep.host_ep.send(self.host[a:b], self.lane, self.tag, self.sig))
+        if len(self.msgs) < len(self.spans) or not all(m.test() for m in self.msgs):
+            return False
+        for ev in self.evs:
+            ep.events.put(ev)
+        ep.pool.put_host(self.host, self.cls)
+        self.done, self.host, self.msgs, self.src = True, None, None, None
+        return True
+
+
+class _StagedRecv:
+    __slots__ = ("ep", "spans", "host", "hcls", "dev", "dcls", "msgs", "evs", "sink", "stream",
+                 "peer", "done")
+
+    def __init__(self, ep: StagedEndpoint, nbytes, sink, lane, tag, sig, stream):
+        self.ep, self.sink, self.stream, self.peer = ep, sink, stream, ep.peer
+        self.spans = ep._spans(nbytes)
+        self.host, self.hcls = ep.pool.get_host(nbytes)
+        self.dev, self.dcls = ep.pool.get_dev(nbytes)
+        host = self.host
+
+        def into(a):
+            def sink_(off: int, chunk: np.ndarray) -> None:
+                host[a + off:a + off + chunk.nbytes] = chunk
+            return sink_
+
+        self.msgs = [ep.host_ep.recv(b - a, into(a), lane, tag, sig) for a, b in self.spans]
+        self.evs: list = []
+        self.done = False
+
+    def test(self) -> bool:
+        if self.done:
+            return True
+        ep, be = self.ep, self.ep.be
+        while len(self.evs) < len(self.spans) and self.msgs[len(self.evs)].test():
+            a, b = self.spans[len(self.evs)]
+            if b > a:
+                d = self.dev[a:b]
+                be.from_host(d, self.host[a:b], self.stream)
+                self.sink(a, d)
+            ev = ep.events.get()
+            be.record(ev, self.stream)
+            self.evs.append(ev)
+        if len(self.evs) < len(self.spans) or not be.query(self.evs[-1]):
+            return False
+        for ev in self.evs:
+            ep.events.put(ev)
+        ep.pool.put_host(self.host, self.hcls)
+        ep.pool.put_dev(self.dev, self.dcls)
+        self.done, self.host, self.dev, self.sink = True, None, None, None
+        return True
