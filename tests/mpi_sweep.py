@@ -1,6 +1,10 @@
 """Run under ``mpiexec -n N``: many collective cases in one launch, exact checks.
 
-    mpiexec -n 3 python tests/mpi_sweep.py algorithms|dtypes|all
+    mpiexec -n 3 python tests/mpi_sweep.py [--device standin|cupy|torch] algorithms|dtypes|all
+
+``--device`` runs the same cases on device arrays: ``standin`` is gpurt's host-memory
+stand-in for a GPU (``GPURT_DEVICE_BACKEND=standin``, set here; not a GPU), ``cupy`` and
+``torch`` real CUDA arrays.  Inputs are made on the host and copied in; results copied out.
 
 Inputs are small integers (in every dtype), so every reduction order gives the same
 exact answer and results are compared with ``==`` against a NumPy reference computed
@@ -56,15 +60,48 @@ def ref_reduce(arrs: list[np.ndarray], op: Op, p: int) -> np.ndarray:
     return acc
 
 
+def _kinds(kind: str | None):
+    """(to device, to host) for a device kind; identity for host runs."""
+    if kind is None:
+        return (lambda a: a), (lambda a: a)
+    if kind == "standin":
+        from gpurt import device_standin as si
+        return si.asarray, (lambda a: a.get() if isinstance(a, si.Array) else a)
+    if kind == "cupy":
+        import cupy
+        return cupy.asarray, (lambda a: cupy.asnumpy(a) if isinstance(a, cupy.ndarray) else a)
+    if kind == "torch":
+        import torch
+        from gpurt.ops import BFLOAT16
+
+        def to(a):
+            if a.dtype == BFLOAT16:
+                return torch.from_numpy(a.view(np.uint16).astype(np.int16)).view(
+                    torch.bfloat16).cuda()
+            return torch.from_numpy(np.ascontiguousarray(a)).cuda()
+
+        def back(t):
+            if not isinstance(t, torch.Tensor):
+                return t
+            t = t.cpu()
+            if t.dtype == torch.bfloat16:
+                return t.view(torch.int16).numpy().view(np.uint16).view(BFLOAT16)
+            return t.numpy()
+        return to, back
+    raise ValueError(f"unknown device kind {kind!r}")
+
+
 class Sweep:
-    def __init__(self, comm: gpurt.Communicator):
+    def __init__(self, comm: gpurt.Communicator, device: str | None = None):
         self.comm, self.p, self.r = comm, comm.size, comm.rank
         self.failures: list[str] = []
         self.cases = 0
+        self.device = device
+        self.D, self.H = _kinds(device)
 
     def check(self, what: str, got, want) -> None:
         self.cases += 1
-        got = np.asarray(got)
+        got = np.asarray(self.H(got))
         want = np.asarray(want)
         if got.shape != want.shape:
             self.failures.append(f"{what}: shape {got.shape} != {want.shape}")
@@ -79,61 +116,61 @@ class Sweep:
     def run_case(self, coll: str, algo: str | None, n: int, dtype, op: Op | None, root: int,
                  inplace: bool) -> None:
         """One collective call with per-rank count n (see gpurt.schedule.SPECS)."""
-        c, p, r = self.comm, self.p, self.r
+        c, p, r, D = self.comm, self.p, self.r, self.D
         dtype = np.dtype(dtype)
         tag = f"{coll}/{algo or 'auto'} n={n} {dtype} {op.name if op else ''} root={root}" \
               f"{' inplace' if inplace else ''}"
         if coll == "allreduce":
-            x = gen(r, n, dtype, op)
+            x0 = gen(r, n, dtype, op)
+            x = D(x0)
             want = ref_reduce([gen(q, n, dtype, op) for q in range(p)], op, p)
             if inplace:
                 y = c.allreduce(x, op=op, algo=algo)
                 self.check(tag + " (returned is x)", y is x, True)
             else:
-                x0 = x.copy()
-                y = c.allreduce(x, np.empty_like(x), op=op, algo=algo)
+                y = c.allreduce(x, D(np.empty_like(x0)), op=op, algo=algo)
                 self.check(tag + " (x unchanged)", x, x0)
             self.check(tag, y, want)
         elif coll == "reduce":
-            x = gen(r, n, dtype, op)
-            x0 = x.copy()
+            x0 = gen(r, n, dtype, op)
+            x = D(x0)
             want = ref_reduce([gen(q, n, dtype, op) for q in range(p)], op, p)
             if inplace:
                 y = c.reduce(x, op=op, root=root, algo=algo)
                 self.check(tag, y if r == root else x, want if r == root else x0)
             else:
-                out = np.full_like(x, 3)
+                out = D(np.full_like(x0, 3))
                 y = c.reduce(x, out, op=op, root=root, algo=algo)
                 self.check(tag + " (x unchanged)", x, x0)
-                self.check(tag, out, want if r == root else np.full_like(x, 3))
+                self.check(tag, out, want if r == root else np.full_like(x0, 3))
         elif coll == "broadcast":
-            x = gen(root, n, dtype, op) if r == root else np.zeros(n, dtype)
+            x = D(gen(root, n, dtype, op) if r == root else np.zeros(n, dtype))
             c.broadcast(x, root=root, algo=algo)
             self.check(tag, x, gen(root, n, dtype, op))
         elif coll == "allgather":
-            x = gen(r, n, dtype, op)
+            x = D(gen(r, n, dtype, op))
             y = c.allgather(x, algo=algo)
             self.check(tag, y, np.stack([gen(q, n, dtype, op) for q in range(p)]))
         elif coll == "reduce_scatter":
-            x = gen(r, p * n, dtype, op)
+            x = D(gen(r, p * n, dtype, op))
             y = c.reduce_scatter(x, op=op, algo=algo)
             want = ref_reduce([gen(q, p * n, dtype, op) for q in range(p)], op, p)
             self.check(tag, y, want[r * n:(r + 1) * n])
         elif coll == "alltoall":
-            x = (gen(r, p * n, dtype, op).reshape(p, n))
+            x = D(gen(r, p * n, dtype, op).reshape(p, n))
             y = c.alltoall(x, algo=algo)
             self.check(tag, y, np.stack([gen(q, p * n, dtype, op).reshape(p, n)[r]
                                          for q in range(p)]))
         elif coll == "gather":
-            x = gen(r, n, dtype, op)
+            x = D(gen(r, n, dtype, op))
             y = c.gather(x, root=root, algo=algo)
             if r == root:
                 self.check(tag, y, np.stack([gen(q, n, dtype, op) for q in range(p)]))
             else:
                 self.check(tag + " (None off root)", y is None, True)
         elif coll == "scatter":
-            x = gen(root, p * n, dtype, op).reshape(p, n) if r == root else None
-            out = np.zeros(n, dtype)
+            x = D(gen(root, p * n, dtype, op).reshape(p, n)) if r == root else None
+            out = D(np.zeros(n, dtype))
             y = c.scatter(x, out, root=root, algo=algo)
             self.check(tag, y, gen(root, p * n, dtype, op)[r * n:(r + 1) * n])
         elif coll == "barrier":
@@ -153,12 +190,13 @@ class Sweep:
     def algos(self, coll: str) -> list[str]:
         """Every schedule algorithm, plus the transports' native protocols (shm_board) and
         the hierarchical schedule where the communicator spans nodes."""
-        t = self.comm.tuner
+        t = self.comm.tuner if self.device is None else self.comm._dev_tuner()
         return sorted(REGISTRY[coll]) + sorted(t.natives.get(coll, {})) + \
             (["hierarchical"] if coll in t.hier and self.comm.nnodes > 1 else [])
 
     def fits(self, coll: str, algo: str, n: int, itemsize: int) -> bool:
-        nat = self.comm.tuner.natives.get(coll, {}).get(algo)
+        t = self.comm.tuner if self.device is None else self.comm._dev_tuner()
+        nat = t.natives.get(coll, {}).get(algo)
         S = collective_bytes(coll, self.p, n, itemsize)
         return nat is None or nat.fits(self.p, S)
 
@@ -215,9 +253,19 @@ class Sweep:
 
 
 def main() -> int:
-    suites = sys.argv[1:] or ["all"]
+    args = sys.argv[1:]
+    device = None
+    if args[:1] == ["--device"]:
+        device, args = args[1], args[2:]
+        if device == "standin":
+            import os
+            os.environ["GPURT_DEVICE_BACKEND"] = "standin"
+    suites = args or ["all"]
     comm = gpurt.init()
-    sw = Sweep(comm)
+    if device is not None and comm.dev is None:
+        print(f"rank {comm.rank}: no device backend: {comm.dev_why}", flush=True)
+        return 2
+    sw = Sweep(comm, device)
     t0 = time.perf_counter()
     for s in suites:
         for name in (["algorithms", "dtypes"] if s == "all" else [s]):
@@ -231,7 +279,8 @@ def main() -> int:
         for q, fl in enumerate(fails):
             for f in fl[:10]:
                 print(f"FAIL rank {q}: {f}", flush=True)
-        print(f"{cases} checks on {comm.size} ranks ({' '.join(suites)}): {nfail} failed, "
+        where = f", {device} device buffers" if device else ""
+        print(f"{cases} checks on {comm.size} ranks ({' '.join(suites)}{where}): {nfail} failed, "
               f"{time.perf_counter() - t0:.1f} s", flush=True)
     bad = comm.mpi.allreduce(len(sw.failures), MPI.SUM)
     return 1 if bad else 0

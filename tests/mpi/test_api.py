@@ -188,7 +188,7 @@ def test_bad_input_raises_before_anything_moves(comm):
         __cuda_array_interface__ = {"shape": (4,), "typestr": "<f4", "data": (1234, False),
                                     "version": 3, "strides": None}
 
-    with pytest.raises(TypeError, match="device buffer.*cuda_ipc"):
+    with pytest.raises(TypeError, match="device buffer.*no device backend"):
         comm.allreduce(FakeDevice())
     # the communicator is still healthy after all that
     y = np.ones(3, np.int32)

@@ -1,0 +1,240 @@
+"""Run under ``mpiexec -n N``: the device path's semantics on gpurt's host-memory
+**stand-in for a GPU** (``GPURT_DEVICE_BACKEND=standin``; not a GPU: see
+``gpurt/device_standin.py``).  Streams, ordering across processes, buffer reuse right
+after a call returns, allocation, p2p with many messages in flight, and the errors.
+
+    mpiexec -n 3 python tests/device_cases.py CASE [CASE ...]
+
+Cases: endpoints KIND[,KIND..] | streams | reuse | alloc | inflight | errors | nobackend
+Prints "CASE ok" on rank 0 when every rank passed; failures are gathered to rank 0.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+os.environ.setdefault("GPURT_DEVICE_BACKEND", "standin")
+
+import numpy as np  # noqa: E402
+
+import gpurt  # noqa: E402
+from gpurt import device_standin as si  # noqa: E402
+from gpurt.errors import CollectiveMismatchError, GpurtError  # noqa: E402
+
+
+def expect_raises(exc, fn, what: str, contains: str = ""):
+    try:
+        fn()
+    except exc as e:
+        if contains and contains not in str(e):
+            raise AssertionError(f"{what}: {type(e).__name__} without {contains!r}: {e}")
+        return e
+    raise AssertionError(f"{what}: no {exc.__name__} raised")
+
+
+def case_endpoints(comm, want: str) -> None:
+    """The device endpoint each peer gets, e.g. 'cuda_ipc' or 'shm+staged'; 'mixed'
+    means: cuda_ipc to ranks on this rank's device, staged to the others."""
+    kinds = {p: ep.transport for p, ep in comm.dev_endpoints.items()}
+    assert set(kinds) == set(range(comm.size)) - {comm.rank}, kinds
+    if want == "mixed":
+        mine = comm.dev_peers[comm.rank][3]
+        for p, k in kinds.items():
+            exp = "cuda_ipc" if comm.dev_peers[p][3] == mine else "shm+staged"
+            assert k == exp, (p, k, exp, comm.dev_peers)
+    else:
+        for p, k in kinds.items():
+            allowed = want.split(",")
+            assert k in allowed, (p, k, allowed)
+
+
+def case_streams(comm) -> None:
+    r, p = comm.rank, comm.size
+    total = p * (p + 1) // 2
+    n = 100_003
+    # 1. the producer's stream from __cuda_array_interface__: the fill runs later on s
+    s = si.Stream()
+    x = si.zeros(n, np.float32, stream=s.ptr)
+    si.fill(x, r + 1.0)
+    comm.allreduce(x)
+    got = x.get()
+    assert (got == total).all(), ("CAI stream", got[:3])
+    # 2. stream= per call (the array has no stream of its own)
+    s2 = si.Stream()
+    y = si.zeros(n, np.float32)
+    si.fill(y, r + 1.0, stream=s2.ptr)
+    comm.allreduce(y, stream=s2.ptr)
+    s2.synchronize()
+    assert (y.get() == total).all(), "stream= int"
+    si.fill(y, 2.0 * (r + 1), stream=s2.ptr)
+    comm.allreduce(y, stream=s2)          # an object with .ptr
+    s2.synchronize()
+    assert (y.get() == 2 * total).all(), "stream= object"
+    # 3. the current stream
+    s3 = si.Stream()
+    z = si.zeros(n, np.int64)
+    with s3:
+        si.fill(z, r + 1)
+        comm.allreduce(z)
+        z2 = comm.allgather(z)            # out=None: allocated, filled on s3
+    s3.synchronize()
+    assert (z.get() == total).all(), "current stream"
+    assert (z2.get() == total).all() and z2.shape == (p, n), "allgather on current stream"
+    # 4. the non-blocking variant: the request's result is the array
+    w = si.zeros(1000, np.float64, stream=s.ptr)
+    si.fill(w, float(r))
+    req = comm.iallreduce(w, op=gpurt.MAX)
+    assert req.wait(timeout=30) is w
+    assert (w.get() == p - 1).all(), "iallreduce"
+
+
+def case_reuse(comm) -> None:
+    """A buffer may be overwritten by device work queued right after the call returns:
+    peers must have finished reading it (the acknowledgement) before the call returns."""
+    r, p = comm.rank, comm.size
+    n = 300_000
+    s = si.Stream()
+    for rep in range(3):
+        x = si.asarray(np.full(n, r + 10.0 * rep, np.float32), stream=s.ptr)
+        out = comm.allgather(x)
+        si.fill(x, -1.0)                   # queued at once on the same stream
+        got = out.get()
+        for q in range(p):
+            assert (got[q] == q + 10.0 * rep).all(), ("allgather then overwrite", rep, q,
+                                                       got[q][:3])
+    if p >= 2:
+        peer = (r + 1) % p
+        src = (r - 1) % p
+        for rep in range(3):
+            a = si.asarray(np.full(n, 100.0 * r + rep, np.float32), stream=s.ptr)
+            b = si.zeros(n, np.float32, stream=s.ptr)
+            rq = comm.irecv(b, src, tag=rep)
+            if rep == 2:   # like MPI_Isend: the buffer is the caller's again after wait()
+                sq = comm.isend(a, peer, tag=rep)
+                sq.wait(timeout=30)
+                si.fill(a, -7.0)
+            else:
+                comm.send(a, peer, tag=rep)
+                si.fill(a, -7.0)
+            rq.wait(timeout=30)
+            assert (b.get() == 100.0 * src + rep).all(), ("send then overwrite", rep, b.get()[:2], b.get()[-2:], comm.dev_endpoints[src].transport)
+
+
+def case_alloc(comm) -> None:
+    r, p = comm.rank, comm.size
+    x = si.asarray(np.arange(p * 4, dtype=np.int32) + r)
+    y = comm.reduce_scatter(x)
+    assert isinstance(y, si.Array), type(y)
+    want = (np.arange(p * 4, dtype=np.int32) * p + p * (p - 1) // 2)[r * 4:(r + 1) * 4]
+    assert (y.get() == want).all(), (y.get(), want)
+    g = comm.gather(si.asarray(np.array([r, r], np.int16)), root=p - 1)
+    if r == p - 1:
+        assert isinstance(g, si.Array) and g.shape == (p, 2)
+        assert (g.get() == np.repeat(np.arange(p), 2).reshape(p, 2)).all()
+    else:
+        assert g is None
+    a = comm.alltoall(si.asarray(np.arange(p, dtype=np.float64).reshape(p, 1) + 10 * r))
+    assert (a.get().reshape(-1) == np.arange(p) * 10 + r).all(), a.get()
+
+
+def case_inflight(comm) -> None:
+    """More p2p messages in flight than the sender has IPC event slots (16)."""
+    r, p = comm.rank, comm.size
+    if p < 2:
+        return
+    peer, src = (r + 1) % p, (r - 1) % p
+    k = 40
+    sends = [comm.isend(si.asarray(np.full(257, r * 1000 + i, np.int64)), peer, tag=i)
+             for i in range(k)]
+    outs = [si.zeros(257, np.int64) for _ in range(k)]
+    recvs = [comm.irecv(outs[i], src, tag=i) for i in range(k)]
+    for q in recvs + sends:
+        q.wait(timeout=60)
+    for i in range(k):
+        assert (outs[i].get() == src * 1000 + i).all(), i
+
+
+def case_errors(comm) -> None:
+    r, p = comm.rank, comm.size
+    host = np.ones(10, np.float32)
+    dev = si.asarray(host)
+    # stream= with host buffers: refused on the calling rank, before anything moves
+    expect_raises(ValueError, lambda: comm.iallreduce(host, stream=5).wait(),
+                  "stream= on host", "stream=")
+    # x on the device, out on the host
+    expect_raises(TypeError, lambda: comm.allreduce(dev, host), "mixed x/out", "host")
+    # a bad stream object
+    expect_raises(TypeError, lambda: comm.allreduce(dev, stream="fast"), "bad stream", "stream")
+    # ranks mixing host and device memory in one call: every rank raises, naming both
+    if p > 1:
+        c = comm.dup()
+        expect_raises(CollectiveMismatchError,
+                      lambda: c.allreduce(host if r == 0 else si.asarray(host), timeout=30),
+                      "host on rank 0, device elsewhere", "device")
+        c.close()
+    # p2p of different sizes on the device: both ends raise
+    if p >= 2 and r < 2:
+        c = comm.split(0)
+        if r == 0:
+            send = lambda: c.send(si.asarray(np.ones(10, np.float32)), 1, timeout=30)  # noqa
+            if c.dev_endpoints[1].transport == "cuda_ipc":   # the receiver refuses it
+                expect_raises(CollectiveMismatchError, send, "device send of 10 to a "
+                              "receive of 12")
+            else:   # staged: an eager host message, gone before the receiver looks
+                send()
+        else:
+            expect_raises(CollectiveMismatchError,
+                          lambda: c.recv(si.zeros(12, np.float32), 0, timeout=30),
+                          "device receive of 12 from a send of 10", "bytes")
+        c.close()
+    elif p >= 2:
+        comm.split(None)
+    comm.barrier()
+
+
+def case_otherdevice(comm) -> None:
+    """An array on a device this rank does not use (GPURT_STANDIN_DEVICES=2)."""
+    cur = comm.dev.current()
+    other = 1 - cur
+    a = si.Array((8,), np.float32, device=other)
+    expect_raises(ValueError, lambda: comm.allreduce(a), "other device",
+                  f"is on device {other}")
+    comm.barrier()
+
+
+def case_nobackend(comm) -> None:
+    """GPURT_DEVICE_BACKEND=none: a device array is a clear TypeError on the caller."""
+    assert comm.dev is None
+    os.environ["GPURT_DEVICE_BACKEND"] = "standin"   # only to make the array
+    from gpurt import device
+    device._reset_for_tests()
+    a = si.asarray(np.ones(4, np.float32))
+    expect_raises(TypeError, lambda: comm.allreduce(a), "no backend", "no device backend")
+    comm.barrier()
+
+
+def main() -> int:
+    comm = gpurt.init()
+    fails = []
+    for arg in sys.argv[1:]:
+        name, _, param = arg.partition("=")
+        try:
+            fn = globals()[f"case_{name}"]
+            fn(comm, param) if param else fn(comm)
+        except (AssertionError, GpurtError, Exception):  # noqa: BLE001 - reported
+            fails.append(f"rank {comm.rank}: {arg}: {traceback.format_exc()}")
+            break
+    every = comm.mpi.gather(fails, 0)
+    if comm.rank == 0:
+        flat = [f for fs in every for f in fs]
+        sys.stdout.write("".join(f"FAIL {f}\n" for f in flat) or
+                         f"{' '.join(sys.argv[1:])} ok on {comm.size} ranks\n")
+        sys.stdout.flush()
+    bad = comm.mpi.allreduce(len(fails))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
