@@ -457,7 +457,8 @@ class Communicator:
         """The tuner for device calls: the same inputs without the host-only natives (the
         shm board moves host memory)."""
         if self._devtuner is None:
-            cost, levels, forced, profile, _check = self._tuner_in
+            _c, _l, forced, profile, _check = self._tuner_in
+            cost, levels = self._dev_costs
             self._devtuner = Tuner(self.size, self.rank, tuple(range(self.size)), cost, (),
                                    self.nnodes, forced, profile,
                                    shape=Shape.of(self.topo.local_ranks), levels=levels)

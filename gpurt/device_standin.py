@@ -318,21 +318,36 @@ def _norm(stream) -> int:
 class Array:
     """A stand-in device array (contiguous), with ``__cuda_array_interface__`` v3."""
 
-    def __init__(self, shape, dtype, device: int | None = None, stream: int | None = None):
+    def __init__(self, shape, dtype, device: int | None = None, stream: int | None = None,
+                 _base: "Array | None" = None, _off: int = 0):
         self.shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list))
                                              else (shape,)))
         self.dtype = np.dtype(dtype)
         self.size = int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
         self.nbytes = self.size * self.dtype.itemsize
-        dev = StandinBackend.current_device() if device is None else device
-        self._alloc = _Alloc(self.nbytes, dev)
+        if _base is not None:        # a view of another array's memory
+            self._alloc, self._off, dev = _base._alloc, _off, _base.device
+        else:
+            dev = StandinBackend.current_device() if device is None else device
+            self._alloc, self._off = _Alloc(self.nbytes, dev), 0
         self.device = dev
         self.stream = stream
         self.readonly = False
 
     @property
     def ptr(self) -> int:
-        return self._alloc.map.base
+        return self._alloc.map.base + self._off
+
+    def __getitem__(self, s) -> "Array":
+        """Contiguous slices of a 1-D array: a view (as CuPy's)."""
+        if len(self.shape) != 1 or not isinstance(s, slice):
+            raise TypeError("stand-in arrays support 1-D slices only")
+        a, b, step = s.indices(self.shape[0])
+        if step != 1:
+            raise ValueError("stand-in arrays support contiguous slices only")
+        b = max(a, b)
+        return Array((b - a,), self.dtype, stream=self.stream, _base=self,
+                     _off=self._off + a * self.dtype.itemsize)
 
     @property
     def __cuda_array_interface__(self) -> dict:

@@ -15,6 +15,7 @@ with.
 from __future__ import annotations
 
 import importlib.util
+from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -146,7 +147,12 @@ def setup(comm) -> None:
         else:
             o = ordinal.get(uuid)
             row.append(o is not None and be.can_access_peer(mine[3], o))
-    rows = comm.mpi.allgather(row)
+    from gpurt.algorithms import Cost
+    from gpurt.tuner import transport_cost
+
+    every_row = comm.mpi.allgather((row, transport_cost("cuda_ipc") if comm.rank == 0 else None))
+    rows = [r for r, _ in every_row]
+    ipc_cost = every_row[0][1]        # rank 0's: every rank must cost calls alike
     shm = comm._shm()
     from gpurt.transports.cuda_ipc import CudaIpcTransport, StagedEndpoint, _Events, _Pinned
 
@@ -157,6 +163,20 @@ def setup(comm) -> None:
     events, pool = _Events(be), _Pinned(be)
     comm.dev_ipc = ipc
     comm.dev_peers = every
+    # the device tuner's constants: cuda_ipc inside nodes whose ranks all map each other's
+    # memory, else what the host transports cost (staged); between nodes, the network's
+    cost, levels = comm._tuner_in[0], dict(comm._tuner_in[1])
+    node_ipc = ipc is not None and all(
+        rows[a][b] for a in range(comm.size) for b in range(comm.size)
+        if a != b and comm.topo.node_of[a] == comm.topo.node_of[b])
+    if node_ipc:
+        # ranks sharing a GPU share its memory bandwidth (their kernels take turns)
+        share = max(Counter(u for ok_, _, u, _ in every if ok_).values())
+        ipc_cost = Cost(ipc_cost.alpha, ipc_cost.beta * share, ipc_cost.gamma * share)
+        levels["node"] = ipc_cost
+        if comm.nnodes == 1:
+            cost = levels["net"] = ipc_cost
+    comm._dev_costs = (cost, levels)
     for p, ep in comm.endpoints.items():
         if not every[p][0]:
             continue          # that rank has no device: its device calls raise there

@@ -36,6 +36,11 @@ DEFAULT_COSTS: dict[str, Cost] = {
     # wire of an EDR/HDR-class HCA (Soft-RoCE is ~500x slower: set GPURT_COST there)
     "verbs": Cost(alpha=40e-6, beta=1 / 10e9, gamma=1 / 2e9),
     "self": Cost(alpha=1e-6, beta=1 / 8e9, gamma=1 / 2e9),
+    # cuda_ipc: per message a descriptor over shm, an event recorded and waited on, the
+    # receiver's kernel polled to completion and acknowledged (~60 µs of Python and CUDA
+    # calls); the bytes move at device-copy speed (HBM-class, shared by the ranks on one
+    # GPU).  Estimates until measured on a GPU: GPURT_COST=cuda_ipc=... overrides.
+    "cuda_ipc": Cost(alpha=60e-6, beta=1 / 1.0e12, gamma=1 / 1.0e12),
 }
 
 

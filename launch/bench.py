@@ -686,6 +686,118 @@ def measure_ceiling(comm, nbytes: int, reps: int = 3) -> dict:
             "together_s": together, "alone_s": alone}
 
 
+MEMORIES = ("host", "cupy", "torch", "standin")
+
+
+class DeviceIO:
+    """Device buffers for the benchmark: CuPy arrays, PyTorch CUDA tensors, or gpurt's
+    host-memory stand-in for a GPU (``standin``: tests the device path without a GPU; its
+    numbers are not a GPU's)."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        if kind == "cupy":
+            import cupy
+            self.cp = cupy
+        elif kind == "torch":
+            import torch
+            if not torch.cuda.is_available():
+                raise SystemExit("gpurt bench --memory torch: torch sees no CUDA device")
+            self.torch = torch
+        elif kind == "standin":
+            from gpurt import device_standin
+            self.si = device_standin
+        else:
+            raise ValueError(kind)
+
+    def to_dev(self, a: np.ndarray):
+        from gpurt.ops import BFLOAT16
+        if self.kind == "cupy":
+            if a.dtype == BFLOAT16:
+                raise SystemExit("gpurt bench: CuPy has no bfloat16; use --memory torch")
+            return self.cp.asarray(a)
+        if self.kind == "torch":
+            t = self.torch
+            if a.dtype == BFLOAT16:
+                return t.from_numpy(a.view(np.int16).copy()).view(t.bfloat16).cuda()
+            return t.from_numpy(a.copy()).cuda()
+        return self.si.asarray(a)
+
+    def to_host(self, d) -> np.ndarray:
+        if self.kind == "cupy":
+            return self.cp.asnumpy(d)
+        if self.kind == "torch":
+            t = self.torch
+            d = d.cpu()
+            if d.dtype == t.bfloat16:
+                from gpurt.ops import BFLOAT16
+                return d.view(t.int16).numpy().view(BFLOAT16)
+            return d.numpy()
+        return d.get()
+
+    def put(self, d, a: np.ndarray) -> None:
+        """Copy host ``a`` into device ``d`` (same size), synchronously."""
+        if self.kind == "cupy":
+            d.set(a)
+        elif self.kind == "torch":
+            d.copy_(self.to_dev(a))
+        else:
+            d.set(a)
+        self.sync()
+
+    def sync(self) -> None:
+        if self.kind == "cupy":
+            self.cp.cuda.get_current_stream().synchronize()
+        elif self.kind == "torch":
+            self.torch.cuda.synchronize()
+        else:
+            self.si.StandinBackend.synchronize_stream(self.si.LEGACY)
+
+    def copy(self, dst, src) -> None:
+        if self.kind == "cupy":
+            self.cp.copyto(dst, src)
+        elif self.kind == "torch":
+            dst.copy_(src)
+        else:
+            from gpurt import device
+            be = device.get()
+            be.copy(be.view(dst.ptr, dst.nbytes, dst), be.view(src.ptr, src.nbytes, src),
+                    self.si.LEGACY)
+
+
+def measure_device_ceiling(comm, io: DeviceIO, nbytes: int, reps: int = 5) -> dict:
+    """Device-to-device copy bandwidth of ``nbytes``, bytes read + written per second, per
+    rank with every rank copying at once (ranks sharing a GPU share it), and rank 0
+    alone: the ceiling for device buffers."""
+    from mpi4py import MPI
+    n = max(1, nbytes // 8)
+    src = io.to_dev(np.ones(n, np.float64))
+    dst = io.to_dev(np.zeros(n, np.float64))
+    nb = n * 8
+    io.copy(dst, src)
+    io.sync()
+    together, alone = [], []
+    for _ in range(reps):
+        comm.Barrier()
+        t0 = perf_counter()
+        io.copy(dst, src)
+        io.sync()
+        together.append(comm.allreduce(perf_counter() - t0, op=MPI.MAX))
+    _quiet_barrier(comm)
+    if comm.Get_rank() == 0:
+        for _ in range(reps):
+            t0 = perf_counter()
+            io.copy(dst, src)
+            io.sync()
+            alone.append(perf_counter() - t0)
+    _quiet_barrier(comm)
+    alone = comm.bcast(alone, 0)
+    return {"bytes": nb, "reps": reps, "memory": io.kind,
+            "per_rank_Bps": 2 * nb / min(together),
+            "single_rank_Bps": 2 * nb / min(alone),
+            "together_s": together, "alone_s": alone}
+
+
 def _stats(t: np.ndarray) -> dict:
     return {"p50_s": float(np.percentile(t, 50)), "p99_s": float(np.percentile(t, 99)),
             "mean_s": float(t.mean()), "min_s": float(t.min()), "max_s": float(t.max())}
@@ -699,7 +811,10 @@ def worker(cfg: dict) -> dict | None:
     """Run one library's sweep on every rank; rank 0 returns the result, others None.
 
     ``cfg``: lib, collective, sizes, dtype, op, root, warmup, iters, algo, check,
-    ceiling_bytes (0: don't measure), label (progress prefix)."""
+    ceiling_bytes (0: don't measure), label (progress prefix), memory (host or a device
+    kind)."""
+    if cfg.get("memory") == "standin":
+        os.environ["GPURT_DEVICE_BACKEND"] = "standin"
     lib = _LIBS[cfg["lib"]]()
     try:
         return _sweep(lib, cfg)
@@ -719,11 +834,15 @@ def _sweep(lib: _Lib, cfg: dict) -> dict | None:
         raise SystemExit(f"gpurt bench: root {root} is not a rank of {n}")
     label = cfg.get("label", lib.name)
     t_start = time.time()
+    memory = cfg.get("memory", "host")
+    io = DeviceIO(memory) if memory != "host" else None
     ceiling = None
     if cfg.get("ceiling_bytes"):
-        ceiling = measure_ceiling(ctl, int(cfg["ceiling_bytes"]))
+        ceiling = measure_ceiling(ctl, int(cfg["ceiling_bytes"])) if io is None else \
+            measure_device_ceiling(ctl, io, int(cfg["ceiling_bytes"]))
         if r == 0:
-            _log(f"[{label}] memory ceiling: {ceiling['per_rank_Bps'] / 1e9:.2f} GB/s per "
+            what = "memory" if io is None else f"device copy ({memory})"
+            _log(f"[{label}] {what} ceiling: {ceiling['per_rank_Bps'] / 1e9:.2f} GB/s per "
                  f"rank with {n} copying at once, {ceiling['single_rank_Bps'] / 1e9:.2f} "
                  f"GB/s alone")
     sizes = [int(s) for s in cfg["sizes"]]
@@ -732,10 +851,23 @@ def _sweep(lib: _Lib, cfg: dict) -> dict | None:
     y = np.empty(max([l[2] for l in lays] + [0]), dtype)
     fill_input(x, r, dtype, op, n, max([l[0] for l in lays] + [0]))
     y.fill(sentinel(dtype))
+    xd = yd = None
+    if io is not None:        # device copies of the same inputs; timed with a stream sync
+        xd, yd = io.to_dev(x), io.to_dev(y)
+        io.sync()
     rows = []
     for S, (c, nin, nout) in zip(sizes, lays):
         xv, yv = x[:nin], y[:nout]
-        call = lib.make(coll, xv, yv, op, root, cfg.get("algo"))
+        if io is None:
+            call = lib.make(coll, xv, yv, op, root, cfg.get("algo"))
+        else:
+            xdv, ydv = xd[:nin], yd[:nout]
+            dcall = lib.make(coll, xdv, ydv, op, root, cfg.get("algo"))
+
+            def call(dcall=dcall):
+                a = dcall()
+                io.sync()          # the result is ready on the stream: count that too
+                return a
         for _ in range(int(cfg["warmup"])):
             call()
         iters = int(cfg["iters"])
@@ -756,13 +888,20 @@ def _sweep(lib: _Lib, cfg: dict) -> dict | None:
             else:
                 fill_input(xv, r, dtype, op, n, c)
             yv.fill(sentinel(dtype))
+            if io is not None:
+                io.put(xdv, xv)
+                io.put(ydv, yv)
             ctl.Barrier()
             call()
             out = xv if coll == "broadcast" or (lib.in_place_reductions and
                                                 coll in ("allreduce", "reduce")) else yv
+            if io is not None:
+                out = io.to_host(xdv if out is xv else ydv)
             wrong = ctl.reduce(check_output(coll, n, r, c, dtype, op, root, out), root=0)
             if coll == "broadcast" and r != root:
                 fill_input(xv, r, dtype, op, n, c)
+                if io is not None:
+                    io.put(xdv, xv)
         if r == 0:
             per_iter = np.max(np.vstack(every), axis=0)
             st = _stats(per_iter)
@@ -973,8 +1112,8 @@ def build_report(cfg: dict, nranks: int, launches: dict[str, list[dict]],
         rows.append(row)
     return {
         "command": command, "collective": coll, "nranks": nranks, "config": {
-            k: cfg[k] for k in ("dtype", "op", "root", "warmup", "iters", "algo", "check",
-                                "repeat", "baselines", "sizes")},
+            k: cfg.get(k) for k in ("dtype", "op", "root", "warmup", "iters", "algo",
+                                    "check", "repeat", "baselines", "sizes", "memory")},
         "machine": dict(_machine(), mpi_library=libs["gpurt"]["info"].get("mpi_library")),
         "busbw_factor": busbw_factor(coll, nranks),
         "min_traffic": {"formula": _TRAFFIC_DOC[coll], "per_rank": "(R + W) / nranks"},
@@ -1009,14 +1148,17 @@ def format_table(rep: dict) -> str:
         + (f", op {cfg['op']}" if coll in REDUCING else "")
         + (f", root {cfg['root']}" if coll in ROOTED else "")
         + f", warmup {cfg['warmup']}, iters {cfg['iters']}, repeat {cfg['repeat']}"
-        + (f", algo {cfg['algo']}" if cfg.get("algo") else ""),
+        + (f", algo {cfg['algo']}" if cfg.get("algo") else "")
+        + (f", {cfg['memory']} device buffers" if cfg.get("memory", "host") != "host" else ""),
         f"# {m['hostname']}: {m['cpu']}, {m['cpus']} CPUs; {m.get('mpi_library') or ''}",
     ]
     if ceil.get("per_rank_Bps"):
         b = ceil["best"]
+        how = "np.copyto" if b.get("memory", "host") == "host" else \
+            f"device-to-device copy ({b['memory']})"
         lines.append(f"# memory ceiling: {b['per_rank_Bps'] / 1e9:.2f} GB/s per rank with "
                      f"{n} rank{'s' if n != 1 else ''} copying at once "
-                     f"({b['single_rank_Bps'] / 1e9:.2f} GB/s one rank alone; np.copyto of "
+                     f"({b['single_rank_Bps'] / 1e9:.2f} GB/s one rank alone; {how} of "
                      f"{human_size(b['bytes'])}B, read+written)")
     lines.append("# time = per-iteration max over ranks; p50 = median; algbw = size / p50; "
                  "busbw = algbw × "
@@ -1141,7 +1283,7 @@ def run_bench(cfg: dict, nranks: int | None, json_path: str | None, plot_path: s
     skipped: dict[str, str] = {}
     launches: dict[str, list[dict]] = {"gpurt": []}
     base = {k: cfg[k] for k in ("collective", "sizes", "dtype", "op", "root", "warmup",
-                                "iters", "algo", "check")}
+                                "iters", "algo", "check", "memory")}
     if here > 1:
         rank = None
         for rep in range(cfg["repeat"]):
@@ -1185,6 +1327,9 @@ def run_bench(cfg: dict, nranks: int | None, json_path: str | None, plot_path: s
                         continue
                     res["repeat"] = rep
                     launches[lib].append(res)
+    if not launches.get("gpurt"):
+        raise click.ClickException(f"gpurt's own run did not happen: "
+                                   f"{skipped.get('gpurt', 'no result')}")
     report = build_report(cfg, nranks, launches, skipped, command)
     click.echo(format_table(report))
     if json_path:
@@ -1242,12 +1387,18 @@ class _SizeType(click.ParamType):
 @click.option("--ceiling-size", "ceiling_bytes", type=_SizeType(), default="256M",
               show_default=True, help="Bytes np.copyto'd to measure the memory ceiling "
                                       "(0: skip).")
+@click.option("--memory", type=click.Choice(MEMORIES), default="host", show_default=True,
+              help="Where the buffers live: host (NumPy), cupy or torch (CUDA device "
+                   "arrays; the ceiling is then a device-to-device copy), or standin "
+                   "(gpurt's host-memory stand-in for a GPU: exercises the device path, "
+                   "its numbers are not a GPU's).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Write every number to this JSON file.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
               help="Write busbw against size to this PNG (needs matplotlib).")
 def bench_command(collective, nranks, minbytes, maxbytes, factor, warmup, iters, dtype, op,
-                  root, algo, check, baselines, repeat, ceiling_bytes, json_path, plot_path):
+                  root, algo, check, baselines, repeat, ceiling_bytes, memory, json_path,
+                  plot_path):
     """Time COLLECTIVE over a sweep of sizes, nccl-tests style (docs/bench.md).
 
     Size S is nccl-tests' "size": the whole buffer for allgather, reduce_scatter,
@@ -1278,6 +1429,11 @@ def bench_command(collective, nranks, minbytes, maxbytes, factor, warmup, iters,
         raise click.UsageError("bfloat16 is gpurt's (via ml_dtypes): MPI has no datatype for "
                                "it and torch.from_numpy cannot view it; use another -d with "
                                "--baseline")
+    if memory in ("cupy", "torch") and importlib.util.find_spec(memory) is None:
+        raise click.UsageError(f"--memory {memory}: {memory} is not installed here")
+    if memory != "host" and set(baselines) - {"nocheck"}:
+        raise click.UsageError(f"--memory {memory}: the mpi and gloo baselines take host "
+                               f"buffers only (the mpich wheel is not CUDA-aware)")
     if collective == "sendrecv" and algo:
         raise click.UsageError("sendrecv is point-to-point: --algo does not apply")
     if collective == "sendrecv" and nranks == 1:
@@ -1287,7 +1443,7 @@ def bench_command(collective, nranks, minbytes, maxbytes, factor, warmup, iters,
     cfg = {"collective": collective, "minbytes": minbytes, "maxbytes": maxbytes,
            "factor": factor, "warmup": warmup, "iters": iters, "dtype": dtype, "op": op,
            "root": root, "algo": algo, "check": check, "baselines": list(baselines),
-           "repeat": repeat, "ceiling_bytes": ceiling_bytes}
+           "repeat": repeat, "ceiling_bytes": ceiling_bytes, "memory": memory}
     run_bench(cfg, nranks, json_path, plot_path, [Path(sys.argv[0]).name] + sys.argv[1:])
 
 

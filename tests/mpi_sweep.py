@@ -61,34 +61,15 @@ def ref_reduce(arrs: list[np.ndarray], op: Op, p: int) -> np.ndarray:
 
 
 def _kinds(kind: str | None):
-    """(to device, to host) for a device kind; identity for host runs."""
+    """(to device, to host) for a device kind (gpurt bench's DeviceIO); identity for host
+    runs.  ``to host`` passes anything that is not a device array through."""
     if kind is None:
         return (lambda a: a), (lambda a: a)
-    if kind == "standin":
-        from gpurt import device_standin as si
-        return si.asarray, (lambda a: a.get() if isinstance(a, si.Array) else a)
-    if kind == "cupy":
-        import cupy
-        return cupy.asarray, (lambda a: cupy.asnumpy(a) if isinstance(a, cupy.ndarray) else a)
-    if kind == "torch":
-        import torch
-        from gpurt.ops import BFLOAT16
+    from gpurt.launch.bench import DeviceIO
 
-        def to(a):
-            if a.dtype == BFLOAT16:
-                return torch.from_numpy(a.view(np.uint16).astype(np.int16)).view(
-                    torch.bfloat16).cuda()
-            return torch.from_numpy(np.ascontiguousarray(a)).cuda()
-
-        def back(t):
-            if not isinstance(t, torch.Tensor):
-                return t
-            t = t.cpu()
-            if t.dtype == torch.bfloat16:
-                return t.view(torch.int16).numpy().view(np.uint16).view(BFLOAT16)
-            return t.numpy()
-        return to, back
-    raise ValueError(f"unknown device kind {kind!r}")
+    io = DeviceIO(kind)
+    dev_type = type(io.to_dev(np.zeros(1, np.float32)))
+    return io.to_dev, (lambda a: io.to_host(a) if isinstance(a, dev_type) else a)
 
 
 class Sweep:

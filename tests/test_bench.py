@@ -288,3 +288,28 @@ def test_plot_is_written(tmp_path):
            "libraries": {"gpurt": {"rows": rows}, "mpi": {"rows": rows}}}
     B.plot(rep, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("coll", B.COLLECTIVES)
+def test_every_collective_on_device_buffers_standin(coll, tmp_path):
+    """--memory standin: the same checked sweep through the device path on gpurt's
+    host-memory stand-in for a GPU (not a GPU: only #wrong and the plumbing count here),
+    with the device-copy ceiling."""
+    out = tmp_path / f"{coll}-dev.json"
+    args = [coll, "-n", "3", "-b", "96", "-e", "96K", "-f", "1024", "-w", "1", "-i", "2",
+            "-c", "--memory", "standin", "--ceiling-size", "1M", "--json", str(out)]
+    if coll in B.ROOTED:
+        args += ["-r", "2"]
+    run_bench(args)
+    rep = json.loads(out.read_text())
+    assert rep["config"]["memory"] == "standin"
+    assert rep["ceiling"]["best"]["memory"] == "standin"
+    assert len(rep["rows"]) == (1 if coll == "barrier" else 2)
+    for row in rep["rows"]:
+        assert row["gpurt"]["wrong"] == 0, rep["rows"]
+
+
+def test_device_memory_refuses_host_only_baselines():
+    proc = run_bench(["allreduce", "-n", "2", "--memory", "standin", "--baseline", "mpi"],
+                     check=False)
+    assert proc.returncode != 0 and "host buffers only" in proc.stderr, proc.stderr

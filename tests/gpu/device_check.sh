@@ -15,7 +15,10 @@
 #      backend's info (GPUs, P2P matrix), /dev/shm;
 #   3. pytest: python -m pytest -m gpu tests/gpu -x -q (unit tests of the CUDA backend, then
 #      tests/gpu/gpu_cases.py under mpiexec -n 1..4 on the GPU);
-#   4. bench: tests/gpu/bench_device.py on 2 and 4 ranks (copy bandwidth, allreduce busbw).
+#   4. sweep: tests/mpi_sweep.py --device cupy (every collective x algorithm, exact) on 3
+#      ranks sharing the GPU;
+#   5. bench: `gpurt bench allreduce --memory cupy -c` on 2 and 4 ranks, 1 MiB .. 256 MiB,
+#      with the device-to-device copy ceiling (%ceil: the issue's >= 60 % at >= 64 MiB).
 # Everything (each stage's log, JUnit XML, benchmark JSON, summary.txt) goes under $OUT if
 # set, else ./gpu-out.  Exit status: 0 when every stage passed, else 1.
 set -uo pipefail
@@ -150,16 +153,22 @@ EOF
 stage env 45 bash -c "$(declare -f envinfo); VPY='$VPY' MPIEXEC='$MPIEXEC'; envinfo"
 
 # -- 3. the GPU tests ----------------------------------------------------------------------------------
-RESERVE=80      # keep time for the benchmark
-TAIL_LINES=60 stage pytest 220 "$VPY" -m pytest -m gpu tests/gpu -x -q -rs -p no:cacheprovider \
+RESERVE=130     # keep time for the sweep and the benchmark
+GPURT_GPU_REQUIRED=1 TAIL_LINES=60 stage pytest 170 "$VPY" -m pytest -m gpu tests/gpu -x -q -rs -p no:cacheprovider \
     --junitxml "$OUT/pytest-gpu.xml"
-RESERVE=0
 
-# -- 4. the benchmark --------------------------------------------------------------------------------------
-RESERVE=40
-stage bench-2 60 "$MPIEXEC" -n 2 "$VPY" tests/gpu/bench_device.py --json "$OUT/bench-2.json"
+# -- 4. every collective x algorithm on CuPy arrays ------------------------------------------------------
+RESERVE=90
+stage sweep-3 45 "$MPIEXEC" -n 3 "$VPY" tests/mpi_sweep.py --device cupy algorithms
+
+# -- 5. the benchmark (gpurt bench, device buffers, device-copy ceiling) -------------------------------------
+GBENCH=("$VPY" -c "import sys; from gpurt.launch.cli import main; sys.exit(main())" bench)
+RESERVE=45
+stage bench-2 45 "${GBENCH[@]}" allreduce -n 2 -b 1M -e 256M -f 4 -w 3 -i 10 -c \
+    --memory cupy --json "$OUT/bench-2.json"
 RESERVE=0
-stage bench-4 60 "$MPIEXEC" -n 4 "$VPY" tests/gpu/bench_device.py --json "$OUT/bench-4.json"
+stage bench-4 45 "${GBENCH[@]}" allreduce -n 4 -b 1M -e 256M -f 4 -w 3 -i 10 -c \
+    --memory cupy --json "$OUT/bench-4.json"
 
 echo
 echo "== summary ($((SECONDS - T0)) s of ${BUDGET_S} s; logs in $OUT)"

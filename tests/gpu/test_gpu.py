@@ -13,6 +13,8 @@ CuPy and a CUDA device.  Run on a machine with a GPU as
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -21,6 +23,8 @@ from gpurt.errors import TransportError
 from gpurt.ops import _ALLOWED, BFLOAT16, Op
 
 OK, WHY = CudaBackend.probe()
+if not OK and os.environ.get("GPURT_GPU_REQUIRED") == "1":   # set by device_check.sh
+    raise RuntimeError(f"GPURT_GPU_REQUIRED=1 but no usable GPU: {WHY}")
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not OK, reason=f"needs CuPy and a CUDA GPU: {WHY}")]
 
