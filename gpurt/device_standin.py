@@ -240,24 +240,26 @@ class _Worker:
         idle = 0.0
         while True:
             moved = blocked = False
+            # one operation per stream per pass: streams run side by side, as on a GPU
             for q in list(self.queues.values()):
-                while q.ops:
-                    kind, fn = q.ops[0]
-                    if kind == "wait":
-                        if not fn():
-                            blocked = True
-                            break
-                    else:
-                        if kind == "work" and self.delay:
-                            time.sleep(self.delay)
-                        try:
-                            fn()
-                        except Exception as e:  # noqa: BLE001 - a sticky stream error
-                            q.error = f"{type(e).__name__}: {e}"
-                            q.ops.clear()
-                            break
-                    q.ops.popleft()
-                    moved = True
+                if not q.ops:
+                    continue
+                kind, fn = q.ops[0]
+                if kind == "wait":
+                    if not fn():
+                        blocked = True
+                        continue
+                else:
+                    if kind == "work" and self.delay:
+                        time.sleep(self.delay)
+                    try:
+                        fn()
+                    except Exception as e:  # noqa: BLE001 - a sticky stream error
+                        q.error = f"{type(e).__name__}: {e}"
+                        q.ops.clear()
+                        continue
+                q.ops.popleft()
+                moved = True
             if moved:
                 idle = 0.0
                 continue
@@ -634,6 +636,9 @@ class StandinBackend:
                 np.divide(a, a.dtype.type(divisor), out=a)
 
         _worker().put(_norm(stream), ("work", fn))
+
+    def rdma_flush(self) -> None:
+        """GPUDirect RDMA writes land in host memory here: nothing to flush."""
 
     @staticmethod
     def synchronize_stream(stream) -> None:

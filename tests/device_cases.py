@@ -5,7 +5,8 @@ after a call returns, allocation, p2p with many messages in flight, and the erro
 
     mpiexec -n 3 python tests/device_cases.py CASE [CASE ...]
 
-Cases: endpoints KIND[,KIND..] | streams | reuse | alloc | inflight | errors | nobackend
+Cases: endpoints=KIND[,KIND..] | streams | reuse | alloc | inflight | order | errors |
+otherdevice | nobackend
 Prints "CASE ok" on rank 0 when every rank passed; failures are gathered to rank 0.
 """
 
@@ -154,6 +155,28 @@ def case_inflight(comm) -> None:
         q.wait(timeout=60)
     for i in range(k):
         assert (outs[i].get() == src * 1000 + i).all(), i
+
+
+def case_order(comm) -> None:
+    """Two isends on different streams, the first one's stream busy: the messages still
+    arrive in call order (tags 1 then 2), over cuda_ipc and staged alike."""
+    r, p = comm.rank, comm.size
+    if p < 2:
+        return
+    peer, src = (r + 1) % p, (r - 1) % p
+    s1, s2 = si.Stream(), si.Stream()
+    a = si.zeros(5000, np.float32, stream=s1.ptr)
+    for i in range(30):                     # s1 is busy for a while
+        si.fill(a, float(r + 1))
+    b = si.asarray(np.full(5000, 100.0 + r, np.float32), stream=s2.ptr)
+    q1 = comm.isend(a, peer, tag=1)
+    q2 = comm.isend(b, peer, tag=2)
+    o1, o2 = si.zeros(5000, np.float32), si.zeros(5000, np.float32)
+    r1 = comm.irecv(o1, src, tag=1)
+    r2 = comm.irecv(o2, src, tag=2)
+    for q in (r2, r1, q2, q1):
+        q.wait(timeout=60)
+    assert (o1.get() == src + 1).all() and (o2.get() == 100 + src).all()
 
 
 def case_errors(comm) -> None:

@@ -15,7 +15,7 @@ import pytest
 from conftest import is_hydra, run_mpi
 
 STANDIN = {"GPURT_DEVICE_BACKEND": "standin"}
-CASES = ["streams", "reuse", "alloc", "inflight", "errors"]
+CASES = ["streams", "reuse", "alloc", "inflight", "order", "errors"]
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
@@ -67,7 +67,8 @@ def test_device_cases_standin(n):
 
 
 def test_device_cases_without_p2p_standin():
-    env = {**STANDIN, "GPURT_STANDIN_DEVICES": "2", "GPURT_STANDIN_P2P": "0"}
+    env = {**STANDIN, "GPURT_STANDIN_DEVICES": "2", "GPURT_STANDIN_P2P": "0",
+           "GPURT_STANDIN_DELAY_US": "100"}
     out = run_mpi(3, ["tests/device_cases.py", "endpoints=mixed"] + CASES + ["otherdevice"],
                   env=env).stdout
     assert "ok on 3 ranks" in out, out
@@ -80,11 +81,19 @@ def test_device_two_nodes_standin():
     env = {**STANDIN, "MPIR_CVAR_NUM_CLIQUES": "2", "GPURT_TEST_NNODES": "2",
            "GPURT_DEVICE_STAGE": "256K"}
     out = run_mpi(4, ["tests/device_cases.py", "endpoints=cuda_ipc,tcp+staged"] + CASES,
-                  env=env).stdout
+                  env={**env, "GPURT_STANDIN_DELAY_US": "100"}).stdout
     assert "ok on 4 ranks" in out, out
     out = run_mpi(4, ["tests/mpi_sweep.py", "--device", "standin", "algorithms"],
                   env=env).stdout
     assert " 0 failed" in out, out
+
+
+def test_transports_without_cuda_ipc_stage_everything():
+    """GPURT_TRANSPORTS=shm (cuda_ipc not named): device buffers are staged over shm."""
+    out = run_mpi(3, ["tests/device_cases.py", "endpoints=shm+staged", "streams", "order",
+                      "reuse"], env={**STANDIN, "GPURT_TRANSPORTS": "shm",
+                                     "GPURT_STANDIN_DELAY_US": "100"}).stdout
+    assert "ok on 3 ranks" in out, out
 
 
 def test_no_backend_is_a_clear_error():

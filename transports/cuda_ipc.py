@@ -35,7 +35,7 @@ reduce) on its stream.
 from __future__ import annotations
 
 import struct
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 import numpy as np
 
@@ -298,6 +298,19 @@ class StagedEndpoint:
         self.peer = host_ep.peer
         self.transport = f"{host_ep.transport}+staged"
         self.chunk = max(4096, int(config.get("GPURT_DEVICE_STAGE")))
+        # sends whose chunks are not all handed to the host endpoint yet, per lane: chunks
+        # go out in call order (a later send's copy may finish first, on another stream)
+        self.outq: list[deque] = [deque() for _ in range(LANES)]
+
+    def pump(self, lane: int) -> None:
+        """Hand ready chunks to the host endpoint, oldest send first."""
+        q = self.outq[lane]
+        while q:
+            head = q[0]
+            head.post_ready()
+            if len(head.msgs) < len(head.spans):
+                return
+            q.popleft()
 
     def check(self) -> None:
         self.host_ep.check()
@@ -315,7 +328,7 @@ class StagedEndpoint:
 
 class _StagedSend:
     __slots__ = ("ep", "spans", "host", "cls", "evs", "msgs", "lane", "tag", "sig", "peer",
-                 "done", "src")
+                 "done", "src", "__weakref__")
 
     def __init__(self, ep: StagedEndpoint, src, lane, tag, sig, stream):
         self.ep, self.lane, self.tag, self.sig, self.peer = ep, lane, tag, sig, ep.peer
@@ -333,14 +346,21 @@ class _StagedSend:
             self.evs.append(ev)
         self.msgs = []
         self.done = False
+        ep.outq[lane].append(self)
+        ep.pump(lane)
+
+    def post_ready(self) -> None:
+        ep = self.ep
+        while len(self.msgs) < len(self.spans) and ep.be.query(self.evs[len(self.msgs)]):
+            a, b = self.spans[len(self.msgs)]
+            self.msgs.append(ep.host_ep.send(self.host[a:b], self.lane, self.tag, self.sig))
 
     def test(self) -> bool:
         if self.done:
             return True
         ep = self.ep
-        while len(self.msgs) < len(self.spans) and ep.be.query(self.evs[len(self.msgs)]):
-            a, b = self.spans[len(self.msgs)]
-            self.msgs.append(ep.host_ep.send(self.host[a:b], self.lane, self.tag, self.sig))
+        if len(self.msgs) < len(self.spans):
+            ep.pump(self.lane)
         if len(self.msgs) < len(self.spans) or not all(m.test() for m in self.msgs):
             return False
         for ev in self.evs:
@@ -390,4 +410,105 @@ class _StagedRecv:
         ep.pool.put_host(self.host, self.hcls)
         ep.pool.put_dev(self.dev, self.dcls)
         self.done, self.host, self.dev, self.sink = True, None, None, None
+        return True
+
+
+# -- GPUDirect RDMA over verbs ------------------------------------------------------------
+class GdrEndpoint:
+    """Device messages over ``verbs`` with GPUDirect RDMA: messages larger than the eager
+    limit go NIC-to-GPU — the sender copies its buffer into a registered device bounce
+    buffer on the stream (a device copy: no registration of user memory, whose lifetime
+    gpurt cannot see), and once that copy's event has fired the NIC RDMA-writes it into a
+    registered device scratch buffer at the receiver, which consumes it (copy or reduce)
+    on its stream.  The RTS goes at the call, so messages keep their order on the lane.
+    Small messages are staged through pinned host memory (``StagedEndpoint``)."""
+
+    def __init__(self, verbs_ep, be, events: _Events, staged: "StagedEndpoint"):
+        self.vep, self.be, self.events, self.staged = verbs_ep, be, events, staged
+        self.peer = verbs_ep.peer
+        self.transport = "verbs+gdr"
+        self.eager = verbs_ep.owner.eager
+        self.free: dict[int, list] = {}
+
+    def check(self) -> None:
+        self.vep.check()
+
+    def scratch(self, n: int) -> tuple:
+        """(view, registration, size class): registered device memory, pooled."""
+        c = _Pinned._cls(n)
+        lst = self.free.get(c)
+        if lst:
+            return lst.pop()
+        v = self.be.alloc(c)
+        own = self.vep.owner
+        reg = own.reg.get_dev(self.be.ptr(v), c, v, own.access)
+        return (v, reg, c)
+
+    def release(self, item: tuple) -> None:
+        self.free.setdefault(item[2], []).append(item)
+
+    def send(self, src, lane: int, tag: int, sig: int, stream):
+        if src.nbytes <= self.eager:
+            return self.staged.send(src, lane, tag, sig, stream)
+        return _GdrSend(self, src, lane, tag, sig, stream)
+
+    def recv(self, nbytes: int, sink, lane: int, tag: int, sig: int, stream):
+        if nbytes <= self.eager:
+            return self.staged.recv(nbytes, sink, lane, tag, sig, stream)
+        return _GdrRecv(self, nbytes, sink, lane, tag, sig, stream)
+
+
+class _GdrSend:
+    __slots__ = ("ep", "item", "ev", "m", "peer", "done")
+
+    def __init__(self, ep: GdrEndpoint, src, lane, tag, sig, stream):
+        be = ep.be
+        self.ep, self.peer, self.done = ep, ep.peer, False
+        n = src.nbytes
+        self.item = ep.scratch(n)
+        be.copy(self.item[0][:n], src, stream)
+        self.ev = ev = ep.events.get()
+        be.record(ev, stream)
+        self.m = ep.vep.send_device(be.ptr(self.item[0]), n, self.item[1].mr.lkey,
+                                    lambda: be.query(ev), lane, tag, sig)
+
+    def test(self) -> bool:
+        if self.done:
+            return True
+        if not self.m.test():
+            return False
+        self.ep.events.put(self.ev)
+        self.ep.release(self.item)
+        self.done, self.item, self.ev = True, None, None
+        return True
+
+
+class _GdrRecv:
+    __slots__ = ("ep", "item", "ev", "m", "peer", "done", "sink", "stream", "n")
+
+    def __init__(self, ep: GdrEndpoint, nbytes, sink, lane, tag, sig, stream):
+        self.ep, self.peer, self.done, self.sink, self.stream = ep, ep.peer, False, sink, stream
+        self.n = nbytes
+        self.item = ep.scratch(nbytes)
+        self.ev = None
+        reg = self.item[1]
+        self.m = ep.vep.recv_device(nbytes, ep.be.ptr(self.item[0]), reg.mr.rkey, lane, tag,
+                                    sig)
+
+    def test(self) -> bool:
+        if self.done:
+            return True
+        be = self.ep.be
+        if self.ev is None:
+            if not self.m.test():
+                return False
+            be.rdma_flush()                         # the NIC's write, visible to kernels
+            self.sink(0, self.item[0][:self.n])     # on the stream: after the NIC's write
+            self.ev = self.ep.events.get()
+            be.record(self.ev, self.stream)
+        if not be.query(self.ev):
+            return False
+        self.ep.events.put(self.ev)
+        self.ep.release(self.item)
+        self.done, self.item, self.ev, self.sink = True, None, None, None
         return True
