@@ -118,6 +118,10 @@ VARIABLES: tuple[Var, ...] = (
     Var("GPURT_IB_REG_CACHE", "4G", _bytes,
         "verbs: user memory kept registered (pinned) at most; least recently used "
         "registrations are dropped beyond it."),
+    Var("GPURT_IB_GDR", "auto", str,
+        "verbs: GPUDirect RDMA for device buffers larger than GPURT_IB_EAGER: 'auto' (when "
+        "nvidia-peermem is loaded), '1' (register device pointers regardless, e.g. the "
+        "stand-in device), '0' (stage through pinned host memory)."),
     Var("GPURT_IB_TIMEOUT", "18", int,
         "verbs: QP local ACK timeout exponent (4.096 us * 2^N per try, as NCCL_IB_TIMEOUT)."),
     Var("GPURT_IB_RETRY_CNT", "7", int,

@@ -53,6 +53,8 @@ Interface (all methods; errors are raised as ``gpurt.errors.TransportError`` or
   reduce(op, acc, src, out, stream)      out = acc op src element-wise (same dtype views);
                                          bfloat16 is 16-bit storage converted in the kernel
   scale(view, divisor, stream)           AVG's final division
+  rdma_flush()                           make GPUDirect RDMA writes that have landed visible to
+                                         kernels (cuFlushGPUDirectRDMAWrites)
   synchronize(stream)                    only for tests and tools, never on a collective path
 """
 

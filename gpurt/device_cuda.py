@@ -116,6 +116,10 @@ class _Driver:
         if self.get_uuid is not None:
             self.get_uuid.argtypes = [ctypes.c_char * 16, c_int]
             self.get_uuid.restype = c_int
+        # CUDA >= 11.3: make the NIC's GPUDirect RDMA writes visible to later kernels
+        self.flush = getattr(lib, "cuFlushGPUDirectRDMAWrites", None)
+        if self.flush is not None:
+            self.flush.argtypes, self.flush.restype = [c_int, c_int], c_int
         self.lib = lib
         self.check(lib.cuInit(0), "cuInit")
 
@@ -640,6 +644,19 @@ class CudaBackend:
                     self._cp.divide(w, dtype.type(divisor), out=w)
         except Exception as e:  # noqa: BLE001
             _reraise(f"scale {dtype}", e)
+        finally:
+            self._leave(prev)
+
+    def rdma_flush(self) -> None:
+        """After a GPUDirect RDMA write into this device's memory has landed (the NIC said
+        so), before a kernel reads it: cuFlushGPUDirectRDMAWrites(current context, to the
+        owner) — NCCL's flush.  A no-op on drivers without it (CUDA < 11.3)."""
+        drv = _driver()
+        if drv.flush is None:
+            return
+        prev = self._enter()
+        try:
+            drv.check(drv.flush(0, 100), "cuFlushGPUDirectRDMAWrites")
         finally:
             self._leave(prev)
 

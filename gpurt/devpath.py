@@ -110,7 +110,7 @@ def setup(comm) -> None:
     global _BOUND
     comm.dev, comm.dev_endpoints, comm.dev_ipc = None, {}, None
     ok, why = wanted()
-    mine: tuple = (False, why, "", -1)
+    mine: tuple = (False, why, "", -1, False)
     be = None
     if ok:
         ok, why = device.probe()
@@ -121,11 +121,11 @@ def setup(comm) -> None:
                     be.bind(device.choose_device(comm.local_rank, be.count()))
                     _BOUND = be.current()
                 d = be.current()
-                mine = (True, "", be.uuid(d), d)
+                mine = (True, "", be.uuid(d), d, _gdr(comm))
             except Exception as e:  # noqa: BLE001 - becomes this rank's reason
-                mine = (False, f"{type(e).__name__}: {e}", "", -1)
+                mine = (False, f"{type(e).__name__}: {e}", "", -1, False)
         else:
-            mine = (False, why, "", -1)
+            mine = (False, why, "", -1, False)
     every = comm.mpi.allgather(mine)
     comm.dev_why = mine[1]
     if not mine[0]:
@@ -139,7 +139,7 @@ def setup(comm) -> None:
         except Exception:  # noqa: BLE001 - an unreadable device is not a peer
             pass
     row = []
-    for p, (pok, _, uuid, _d) in enumerate(every):
+    for p, (pok, _, uuid, _d, _g) in enumerate(every):
         if not pok or p == comm.rank or comm.topo.node_of[p] != comm.node:
             row.append(False)
         elif uuid == mine[2]:
@@ -154,7 +154,8 @@ def setup(comm) -> None:
     rows = [r for r, _ in every_row]
     ipc_cost = every_row[0][1]        # rank 0's: every rank must cost calls alike
     shm = comm._shm()
-    from gpurt.transports.cuda_ipc import CudaIpcTransport, StagedEndpoint, _Events, _Pinned
+    from gpurt.transports.cuda_ipc import (CudaIpcTransport, GdrEndpoint, StagedEndpoint,
+                                           _Events, _Pinned)
 
     from gpurt.transports import device_ipc_enabled
 
@@ -171,7 +172,7 @@ def setup(comm) -> None:
         if a != b and comm.topo.node_of[a] == comm.topo.node_of[b])
     if node_ipc:
         # ranks sharing a GPU share its memory bandwidth (their kernels take turns)
-        share = max(Counter(u for ok_, _, u, _ in every if ok_).values())
+        share = max(Counter(u for ok_, _, u, _d, _g in every if ok_).values())
         ipc_cost = Cost(ipc_cost.alpha, ipc_cost.beta * share, ipc_cost.gamma * share)
         levels["node"] = ipc_cost
         if comm.nnodes == 1:
@@ -184,8 +185,19 @@ def setup(comm) -> None:
         if ipc is not None and shm_ep is not None and ep is shm_ep and rows[comm.rank][p] \
                 and rows[p][comm.rank]:
             comm.dev_endpoints[p] = ipc.endpoint(p, shm_ep)
+        elif getattr(ep, "transport", "") == "verbs" and mine[4] and every[p][4]:
+            comm.dev_endpoints[p] = GdrEndpoint(ep, be, events,
+                                                StagedEndpoint(ep, be, events, pool))
         else:
             comm.dev_endpoints[p] = StagedEndpoint(ep, be, events, pool)
+
+
+def _gdr(comm) -> bool:
+    """Can this rank's verbs transport register device memory (GPUDirect RDMA)?"""
+    if not any(getattr(ep, "transport", "") == "verbs" for ep in comm.endpoints.values()):
+        return False
+    from gpurt.transports.verbs import gpudirect
+    return gpudirect()[0] in ("peermem", "forced")
 
 
 def describe(comm) -> dict:

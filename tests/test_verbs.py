@@ -153,6 +153,24 @@ def test_two_guests_verbs_between_shm_inside_every_collective(two_guests):
     assert res["cases"] > 500
 
 
+def test_device_buffers_over_verbs_gpudirect_and_staged(one_guest):
+    """Device buffers (gpurt's host-memory stand-in for a GPU, not a GPU) over verbs:
+    GPUDirect RDMA (registered device memory, RDMA WRITE into the receiver's registered
+    device scratch) and pinned staging; streams, reuse, order, errors, and the sweep."""
+    for name in ("dev_gdr2", "dev_sweep_staged2"):
+        rc, out = one_guest[name]
+        assert rc == 0 and "ok on 2 ranks" in out, (name, out[-4000:])
+    rc, out = one_guest["dev_sweep_gdr2"]
+    m = re.search(r"(\d+) checks on 2 ranks \(algorithms, standin device buffers\): "
+                  r"(\d+) failed", out)
+    assert rc == 0 and m and int(m.group(2)) == 0 and int(m.group(1)) > 500, out[-4000:]
+
+
+def test_two_guests_device_buffers_ipc_inside_gpudirect_between(two_guests):
+    rc, out = two_guests["dev_2x2"]
+    assert rc == 0 and "ok on 4 ranks" in out, out[-4000:]
+
+
 def test_two_guests_transport_cases_over_verbs_only(two_guests):
     rc, out = two_guests["cases_2x2"]
     res = _json_line(out, "VERBS_CASES")

@@ -86,10 +86,36 @@ def test_registry_order_and_info_without_pyverbs(monkeypatch):
         config.reload()
 
 
-def test_gpudirect_detection_says_why():
+def test_gpudirect_detection_says_why(monkeypatch):
     mode, why = verbs.gpudirect()
     assert mode in ("peermem", "dmabuf", "staged")
     assert why
+    try:
+        monkeypatch.setenv("GPURT_IB_GDR", "1")
+        config.reload()
+        assert verbs.gpudirect()[0] == "forced"
+        monkeypatch.setenv("GPURT_IB_GDR", "0")
+        config.reload()
+        mode, why = verbs.gpudirect()
+        assert mode == "staged" and "GPURT_IB_GDR=0" in why
+    finally:
+        monkeypatch.undo()
+        config.reload()
+
+
+def test_cuda_ipc_is_a_device_transport_gpurt_transports_may_name(monkeypatch):
+    from gpurt.transports import device_ipc_enabled
+    try:
+        assert device_ipc_enabled()
+        monkeypatch.setenv("GPURT_TRANSPORTS", "shm,cuda_ipc")
+        config.reload()
+        assert device_ipc_enabled() and [n for n, _ in selected()] == ["shm"]
+        monkeypatch.setenv("GPURT_TRANSPORTS", "shm")
+        config.reload()
+        assert not device_ipc_enabled()
+    finally:
+        monkeypatch.undo()
+        config.reload()
 
 
 def test_heartbeat_notice_reaches_the_peer_and_strangers_are_ignored():

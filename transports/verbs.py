@@ -55,10 +55,12 @@ the IPv4 address of the RoCE GID (or the ``GPURT_SOCKET_IFNAME`` address on Infi
 ``publish_error`` sends an ERROR message to every peer (and the UDP notice); ``close``
 sends BYE, so a peer that still waits raises at once instead of at its deadline.
 
-*GPUDirect RDMA*: detected at start (``nvidia_peermem`` loaded → device pointers are
-registered directly; else pyverbs' ``DmaBufMR`` for the dma-buf path; else pinned host
-staging) and reported by ``gpurt info``; this build accepts host buffers only (the GPU path
-is not in yet), so the detection is reported, not used.
+*GPUDirect RDMA*: ``gpudirect()`` says whether device memory can be registered
+(``nvidia_peermem`` loaded, or ``GPURT_IB_GDR=1``; the dma-buf path is detected, not used)
+and ``gpurt info`` reports it.  ``send_device``/``recv_device`` move registered device
+memory by rendezvous (the write waits for the producer's event); the device path's
+``GdrEndpoint`` (``transports/cuda_ipc.py``) drives them.  Without it, device buffers
+are staged through pinned host memory over the ordinary ``send``/``recv``.
 """
 
 from __future__ import annotations
@@ -200,7 +202,14 @@ def _sysfs_gid_type(dev: str, port: int, idx: int) -> str:
 
 
 def gpudirect() -> tuple[str, str]:
-    """(mode, why): how device buffers would reach the NIC on this machine."""
+    """(mode, why): how device buffers reach the NIC on this machine: "peermem" (device
+    pointers registered directly: GPUDirect RDMA), "forced" (GPURT_IB_GDR=1), "dmabuf"
+    (possible, not implemented: staged), "staged" (pinned host memory)."""
+    want = str(config.get("GPURT_IB_GDR")).strip().lower()
+    if want in ("0", "off", "no"):
+        return "staged", "GPURT_IB_GDR=0: device buffers are staged through pinned host memory"
+    if want in ("1", "on", "yes"):
+        return "forced", "GPURT_IB_GDR=1: device pointers are registered directly"
     try:
         with open("/proc/modules") as f:
             mods = {line.split()[0] for line in f}
@@ -211,7 +220,9 @@ def gpudirect() -> tuple[str, str]:
     try:
         import pyverbs.mr as m
         if hasattr(m, "DmaBufMR") and "nvidia" in mods:
-            return "dmabuf", "no nvidia-peermem, but pyverbs has DmaBufMR (dma-buf export)"
+            return "dmabuf", ("no nvidia-peermem; pyverbs has DmaBufMR (dma-buf export), "
+                              "which gpurt does not use yet: device buffers are staged "
+                              "through pinned host memory")
     except ImportError:
         pass
     why = "no nvidia-peermem module" + ("" if "nvidia" in mods else " and no NVIDIA driver")
@@ -254,26 +265,34 @@ class _Done:
 
 class _Send(_Done):
     __slots__ = ("peer", "ep", "done", "error", "src", "total", "msgid", "lane", "tag", "sig",
-                 "reg")
+                 "reg", "dev", "ready")
 
-    def __init__(self, ep: "VerbsEndpoint", src: np.ndarray, lane: int, tag: int, sig: int):
-        self.peer, self.ep, self.src, self.total = ep.peer, ep, src, src.nbytes
+    def __init__(self, ep: "VerbsEndpoint", src: np.ndarray | None, lane: int, tag: int,
+                 sig: int, total: int = -1):
+        self.peer, self.ep, self.src = ep.peer, ep, src
+        self.total = src.nbytes if src is not None else total
         self.lane, self.tag, self.sig = lane, tag, sig
         self.done, self.error, self.msgid, self.reg = False, None, 0, None
+        #: GPUDirect: (device pointer, lkey of its registration, owned by the caller)
+        #: instead of src, and a callable that says when the producer's work on it is
+        #: done (the write waits for it)
+        self.dev = self.ready = None
 
 
 class _Recv(_Done):
     __slots__ = ("peer", "ep", "done", "error", "lane", "tag", "sig", "total", "sink", "dst",
-                 "scratch", "reg")
+                 "scratch", "reg", "into")
 
-    def __init__(self, ep: "VerbsEndpoint", nbytes: int, sink: Sink, lane: int, tag: int,
-                 sig: int):
+    def __init__(self, ep: "VerbsEndpoint", nbytes: int, sink: Sink | None, lane: int,
+                 tag: int, sig: int, into: tuple | None = None):
         self.peer, self.ep, self.total, self.sink = ep.peer, ep, nbytes, sink
         self.lane, self.tag, self.sig = lane, tag & _M64, sig & _M64
         dst = getattr(sink, "dst", None)
         self.dst = dst if (isinstance(dst, np.ndarray) and dst.dtype == np.uint8 and
                            dst.flags.c_contiguous and dst.nbytes == nbytes) else None
         self.done, self.error, self.scratch, self.reg = False, None, None, None
+        #: GPUDirect: (address, rkey) of registered device memory the peer writes into
+        self.into = into
 
 
 # -- registration cache ----------------------------------------------------------------------
@@ -339,6 +358,37 @@ class RegCache:
             r.fin = weakref.finalize(o, self._drop, key)
             r.fin.atexit = False    # at exit, close() deregisters, after BYE
         except TypeError:           # not weak-referenceable: used once, dropped after
+            r.fin = None
+        self.entries[key] = r
+        self.bytes += n
+        r.uses += 1
+        self._trim()
+        return r
+
+    def get_dev(self, ptr: int, n: int, owner, access: int) -> _Reg:
+        """A registration of ``n`` bytes of device memory at ``ptr`` (GPUDirect RDMA:
+        nvidia-peermem lets ibv_reg_mr pin GPU pages), kept while ``owner`` (the array
+        that holds the memory) lives; raises ``TransportError`` if the HCA refuses."""
+        key = ("dev", id(owner), ptr, n)
+        r = self.entries.get(key)
+        if r is not None:
+            self.entries.move_to_end(key)
+            self.hits += 1
+            r.uses += 1
+            return r
+        self.misses += 1
+        from pyverbs.mr import MR
+        try:
+            mr = MR(self.pd, n, access, address=ptr)
+        except Exception as e:  # noqa: BLE001 - pyverbs raises its own errors
+            raise TransportError(f"verbs: cannot register {n} bytes of device memory at "
+                                 f"{ptr:#x} for GPUDirect RDMA: {e} (is nvidia-peermem "
+                                 f"loaded? GPURT_IB_GDR=0 stages through host memory)") from None
+        r = _Reg(mr, ptr, n, key)
+        try:
+            r.fin = weakref.finalize(owner, self._drop, key)
+            r.fin.atexit = False
+        except TypeError:
             r.fin = None
         self.entries[key] = r
         self.bytes += n
@@ -461,8 +511,31 @@ class VerbsEndpoint:
         own.poll()
         return m
 
-    def recv(self, nbytes: int, sink: Sink, lane: int, tag: int, sig: int) -> _Recv:
-        m = _Recv(self, nbytes, sink, lane, tag, sig)
+    def send_device(self, ptr: int, nbytes: int, lkey: int, ready, lane: int, tag: int,
+                    sig: int) -> _Send:
+        """GPUDirect RDMA: send ``nbytes`` of device memory the caller registered
+        (``RegCache.get_dev``; ``lkey``), always by rendezvous.  The RTS goes now, in call
+        order; the RDMA WRITE waits until ``ready()`` (the producer's work is done)."""
+        m = _Send(self, None, lane, tag & _M64, sig & _M64, total=nbytes)
+        m.dev, m.ready = (ptr, lkey), ready
+        if self.failure is not None:
+            self.raise_failure()
+        m.msgid = self.next_id
+        self.next_id = (self.next_id + 1) & 0xFFFFFFFF or 1
+        self.rndv_out[m.msgid] = m
+        self._ctrl(K_RTS, lane, m.msgid, m.tag, m.sig, m.total, 0, 0, None, None)
+        self.owner.poll()
+        return m
+
+    def recv_device(self, nbytes: int, addr: int, rkey: int, lane: int, tag: int,
+                    sig: int) -> _Recv:
+        """GPUDirect RDMA: receive into registered device memory (``addr``, ``rkey``); the
+        completion tests true once the data is there (the caller then consumes it)."""
+        return self.recv(nbytes, None, lane, tag, sig, into=(addr, rkey))
+
+    def recv(self, nbytes: int, sink: Sink | None, lane: int, tag: int, sig: int,
+             into: tuple | None = None) -> _Recv:
+        m = _Recv(self, nbytes, sink, lane, tag, sig, into)
         if self.unexp[lane]:
             self._match(m, *self.unexp[lane].popleft())
         else:
@@ -623,6 +696,11 @@ class VerbsEndpoint:
                 self._ctrl(K_NAK, m.lane, msgid, m.tag, m.sig, m.total, 0, 0, None, None)
             return
         if kind == K_EAGER:
+            if m.into is not None:     # both sides go by the eager limit: never happens
+                m.error = TransportError(f"rank {self.peer} ({self.host}) sent an eager "
+                                         f"message where a GPUDirect rendezvous was expected "
+                                         f"(GPURT_IB_EAGER differs between ranks?)")
+                return
             if m.total:
                 m.sink(0, payload[:m.total])
             m.done = True
@@ -953,17 +1031,24 @@ class VerbsTransport:
         room = self.sq_depth - 4
         while ep.writes and self.sq_used[ep.peer] < room and ep.failure is None:
             m, addr, rkey, off = ep.writes[0]
-            if m.reg is None:
-                src = m.src
-                r = self.reg.get(src, self.access)
-                if r is None:       # not registrable: bounce through a registered buffer
-                    r = self.pool.get(m.total)
-                    r[2][:m.total] = src.reshape(-1).view(np.uint8)
-                m.reg = r
-            if isinstance(m.reg, tuple):
-                lkey, base = m.reg[1].lkey, m.reg[1].buf
+            if m.dev is not None:
+                if m.ready is not None:
+                    if not m.ready():
+                        return      # the device data is not produced yet: later, in order
+                    m.ready = None
+                base, lkey = m.dev
             else:
-                lkey, base = m.reg.mr.lkey, _addr(m.src)
+                if m.reg is None:
+                    src = m.src
+                    r = self.reg.get(src, self.access)
+                    if r is None:       # not registrable: bounce through a registered buffer
+                        r = self.pool.get(m.total)
+                        r[2][:m.total] = src.reshape(-1).view(np.uint8)
+                    m.reg = r
+                if isinstance(m.reg, tuple):
+                    lkey, base = m.reg[1].lkey, m.reg[1].buf
+                else:
+                    lkey, base = m.reg.mr.lkey, _addr(m.src)
             n = min(_MAX_WRITE, m.total - off)
             wr = SendWR(wr_id=self._wrid(_W_DATA, None), opcode=e.IBV_WR_RDMA_WRITE,
                         num_sge=1, sg=[SGE(base + off, n, lkey)],
@@ -987,6 +1072,8 @@ class VerbsTransport:
         """An RTS matched a posted receive: answer CTS with where to write."""
         if m.total == 0:
             addr, rkey = 0, 0
+        elif m.into is not None:        # GPUDirect: registered device memory
+            addr, rkey = m.into
         else:
             r = self.reg.get(m.dst, self.access) if m.dst is not None else None
             if r is not None and m.dst.flags.writeable:

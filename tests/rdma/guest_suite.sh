@@ -40,6 +40,16 @@ one)
     section sweep3 $GUEST_MPIEXEC -n 3 python3 tests/mpi_sweep.py algorithms
     section qp_error failures qp_error 2
     section kill failures kill 3
+    # device buffers over verbs on gpurt's host-memory stand-in for a GPU (no GPU here):
+    # GPUDirect RDMA (device memory registered with the HCA; the stand-in's is host memory,
+    # which rxe can register) and, with GPURT_IB_GDR=0, pinned host staging
+    export GPURT_DEVICE_BACKEND=standin
+    section dev_gdr2 env GPURT_IB_GDR=1 GPURT_STANDIN_DELAY_US=50 $GUEST_MPIEXEC -n 2 \
+        python3 tests/device_cases.py endpoints=verbs+gdr streams reuse alloc inflight order errors
+    section dev_sweep_gdr2 env GPURT_IB_GDR=1 $GUEST_MPIEXEC -n 2 \
+        python3 tests/mpi_sweep.py --device standin algorithms
+    section dev_sweep_staged2 env GPURT_IB_GDR=0 GPURT_DEVICE_STAGE=64K $GUEST_MPIEXEC -n 2 \
+        python3 tests/device_cases.py endpoints=verbs+staged streams reuse order
     ;;
 two)
     # rxe between two TCG guests: ~13 MB/s, a few ms per round trip (the tuner's constants
@@ -48,6 +58,10 @@ two)
     section multinode $GUEST_MPIEXEC -n 4 -ppn 2 python3 tests/multinode_check.py 2 sweep
     section cases_2x2 env GPURT_TRANSPORTS=verbs $GUEST_MPIEXEC -n 4 -ppn 2 \
         python3 tests/rdma/verbs_cases.py
+    # stand-in device buffers: cuda_ipc inside a guest, GPUDirect RDMA over verbs between
+    section dev_2x2 env GPURT_DEVICE_BACKEND=standin GPURT_IB_GDR=1 $GUEST_MPIEXEC -n 4 \
+        -ppn 2 python3 tests/device_cases.py endpoints=cuda_ipc,verbs+gdr streams reuse alloc \
+        order errors
     ;;
 *)
     echo "usage: guest_suite.sh one|two" >&2; exit 2;;
