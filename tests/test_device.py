@@ -192,3 +192,56 @@ def test_standin_leaves_no_files(standin):
     import gc
     gc.collect()
     assert len(os.listdir("/proc/self/fd")) <= fd_count - 1
+
+
+EXITED_PEER = """
+import os, sys, time
+import numpy as np, gpurt
+from gpurt import device_standin as si
+outdir = sys.argv[1]
+c = gpurt.init()
+def report(text):   # one file per rank: the launcher interleaves stdout
+    with open(os.path.join(outdir, f"rank{c.rank}"), "w") as f:
+        f.write(text)
+x = si.asarray(np.ones(1 << 18, np.float32))
+for i in range(3):
+    c.allreduce(x)
+if c.rank == 1:
+    os._exit(3)     # gone without a word, between two device collectives (hydra would
+                    # take the whole job down at once if its child died of a signal)
+t = time.monotonic()
+try:
+    for i in range(50):
+        c.allreduce(x, timeout=60)
+    report(f"rank {c.rank}: no failure")
+except gpurt.PeerFailure as e:
+    report(f"rank {c.rank}: PeerFailure rank={e.rank} after {time.monotonic() - t:.2f}s: {e}")
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("path", ["cuda_ipc", "staged"])
+def test_exited_peer_during_device_calls_is_a_peer_failure(path, tmp_path):
+    """A rank that exits between device allreduces (the launcher's clean-up off): both
+    survivors raise PeerFailure(rank=1) within a second, over cuda_ipc (acknowledgement
+    words) and over staging; no gpurt file is left in /dev/shm."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT, gpurt_shm_files, mpiexec
+
+    if not is_hydra():
+        pytest.skip("uses MPICH hydra's -disable-auto-cleanup; this launcher is not hydra")
+    env = dict(os.environ, **STANDIN, GPURT_TIMEOUT="60")
+    if path == "staged":
+        env.update(GPURT_STANDIN_DEVICES="3", GPURT_STANDIN_P2P="0")
+    before = set(gpurt_shm_files())
+    proc = subprocess.run([mpiexec(), "-disable-auto-cleanup", "-n", "3", sys.executable,
+                           "-c", EXITED_PEER, str(tmp_path)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    got = {f.name: f.read_text() for f in tmp_path.iterdir()}
+    for r in (0, 2):
+        text = got.get(f"rank{r}", "")
+        assert "PeerFailure rank=1 " in text, (got, proc.stdout[-3000:], proc.stderr[-3000:])
+        assert float(text.split(" after ")[1].split("s:")[0]) < 1.0, text
+    assert set(gpurt_shm_files()) - before == set()
