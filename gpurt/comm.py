@@ -105,6 +105,7 @@ class Communicator:
         self._transports: list = []
         self.dev, self.dev_why, self.dev_endpoints, self.dev_ipc = None, "not set up", {}, None
         self._devtuner = self._devtmp = self._devlast = None
+        self._devretired: list = []     # outgrown device scratch, until its event fires
         self.mpi = mpi_comm if _owned else mpi_comm.Dup()
         self.rank: int = self.mpi.Get_rank()
         self.size: int = self.mpi.Get_size()
@@ -467,12 +468,23 @@ class Communicator:
     def _dev_view(self, b: Buf | None, dtype: np.dtype):
         be = self.dev
         if b is None or not b.nbytes:
-            return be.typed(self._dev_scratch(0), dtype)
+            return be.typed(self._dev_scratch(0, None), dtype)
         return be.typed(be.view(b.ptr, b.nbytes, b.owner), dtype)
 
-    def _dev_scratch(self, nbytes: int):
+    def _dev_scratch(self, nbytes: int, stream):
+        """The communicator's device scratch, grown to ``nbytes``, allocated for use on
+        ``stream``.  An outgrown one is kept until an event recorded on ``stream`` —
+        which already waits for the previous call's end — has fired: kernels of earlier
+        calls may still read it."""
+        be = self.dev
+        if self._devretired:
+            self._devretired = [(v, ev) for v, ev in self._devretired if not be.query(ev)]
         if self._devtmp is None or self._devtmp.nbytes < nbytes:
-            self._devtmp = self.dev.alloc(1 << max(12, (max(nbytes, 1) - 1).bit_length()))
+            if self._devtmp is not None and stream is not None:
+                ev = be.event(False)
+                be.record(ev, stream)
+                self._devretired.append((self._devtmp, ev))
+            self._devtmp = be.alloc(1 << max(12, (max(nbytes, 1) - 1).bit_length()), stream)
         return self._devtmp[:nbytes]
 
     def _submit_device(self, coll: str, xb: Buf | None, ob: Buf | None, n: int,
@@ -486,8 +498,8 @@ class Communicator:
         b = xb if xb is not None else ob
         try:
             st = devpath.stream_of(be, stream, b)
-        except TypeError as e:
-            raise TypeError(_prefix(self.rank, e)) from None
+        except (TypeError, ValueError) as e:
+            raise type(e)(_prefix(self.rank, e)) from None
         try:
             alg, sched = self._dev_tuner().plan(coll, n, dtype.itemsize, root, algo)
         except ValueError as e:
@@ -508,7 +520,7 @@ class Communicator:
             bufs = {"in": self._dev_view(xb, dtype), "out": self._dev_view(ob, dtype)}
             if alias:
                 bufs["in"] = bufs["out"]
-            bufs["tmp"] = be.typed(self._dev_scratch(sched.tmp * dtype.itemsize), dtype)
+            bufs["tmp"] = be.typed(self._dev_scratch(sched.tmp * dtype.itemsize, st), dtype)
             return _Run(sched, bufs, alias, None, self.dev_endpoints, 0, seq, sig, dev=ctx,
                         dtype=dtype)
 
@@ -976,8 +988,8 @@ class Communicator:
             be = self.dev
             try:
                 st = devpath.stream_of(be, stream, b)
-            except TypeError as e:
-                raise TypeError(_prefix(self.rank, e)) from None
+            except (TypeError, ValueError) as e:
+                raise type(e)(_prefix(self.rank, e)) from None
             if peer not in self.dev_endpoints:
                 raise TypeError(f"rank {self.rank}: {kind} of a device buffer to rank {peer}, "
                                 f"which has no device backend")
@@ -988,6 +1000,11 @@ class Communicator:
                 raise ValueError(f"rank {self.rank}: stream= is for device buffers")
             arr, empty = b.array.view(b.dtype), np.empty(0, b.dtype)
             ctx, eps = None, self.endpoints
+            dev_ep = self.dev_endpoints.get(peer)
+            if kind == "send" and dev_ep is not None and dev_ep.transport != "cuda_ipc":
+                # behind staged device sends to that peer still waiting for their copies
+                from gpurt.transports.cuda_ipc import HostInOrder
+                eps = {peer: HostInOrder(dev_ep, self.endpoints[peer])}
         bufs = {"in": arr, "out": empty, "tmp": empty} if kind == "send" else \
                {"in": empty, "out": arr, "tmp": empty}
 
@@ -1083,6 +1100,7 @@ class Communicator:
         if ipc is not None:
             ipc.close()
         self.dev_endpoints, self._devtmp, self._devlast = {}, None, None
+        self._devretired = []
         for t in self._transports:
             try:
                 t.close()

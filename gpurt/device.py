@@ -37,9 +37,14 @@ Interface (all methods; errors are raised as ``gpurt.errors.TransportError`` or
   ipc_handle(base) -> bytes              a handle another process can open
   ipc_open(handle) -> int                base address of that allocation in this process
   ipc_close(base)
+  alloc_id(ptr) -> int                   the allocation's unique id (CUDA's BUFFER_ID): a new
+                                         allocation at a freed one's address differs
+  gdr_prepare(view)                      memory the NIC will access (SYNC_MEMOPS)
   view(ptr, nbytes, owner) -> view       a uint8 view over raw device memory (owner kept alive)
   ptr(view) -> int                       the address of a view's first byte
-  alloc(nbytes) -> view                  scratch device memory (freed with the view)
+  alloc(nbytes, stream=None) -> view     scratch device memory for use on ``stream`` (CuPy's
+                                         pool is stream-ordered; freed with the view: keep
+                                         it until an event after its last use has fired)
   empty(shape, dtype, like) -> object    a user-facing array of ``like``'s kind (CuPy array,
                                          torch tensor, stand-in array) for ``out=None``
   pinned(nbytes) -> numpy uint8 array    page-locked host memory (staging)

@@ -22,6 +22,7 @@ hand the bytes to the next allocation on the same stream at once).
 from __future__ import annotations
 
 import ctypes
+import logging
 import threading
 from typing import Any
 
@@ -29,6 +30,8 @@ import numpy as np
 
 from .errors import ResourceError, TransportError
 from .ops import BFLOAT16, Op
+
+log = logging.getLogger("gpurt.device")
 
 _U8 = np.dtype(np.uint8)
 _U16 = np.dtype(np.uint16)
@@ -116,6 +119,10 @@ class _Driver:
         if self.get_uuid is not None:
             self.get_uuid.argtypes = [ctypes.c_char * 16, c_int]
             self.get_uuid.restype = c_int
+        lib.cuPointerGetAttribute.argtypes = [ctypes.c_void_p, c_int, c_u64]
+        lib.cuPointerGetAttribute.restype = c_int
+        lib.cuPointerSetAttribute.argtypes = [ctypes.c_void_p, c_int, c_u64]
+        lib.cuPointerSetAttribute.restype = c_int
         # CUDA >= 11.3: make the NIC's GPUDirect RDMA writes visible to later kernels
         self.flush = getattr(lib, "cuFlushGPUDirectRDMAWrites", None)
         if self.flush is not None:
@@ -142,6 +149,19 @@ class _Driver:
         self.check(self.lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size),
                                                     ptr), "cuMemGetAddressRange")
         return int(base.value), int(size.value)
+
+    def buffer_id(self, ptr: int) -> int:
+        """CU_POINTER_ATTRIBUTE_BUFFER_ID (18): unique per allocation in the process."""
+        v = ctypes.c_uint64()
+        self.check(self.lib.cuPointerGetAttribute(ctypes.byref(v), 18, ptr),
+                   "cuPointerGetAttribute(BUFFER_ID)")
+        return int(v.value)
+
+    def sync_memops(self, ptr: int) -> None:
+        """CU_POINTER_ATTRIBUTE_SYNC_MEMOPS (6) = 1 on the allocation at ``ptr``."""
+        one = ctypes.c_uint(1)
+        self.check(self.lib.cuPointerSetAttribute(ctypes.byref(one), 6, ptr),
+                   "cuPointerSetAttribute(SYNC_MEMOPS)")
 
     def uuid(self, ordinal: int) -> str | None:
         if self.get_uuid is None:
@@ -293,6 +313,7 @@ class CudaBackend:
         self._rt = cupy.cuda.runtime
         self._streams: dict = {}
         self._uuids: dict[int, str] = {}
+        self._no_flush = False
         self._ctx_ok = threading.local()
         try:
             self._device = self._rt.getDevice()
@@ -317,11 +338,18 @@ class CudaBackend:
         key = (handle, self._device)
         s = self._streams.get(key)
         if s is None:
-            ext = self._cp.cuda.ExternalStream
-            try:
-                s = ext(handle, self._device)
-            except TypeError:      # CuPy < 12: no device_id argument
-                s = ext(handle)
+            from_external = getattr(self._cp.cuda.Stream, "from_external", None)
+            if from_external is not None:      # CuPy >= 14 (ExternalStream deprecated)
+                try:
+                    s = from_external(handle, device_id=self._device)
+                except TypeError:
+                    s = None
+            if s is None:
+                ext = self._cp.cuda.ExternalStream
+                try:
+                    s = ext(handle, self._device)
+                except TypeError:      # CuPy < 12: no device_id argument
+                    s = ext(handle)
             if len(self._streams) > 256:
                 self._streams.clear()
             self._streams[key] = s
@@ -403,9 +431,23 @@ class CudaBackend:
         try:
             return bytes(self._rt.ipcGetMemHandle(int(base)))
         except Exception as e:  # noqa: BLE001
+            err = _translate("cudaIpcGetMemHandle", e)
+            if isinstance(err, TransportError):   # e.g. cudaMallocAsync / cuMemCreate memory
+                raise TransportError(
+                    f"{err}: this memory cannot be shared by CUDA IPC (it comes from a "
+                    f"stream-ordered pool (cudaMallocAsync, CuPy's MemoryAsyncPool), "
+                    f"PyTorch's expandable_segments, or managed memory); use CuPy's default "
+                    f"pool / PyTorch's caching allocator without expandable segments, or set "
+                    f"GPURT_TRANSPORTS without cuda_ipc (e.g. shm,verbs,tcp) to stage "
+                    f"device buffers through host memory") from None
             _reraise("cudaIpcGetMemHandle", e)
         finally:
             self._leave(prev)
+
+    def alloc_id(self, ptr: int) -> int:
+        """The allocation's unique id (CU_POINTER_ATTRIBUTE_BUFFER_ID): a handle of a new
+        allocation at a freed one's address is told apart by it."""
+        return _driver().buffer_id(int(ptr))
 
     def ipc_open(self, handle: bytes) -> int:
         prev = self._enter()
@@ -431,9 +473,10 @@ class CudaBackend:
         cp = self._cp
         ptr, nbytes = int(ptr), int(nbytes)
         try:
-            # the device that holds the bytes (a peer's, for opened IPC memory); CuPy looks
-            # it up from the pointer when told -1
-            mem = cp.cuda.UnownedMemory(ptr, nbytes, owner, -1 if ptr else self._device)
+            # the bound device: user buffers live there (checked), and IPC-opened memory of a
+            # peer GPU is mapped into this device's context (lazy peer access) — telling
+            # CuPy the peer's id would make every kernel re-check peer access
+            mem = cp.cuda.UnownedMemory(ptr, nbytes, owner, self._device)
             return cp.ndarray((nbytes,), _U8, cp.cuda.MemoryPointer(mem, 0))
         except Exception as e:  # noqa: BLE001
             _reraise("view (cudaPointerGetAttributes)", e)
@@ -448,9 +491,14 @@ class CudaBackend:
             dtype = _U16
         return v if v.dtype == dtype else v.view(dtype)
 
-    def alloc(self, nbytes: int):
+    def alloc(self, nbytes: int, stream=None):
+        """Scratch from CuPy's pool, taken for ``stream`` (the pool is stream-ordered: a
+        block freed on another stream may still have pending kernels there)."""
         prev = self._enter()
         try:
+            if stream is not None:
+                with self._stream(int(stream)):
+                    return self._cp.empty((int(nbytes),), dtype=_U8)
             return self._cp.empty((int(nbytes),), dtype=_U8)
         except Exception as e:  # noqa: BLE001
             _reraise(f"alloc({nbytes})", e)
@@ -650,15 +698,28 @@ class CudaBackend:
     def rdma_flush(self) -> None:
         """After a GPUDirect RDMA write into this device's memory has landed (the NIC said
         so), before a kernel reads it: cuFlushGPUDirectRDMAWrites(current context, to the
-        owner) — NCCL's flush.  A no-op on drivers without it (CUDA < 11.3)."""
+        owner) — NCCL's flush.  Skipped (once warned) where the driver lacks it (CUDA <
+        11.3) or the device refuses it."""
         drv = _driver()
-        if drv.flush is None:
+        if drv.flush is None or self._no_flush:
             return
         prev = self._enter()
         try:
             drv.check(drv.flush(0, 100), "cuFlushGPUDirectRDMAWrites")
+        except TransportError as e:
+            self._no_flush = True
+            log.warning("gpurt: %s; GPUDirect RDMA writes are consumed without a flush", e)
         finally:
             self._leave(prev)
+
+    def gdr_prepare(self, v) -> None:
+        """Memory the NIC will read or write (GPUDirect RDMA): CU_POINTER_ATTRIBUTE_
+        SYNC_MEMOPS, as NVIDIA's GPUDirect RDMA guide asks (synchronous memory operations
+        on it are then ordered with the NIC's accesses)."""
+        try:
+            _driver().sync_memops(int(v.data.ptr))
+        except TransportError as e:
+            log.warning("gpurt: %s", e)
 
     def synchronize(self, stream) -> None:
         prev = self._enter()

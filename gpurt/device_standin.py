@@ -516,7 +516,7 @@ class StandinBackend:
     def typed(self, v: View, dtype) -> View:
         return v.view(dtype)
 
-    def alloc(self, nbytes: int) -> View:
+    def alloc(self, nbytes: int, stream=None) -> View:
         a = _Alloc(nbytes, StandinBackend._device)
         return View(a.map.base, nbytes, _U8, a)
 
@@ -639,6 +639,12 @@ class StandinBackend:
 
     def rdma_flush(self) -> None:
         """GPUDirect RDMA writes land in host memory here: nothing to flush."""
+
+    def gdr_prepare(self, v: View) -> None:
+        """Nothing to set on host memory."""
+
+    def alloc_id(self, ptr: int) -> int:
+        return _lookup(ptr).serial
 
     @staticmethod
     def synchronize_stream(stream) -> None:

@@ -74,6 +74,15 @@ def stream_of(be, stream: Any, buf) -> int:
     ``.cuda_stream``), else the buffer's ``__cuda_array_interface__`` stream, else — for a
     PyTorch tensor — PyTorch's current stream on its device, else the backend's (CuPy's)
     current stream."""
+    s = _resolve(be, stream, buf)
+    if s == 2:
+        raise ValueError("the per-thread default stream (handle 2) cannot order gpurt's work "
+                         "(gpurt may drive a call from another thread's wait()): pass "
+                         "stream= a created stream")
+    return s
+
+
+def _resolve(be, stream: Any, buf) -> int:
     buf_stream = buf.stream
     if stream is None and buf_stream is None and \
             (type(buf.owner).__module__ or "").startswith("torch"):
@@ -127,49 +136,59 @@ def setup(comm) -> None:
         else:
             mine = (False, why, "", -1, False)
     every = comm.mpi.allgather(mine)
+    # second exchange, on every rank (with or without a device: both are collective):
+    # whether it still has a device, and whom it can map (P2P or the same GPU, and
+    # cuda_ipc allowed here); rank 0's cost constants
+    from gpurt.algorithms import Cost
+    from gpurt.transports import device_ipc_enabled
+    from gpurt.tuner import transport_cost
+
+    shm = comm._shm()
+    ipc_here = shm is not None and shm.seg is not None and device_ipc_enabled()
+    row = [False] * comm.size
+    if mine[0]:
+        try:
+            # the peer's GPU in this process's numbering (CUDA_VISIBLE_DEVICES may differ)
+            ordinal = {}
+            for i in range(be.count()):
+                try:
+                    ordinal.setdefault(be.uuid(i), i)
+                except Exception:  # noqa: BLE001 - an unreadable device is not a peer
+                    pass
+            for p, (pok, _, uuid, _d, _g) in enumerate(every):
+                if not ipc_here or not pok or p == comm.rank or \
+                        comm.topo.node_of[p] != comm.node:
+                    continue
+                if uuid == mine[2]:
+                    row[p] = True
+                else:
+                    o = ordinal.get(uuid)
+                    row[p] = o is not None and bool(be.can_access_peer(mine[3], o))
+        except Exception as e:  # noqa: BLE001 - this rank then has no device path
+            mine = (False, f"{type(e).__name__}: {e}", "", -1, False)
+            row = [False] * comm.size
+    every_row = comm.mpi.allgather((mine[0], row,
+                                    transport_cost("cuda_ipc") if comm.rank == 0 else None))
     comm.dev_why = mine[1]
     if not mine[0]:
         return
-    comm.dev = be
-    # P2P: the peer's GPU in this process's numbering (CUDA_VISIBLE_DEVICES may differ)
-    ordinal = {}
-    for i in range(be.count()):
-        try:
-            ordinal.setdefault(be.uuid(i), i)
-        except Exception:  # noqa: BLE001 - an unreadable device is not a peer
-            pass
-    row = []
-    for p, (pok, _, uuid, _d, _g) in enumerate(every):
-        if not pok or p == comm.rank or comm.topo.node_of[p] != comm.node:
-            row.append(False)
-        elif uuid == mine[2]:
-            row.append(True)
-        else:
-            o = ordinal.get(uuid)
-            row.append(o is not None and be.can_access_peer(mine[3], o))
-    from gpurt.algorithms import Cost
-    from gpurt.tuner import transport_cost
-
-    every_row = comm.mpi.allgather((row, transport_cost("cuda_ipc") if comm.rank == 0 else None))
-    rows = [r for r, _ in every_row]
-    ipc_cost = every_row[0][1]        # rank 0's: every rank must cost calls alike
-    shm = comm._shm()
+    have = [h for h, _, _ in every_row]
+    rows = [r for _, r, _ in every_row]
+    ipc_cost = every_row[0][2]        # rank 0's: every rank must cost calls alike
     from gpurt.transports.cuda_ipc import (CudaIpcTransport, GdrEndpoint, StagedEndpoint,
                                            _Events, _Pinned)
 
-    from gpurt.transports import device_ipc_enabled
-
-    ipc = CudaIpcTransport(be, shm, comm.rank) if shm is not None and shm.seg is not None \
-        and device_ipc_enabled() else None
+    comm.dev = be
+    ipc = CudaIpcTransport(be, shm, comm.rank) if ipc_here else None
     events, pool = _Events(be), _Pinned(be)
     comm.dev_ipc = ipc
     comm.dev_peers = every
     # the device tuner's constants: cuda_ipc inside nodes whose ranks all map each other's
     # memory, else what the host transports cost (staged); between nodes, the network's
     cost, levels = comm._tuner_in[0], dict(comm._tuner_in[1])
-    node_ipc = ipc is not None and all(
-        rows[a][b] for a in range(comm.size) for b in range(comm.size)
-        if a != b and comm.topo.node_of[a] == comm.topo.node_of[b])
+    node_ipc = all(rows[a][b] and rows[b][a] for a in range(comm.size)
+                   for b in range(comm.size)
+                   if a != b and comm.topo.node_of[a] == comm.topo.node_of[b])
     if node_ipc:
         # ranks sharing a GPU share its memory bandwidth (their kernels take turns)
         share = max(Counter(u for ok_, _, u, _d, _g in every if ok_).values())
@@ -179,7 +198,7 @@ def setup(comm) -> None:
             cost = levels["net"] = ipc_cost
     comm._dev_costs = (cost, levels)
     for p, ep in comm.endpoints.items():
-        if not every[p][0]:
+        if not have[p]:
             continue          # that rank has no device: its device calls raise there
         shm_ep = shm.endpoints.get(p) if shm is not None else None
         if ipc is not None and shm_ep is not None and ep is shm_ep and rows[comm.rank][p] \

@@ -177,6 +177,21 @@ def case_order(comm) -> None:
     for q in (r2, r1, q2, q1):
         q.wait(timeout=60)
     assert (o1.get() == src + 1).all() and (o2.get() == 100 + src).all()
+    # a small device message on a busy stream, then a large one (over verbs: staged, then
+    # GPUDirect), then a host message: still in call order
+    small = si.zeros(1000, np.float32, stream=s1.ptr)
+    for i in range(30):
+        si.fill(small, float(r + 7))
+    large = si.asarray(np.full(8192, 200.0 + r, np.float32), stream=s2.ptr)
+    host = np.full(16, 300.0 + r, np.float32)
+    qs = [comm.isend(small, peer, tag=3), comm.isend(large, peer, tag=4),
+          comm.isend(host, peer, tag=5)]
+    o3, o4, o5 = si.zeros(1000, np.float32), si.zeros(8192, np.float32), np.zeros(16, np.float32)
+    rs = [comm.irecv(o3, src, tag=3), comm.irecv(o4, src, tag=4), comm.irecv(o5, src, tag=5)]
+    for q in rs + qs:
+        q.wait(timeout=60)
+    assert (o3.get() == src + 7).all() and (o4.get() == 200 + src).all() and \
+        (o5 == 300 + src).all()
 
 
 def case_errors(comm) -> None:
@@ -188,8 +203,9 @@ def case_errors(comm) -> None:
                   "stream= on host", "stream=")
     # x on the device, out on the host
     expect_raises(TypeError, lambda: comm.allreduce(dev, host), "mixed x/out", "host")
-    # a bad stream object
+    # a bad stream object; the per-thread default stream
     expect_raises(TypeError, lambda: comm.allreduce(dev, stream="fast"), "bad stream", "stream")
+    expect_raises(ValueError, lambda: comm.allreduce(dev, stream=2), "stream 2", "per-thread")
     # ranks mixing host and device memory in one call: every rank raises, naming both
     if p > 1:
         c = comm.dup()
@@ -225,6 +241,23 @@ def case_otherdevice(comm) -> None:
     expect_raises(ValueError, lambda: comm.allreduce(a), "other device",
                   f"is on device {other}")
     comm.barrier()
+
+
+def case_mixed(comm) -> None:
+    """Rank 0 without a device backend (MPMD launch), the others with the stand-in: the
+    communicator comes up, host calls work, a device call fails on every rank."""
+    r, p = comm.rank, comm.size
+    assert (comm.dev is None) == (r == 0), (r, comm.dev, comm.dev_why)
+    x = np.ones(4, np.float32)
+    comm.allreduce(x)
+    assert (x == p).all()
+    d = si.asarray(np.ones(4, np.float32))
+    if r == 0:
+        expect_raises(TypeError, lambda: comm.allreduce(d, timeout=30), "no backend here",
+                      "no device backend")
+    else:
+        expect_raises(GpurtError, lambda: comm.allreduce(d, timeout=30),
+                      "a peer without a device", "rank 0")
 
 
 def case_nobackend(comm) -> None:

@@ -96,6 +96,24 @@ def test_transports_without_cuda_ipc_stage_everything():
     assert "ok on 3 ranks" in out, out
 
 
+@pytest.mark.skipif(not is_hydra(), reason="an MPMD launch with per-rank -env (hydra)")
+def test_ranks_with_and_without_a_device_backend():
+    """One rank without a device backend: no hang at creation (both set-up exchanges
+    are made by every rank), host calls work, a device call fails on every rank."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT, mpiexec
+
+    env = dict(os.environ, GPURT_TIMEOUT="60")
+    cmd = [mpiexec(), "-n", "1", "-env", "GPURT_DEVICE_BACKEND", "none", sys.executable,
+           "tests/device_cases.py", "mixed", ":", "-n", "2", "-env", "GPURT_DEVICE_BACKEND",
+           "standin", sys.executable, "tests/device_cases.py", "mixed"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "mixed ok on 3 ranks" in proc.stdout, \
+        (proc.stdout[-3000:], proc.stderr[-3000:])
+
+
 def test_no_backend_is_a_clear_error():
     out = run_mpi(2, ["tests/device_cases.py", "nobackend"],
                   env={"GPURT_DEVICE_BACKEND": "none"}).stdout

@@ -44,10 +44,12 @@ from gpurt.errors import CollectiveMismatchError
 
 from .base import LANE_COLL, LANES, mismatch_detail
 
-_DESC = struct.Struct("<8sQQQq64s64s")   # magic, nbytes, offset, seq, device, mem, event
+_DESC = struct.Struct("<8sQQQqQ64s64s")  # magic, nbytes, offset, seq, device, allocation id,
+                                         # mem handle, event handle
 _MAGIC = b"gpurtDV1"
 _NAK = 1 << 63
-_OPEN_MAX = 256        # opened peer allocations kept (LRU)
+_OPEN_MAX = 64         # opened peer allocations kept (LRU; an opened one stays mapped, so
+                       # memory its owner freed is held until it is closed)
 _U8 = np.dtype(np.uint8)
 
 
@@ -81,18 +83,24 @@ class CudaIpcTransport:
         self.endpoints[peer] = ep
         return ep
 
-    def open(self, handle: bytes) -> list:
-        ent = self.opened.get(handle)
+    def open(self, handle: bytes, aid: int) -> list:
+        """The peer allocation of ``handle`` mapped here, cached by (handle, allocation id):
+        a new allocation at a freed one's address is a new entry, never the stale one."""
+        key = handle + aid.to_bytes(8, "little")
+        ent = self.opened.get(key)
         if ent is not None:
-            self.opened.move_to_end(handle)
+            self.opened.move_to_end(key)
             return ent
+        stale = [k for k, e in self.opened.items() if k[:-8] == handle and e[1] == 0]
+        for k in stale:          # the same handle for an allocation since freed: close it
+            self.be.ipc_close(self.opened.pop(k)[0])
         if len(self.opened) >= _OPEN_MAX:
             for h, e in list(self.opened.items()):
                 if e[1] == 0:
                     del self.opened[h]
                     self.be.ipc_close(e[0])
                     break
-        ent = self.opened[handle] = [self.be.ipc_open(handle), 0]
+        ent = self.opened[key] = [self.be.ipc_open(handle), 0]
         return ent
 
     def peer_event(self, handle: bytes):
@@ -127,6 +135,7 @@ class IpcEndpoint:
         self.got = [0] * LANES            # communicator's own, so counts start at 0)
         self.finished: list[set] = [set() for _ in range(LANES)]
         self.acked_upto = [0] * LANES
+        self.refused = [False] * LANES    # a refusal stays: nothing on the lane counts after
         self.free_evs: list = []          # interprocess events not in use by a message
 
     def check(self) -> None:
@@ -145,6 +154,8 @@ class IpcEndpoint:
 
     def finish(self, lane: int, seq: int) -> None:
         """Acknowledge in order: the word says 'all messages up to n are read'."""
+        if self.refused[lane]:
+            return
         done = self.finished[lane]
         done.add(seq)
         n = self.acked_upto[lane]
@@ -156,6 +167,7 @@ class IpcEndpoint:
             self.q[self.ack_rx[lane]] = n
 
     def refuse(self, lane: int, seq: int) -> None:
+        self.refused[lane] = True
         self.q[self.ack_rx[lane]] = seq | _NAK
 
 
@@ -177,17 +189,20 @@ class _IpcSend:
         nbytes = self.src.nbytes
         if nbytes:
             base, _size = be.address_range(ptr)
-            mem = be.ipc_handle(base)
+            mem, aid = be.ipc_handle(base), be.alloc_id(base)
         else:
-            base, mem = ptr, b""
+            base, mem, aid = ptr, b"", 0
         # an event no unacknowledged message uses: the peer may still wait on those
         ev = self.ev = ep.free_evs.pop() if ep.free_evs else be.event(True)
         be.record(ev, self.stream)
-        desc = _DESC.pack(_MAGIC, nbytes, ptr - base, self.seq, be.current(), mem, ev.handle)
+        desc = _DESC.pack(_MAGIC, nbytes, ptr - base, self.seq, be.current(), aid, mem,
+                          ev.handle)
         self.msg = ep.shm_ep.send(np.frombuffer(desc, _U8), self.lane, self.tag, self.sig)
 
     def _refused(self, word: int) -> None:
-        if word & _NAK and (word & ~_NAK) <= self.seq:
+        """A refusal on the lane fails every send not yet acknowledged: the receiver's
+        side of the lane is out of step from that message on."""
+        if word & _NAK:
             what = "collective call #" if self.lane == LANE_COLL else "tag "
             raise CollectiveMismatchError(
                 f"rank {self.ep.owner.rank}: rank {self.peer} refused this rank's device "
@@ -201,7 +216,7 @@ class _IpcSend:
             return False
         word = self.ep.acked(self.lane)
         self._refused(word)
-        if (word & ~_NAK) >= self.seq:
+        if word >= self.seq:
             self.ep.free_evs.append(self.ev)
             self.done, self.src, self.ev = True, None, None
         return self.done
@@ -224,7 +239,7 @@ class _IpcRecv:
 
     def _post(self) -> None:
         ep, be = self.ep, self.ep.be
-        magic, nbytes, off, seq, _dev, mem, evh = _DESC.unpack(self.raw.tobytes())
+        magic, nbytes, off, seq, _dev, aid, mem, evh = _DESC.unpack(self.raw.tobytes())
         if magic != _MAGIC or seq != self.seq:
             ep.refuse(self.lane, self.seq)
             raise CollectiveMismatchError(
@@ -238,7 +253,7 @@ class _IpcRecv:
                 f"rank {ep.owner.rank}: device message from rank {self.peer} does not match "
                 f"the receive posted for it: {detail} (cuda_ipc)")
         if nbytes:
-            self.ent = ent = ep.owner.open(mem)
+            self.ent = ent = ep.owner.open(mem, aid)
             ent[1] += 1
             be.wait_event(self.stream, ep.owner.peer_event(evh))
             self.sink(0, be.view(ent[0] + off, nbytes, ep.owner))
@@ -281,10 +296,10 @@ class _Pinned:
     def put_host(self, buf, c: int) -> None:
         self.host.setdefault(c, []).append(buf)
 
-    def get_dev(self, n: int):
+    def get_dev(self, n: int, stream=None):
         c = self._cls(n)
         lst = self.dev.get(c)
-        return (lst.pop() if lst else self.be.alloc(c)), c
+        return (lst.pop() if lst else self.be.alloc(c, stream)), c
 
     def put_dev(self, buf, c: int) -> None:
         self.dev.setdefault(c, []).append(buf)
@@ -297,7 +312,8 @@ class StagedEndpoint:
         self.host_ep, self.be, self.events, self.pool = host_ep, be, events, pool
         self.peer = host_ep.peer
         self.transport = f"{host_ep.transport}+staged"
-        self.chunk = max(4096, int(config.get("GPURT_DEVICE_STAGE")))
+        # whole 64-byte units: a chunk never splits an element
+        self.chunk = max(4096, int(config.get("GPURT_DEVICE_STAGE"))) // 64 * 64
         # sends whose chunks are not all handed to the host endpoint yet, per lane: chunks
         # go out in call order (a later send's copy may finish first, on another stream)
         self.outq: list[deque] = [deque() for _ in range(LANES)]
@@ -308,9 +324,16 @@ class StagedEndpoint:
         while q:
             head = q[0]
             head.post_ready()
-            if len(head.msgs) < len(head.spans):
+            if not head.all_posted():
                 return
             q.popleft()
+
+    def ordered(self, lane: int, start):
+        """Start another kind of send to this peer (a host message, a GPUDirect RTS) in
+        call order with the staged ones: at once if none waits, else behind them."""
+        if not self.outq[lane]:
+            return start()
+        return _Later(self, lane, start)
 
     def check(self) -> None:
         self.host_ep.check()
@@ -349,6 +372,9 @@ class _StagedSend:
         ep.outq[lane].append(self)
         ep.pump(lane)
 
+    def all_posted(self) -> bool:
+        return len(self.msgs) == len(self.spans)
+
     def post_ready(self) -> None:
         ep = self.ep
         while len(self.msgs) < len(self.spans) and ep.be.query(self.evs[len(self.msgs)]):
@@ -370,6 +396,49 @@ class _StagedSend:
         return True
 
 
+class _Later:
+    """A send waiting behind earlier staged sends on its lane; started by ``pump``."""
+
+    __slots__ = ("ep", "lane", "start", "inner", "peer")
+
+    def __init__(self, ep: StagedEndpoint, lane: int, start):
+        self.ep, self.lane, self.start, self.inner, self.peer = ep, lane, start, None, ep.peer
+        ep.outq[lane].append(self)
+        ep.pump(lane)
+
+    def all_posted(self) -> bool:
+        return self.inner is not None
+
+    def post_ready(self) -> None:
+        if self.inner is None:
+            self.inner, self.start = self.start(), None
+
+    def test(self) -> bool:
+        if self.inner is None:
+            self.ep.pump(self.lane)
+            if self.inner is None:
+                return False
+        return self.inner.test()
+
+
+class HostInOrder:
+    """The host endpoint to a peer that also has a staged device endpoint: host sends
+    queue behind staged device sends still waiting for their copies (order on the lane)."""
+
+    def __init__(self, dev_ep, host_ep):
+        self.staged = getattr(dev_ep, "staged", dev_ep)
+        self.host_ep, self.peer, self.transport = host_ep, host_ep.peer, host_ep.transport
+
+    def send(self, src, lane: int, tag: int, sig: int):
+        return self.staged.ordered(lane, lambda: self.host_ep.send(src, lane, tag, sig))
+
+    def recv(self, nbytes: int, sink, lane: int, tag: int, sig: int):
+        return self.host_ep.recv(nbytes, sink, lane, tag, sig)
+
+    def check(self) -> None:
+        self.host_ep.check()
+
+
 class _StagedRecv:
     __slots__ = ("ep", "spans", "host", "hcls", "dev", "dcls", "msgs", "evs", "sink", "stream",
                  "peer", "done")
@@ -378,7 +447,7 @@ class _StagedRecv:
         self.ep, self.sink, self.stream, self.peer = ep, sink, stream, ep.peer
         self.spans = ep._spans(nbytes)
         self.host, self.hcls = ep.pool.get_host(nbytes)
-        self.dev, self.dcls = ep.pool.get_dev(nbytes)
+        self.dev, self.dcls = ep.pool.get_dev(nbytes, stream)
         host = self.host
 
         def into(a):
@@ -433,13 +502,14 @@ class GdrEndpoint:
     def check(self) -> None:
         self.vep.check()
 
-    def scratch(self, n: int) -> tuple:
+    def scratch(self, n: int, stream=None) -> tuple:
         """(view, registration, size class): registered device memory, pooled."""
         c = _Pinned._cls(n)
         lst = self.free.get(c)
         if lst:
             return lst.pop()
-        v = self.be.alloc(c)
+        v = self.be.alloc(c, stream)
+        self.be.gdr_prepare(v)
         own = self.vep.owner
         reg = own.reg.get_dev(self.be.ptr(v), c, v, own.access)
         return (v, reg, c)
@@ -465,12 +535,14 @@ class _GdrSend:
         be = ep.be
         self.ep, self.peer, self.done = ep, ep.peer, False
         n = src.nbytes
-        self.item = ep.scratch(n)
-        be.copy(self.item[0][:n], src, stream)
+        self.item = ep.scratch(n, stream)
+        be.copy(self.item[0][:n], src, stream)         # at the call: stream order
         self.ev = ev = ep.events.get()
         be.record(ev, stream)
-        self.m = ep.vep.send_device(be.ptr(self.item[0]), n, self.item[1].mr.lkey,
-                                    lambda: be.query(ev), lane, tag, sig)
+        ptr, lkey = be.ptr(self.item[0]), self.item[1].mr.lkey
+        # the RTS in call order with staged (small) sends on the lane
+        self.m = ep.staged.ordered(lane, lambda: ep.vep.send_device(
+            ptr, n, lkey, lambda: be.query(ev), lane, tag, sig))
 
     def test(self) -> bool:
         if self.done:
@@ -489,7 +561,7 @@ class _GdrRecv:
     def __init__(self, ep: GdrEndpoint, nbytes, sink, lane, tag, sig, stream):
         self.ep, self.peer, self.done, self.sink, self.stream = ep, ep.peer, False, sink, stream
         self.n = nbytes
-        self.item = ep.scratch(nbytes)
+        self.item = ep.scratch(nbytes, stream)
         self.ev = None
         reg = self.item[1]
         self.m = ep.vep.recv_device(nbytes, ep.be.ptr(self.item[0]), reg.mr.rkey, lane, tag,
