@@ -449,6 +449,9 @@ class Communicator:
                 FlightRecorder.done(rec)
             return result
 
+        return self._enqueue(coll, seq, start, finish, name)
+
+    def _enqueue(self, coll: str, seq: int, start, finish, name: str) -> Request:
         req = Request(self.engine, coll, seq, start, finish)
         req.algorithm = self.last_algorithm = name
         return self.engine.submit(req)
@@ -559,9 +562,7 @@ class Communicator:
                 FlightRecorder.done(rec)
             return result
 
-        req = Request(self.engine, coll, seq, start, finish)
-        req.algorithm = self.last_algorithm = name
-        return self.engine.submit(req)
+        return self._enqueue(coll, seq, start, finish, name)
 
     def _schedule_start(self, sched, xb, ob, dtype, alias, red, seq, sig):
         empty = np.empty(0, dtype)

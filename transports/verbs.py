@@ -342,10 +342,7 @@ class RegCache:
         if r is None and n != o.nbytes:             # a whole-array registration covers it
             r = self.entries.get((id(o), _addr(o), o.nbytes, writable))
         if r is not None:
-            self.entries.move_to_end(r.key)
-            self.hits += 1
-            r.uses += 1
-            return r
+            return self._hit(r)
         self.misses += 1
         from pyverbs.mr import MR
         try:
@@ -353,9 +350,20 @@ class RegCache:
         except Exception as e:  # noqa: BLE001 - pyverbs raises its own errors
             log.debug("verbs: cannot register %d bytes at %#x: %s", n, base, e)
             return None
+        return self._keep(mr, base, n, key, o)
+
+    def _hit(self, r: _Reg) -> _Reg:
+        self.entries.move_to_end(r.key)
+        self.hits += 1
+        r.uses += 1
+        return r
+
+    def _keep(self, mr, base: int, n: int, key, owner) -> _Reg:
+        """A new registration, in use once, dropped when ``owner`` is freed (or, if it
+        cannot be weakly referenced, when its last use is put back)."""
         r = _Reg(mr, base, n, key)
         try:
-            r.fin = weakref.finalize(o, self._drop, key)
+            r.fin = weakref.finalize(owner, self._drop, key)
             r.fin.atexit = False    # at exit, close() deregisters, after BYE
         except TypeError:           # not weak-referenceable: used once, dropped after
             r.fin = None
@@ -372,10 +380,7 @@ class RegCache:
         key = ("dev", id(owner), ptr, n)
         r = self.entries.get(key)
         if r is not None:
-            self.entries.move_to_end(key)
-            self.hits += 1
-            r.uses += 1
-            return r
+            return self._hit(r)
         self.misses += 1
         from pyverbs.mr import MR
         try:
@@ -384,17 +389,7 @@ class RegCache:
             raise TransportError(f"verbs: cannot register {n} bytes of device memory at "
                                  f"{ptr:#x} for GPUDirect RDMA: {e} (is nvidia-peermem "
                                  f"loaded? GPURT_IB_GDR=0 stages through host memory)") from None
-        r = _Reg(mr, ptr, n, key)
-        try:
-            r.fin = weakref.finalize(owner, self._drop, key)
-            r.fin.atexit = False
-        except TypeError:
-            r.fin = None
-        self.entries[key] = r
-        self.bytes += n
-        r.uses += 1
-        self._trim()
-        return r
+        return self._keep(mr, ptr, n, key, owner)
 
     def put(self, r: _Reg | None) -> None:
         if r is None:
