@@ -415,12 +415,17 @@ def _bf16_apply(op: Op, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
     fb = (b.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
     with np.errstate(all="ignore"):   # a kernel overflows to inf silently
         r = _F32[op](fa, fb)
+    out.view(np.uint16)[...] = _to_bf16(r)
+
+
+def _to_bf16(r: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits, rounded to nearest even; a NaN stays a (quiet) NaN."""
     bits = r.view(np.uint32)
     rounded = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16)
     nan = np.isnan(r)
     if nan.any():
         rounded[nan] = (bits[nan] >> 16) | np.uint32(0x0040)
-    out.view(np.uint16)[...] = rounded.astype(np.uint16)
+    return rounded.astype(np.uint16)
 
 
 _F32 = {Op.SUM: np.add, Op.AVG: np.add, Op.PROD: np.multiply, Op.MIN: np.minimum,
@@ -629,9 +634,7 @@ class StandinBackend:
             a = v.view(dtype)._np()
             if BFLOAT16 is not None and dtype == BFLOAT16:
                 f = (a.view(np.uint16).astype(np.uint32) << 16).view(np.float32) / divisor
-                bits = f.view(np.uint32)
-                a.view(np.uint16)[...] = ((bits + np.uint32(0x7FFF) +
-                                           ((bits >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
+                a.view(np.uint16)[...] = _to_bf16(f)
             else:
                 np.divide(a, a.dtype.type(divisor), out=a)
 

@@ -38,9 +38,6 @@ class DevCtx:
     def u8(self, v):
         return self.be.typed(v, _U8)
 
-    def typed(self, v):
-        return self.be.typed(v, self.dtype)
-
     def copy(self, dst, src) -> None:
         if dst.nbytes:
             self.be.copy(self.u8(dst), self.u8(src), self.stream)
@@ -136,6 +133,9 @@ def setup(comm) -> None:
         else:
             mine = (False, why, "", -1, False)
     every = comm.mpi.allgather(mine)
+    if not any(e[0] for e in every):
+        comm.dev_why = mine[1]
+        return        # no rank has a device (the same verdict everywhere): no second round
     # second exchange, on every rank (with or without a device: both are collective):
     # whether it still has a device, and whom it can map (P2P or the same GPU, and
     # cuda_ipc allowed here); rank 0's cost constants
@@ -217,8 +217,3 @@ def _gdr(comm) -> bool:
         return False
     from gpurt.transports.verbs import gpudirect
     return gpudirect()[0] in ("peermem", "forced")
-
-
-def describe(comm) -> dict:
-    """Which device endpoint each peer gets (for ``gpurt info`` and tests)."""
-    return {p: getattr(ep, "transport", "?") for p, ep in comm.dev_endpoints.items()}
