@@ -82,6 +82,10 @@ VARIABLES: tuple[Var, ...] = (
     Var("GPURT_SHM_BOARD", "256K", _bytes,
         "shm: bytes per board buffer; collectives whose per-rank data fits use the one-round "
         "board protocol when all ranks share a node (0 disables it)."),
+    Var("GPURT_NATIVE", "1", _flag,
+        "shm board: run the blocking small-message round (allreduce, broadcast, barrier) "
+        "in the compiled gpurt._fastboard when it was built; 0 runs the same protocol in "
+        "Python."),
     Var("GPURT_SHM_CMA", "128K", _bytes,
         "shm: messages of at least this many bytes are read by the receiver straight from "
         "the sender's memory (process_vm_readv, one copy instead of two) where the probe at "

@@ -199,6 +199,19 @@ def main() -> None:
     """
 
 
+def _native_board() -> dict:
+    """Whether the shm board's blocking round runs compiled (gpurt._fastboard)."""
+    from gpurt import config
+    from gpurt.transports import shm_board
+
+    if shm_board.NATIVE is None:
+        return {"built": False, "in_use": False, "why": shm_board.NATIVE_WHY}
+    if not config.get("GPURT_NATIVE"):
+        return {"built": True, "in_use": False, "why": "built; off (GPURT_NATIVE=0)"}
+    return {"built": True, "in_use": True,
+            "why": "gpurt._fastboard: blocking allreduce/broadcast/barrier on the board"}
+
+
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 @click.option("--env", "show_env", is_flag=True, help="Also list every GPURT_* variable.")
@@ -222,6 +235,7 @@ def info(as_json: bool, show_env: bool) -> None:
         "device_backend": _device_backend(),
         "simulate": _simulate(),
         "transports": _transports(),
+        "native_board": _native_board(),
         "algorithms": _algorithms(),
     }
     if show_env:
@@ -258,6 +272,8 @@ def info(as_json: bool, show_env: bool) -> None:
     for t in data["transports"]:
         mark = "yes" if t["available"] else "no "
         click.echo(f"  {t['name']:<9} {mark}  {t['why']}")
+    nb = data["native_board"]
+    click.echo(f"compiled board round: {'yes' if nb['in_use'] else 'no '}  {nb['why']}")
     click.echo("algorithms (GPURT_ALGO=collective:name):")
     for coll, names in data["algorithms"].items():
         click.echo(f"  {coll:<15} {', '.join(names)}")

@@ -56,6 +56,33 @@ COLLS = ("allreduce", "reduce", "broadcast", "allgather", "reduce_scatter", "all
 _OPS = (None,) + tuple(Op)
 
 
+def _load_native():
+    """gpurt._fastboard (the compiled inline round), or None and why not."""
+    try:
+        from gpurt import _fastboard as fb
+    except ImportError as e:
+        return None, f"not built ({e}); the board runs in Python"
+    if tuple(fb.COLLS) != COLLS:
+        return None, "built from another version of gpurt (collective codes differ)"
+    probe = np.arange(3, dtype=np.float64)
+    if fb.data_address(probe) != probe.ctypes.data:
+        return None, "this NumPy's array layout is not the one it was built for"
+    return fb, ""
+
+
+NATIVE, NATIVE_WHY = _load_native()
+# element types and ops by the extension's codes (it has kernels for these)
+_NTYPES = {np.dtype(t): i for i, t in enumerate(NATIVE.TYPES)} if NATIVE else {}
+_NOPS = {Op(o): i for i, o in enumerate(NATIVE.OPS) if o} if NATIVE else {}
+if NATIVE:
+    _NOPS[Op.AVG] = _NOPS[Op.SUM]      # AVG sums; the caller divides
+
+
+def native_enabled() -> bool:
+    from gpurt import config
+    return NATIVE is not None and bool(config.get("GPURT_NATIVE"))
+
+
 def region_bytes(nlocal: int, slot: int) -> int:
     return nlocal * (CTRL + 2 * (HDR + slot) + SITES * 8 * WORDS)
 
@@ -87,6 +114,12 @@ class Board:
         self.sites = [(sites + k * SITES * 8 * WORDS) // 8 for k in range(nlocal)]
         self.published: set[int] = set()    # site ids whose text is in my table
         self.last_use = [0, 0]      # call number that last wrote my buffer b
+        # the compiled inline round over the same memory (None: Python only)
+        self.fast = NATIVE.FastBoard(u8.ctypes.data, nlocal, me, slot, self.ctrl,
+                                     [h for k in range(nlocal) for h in self.hdr[k]],
+                                     [bufs + (k * 2 + b) * (HDR + slot) + HDR
+                                      for k in range(nlocal) for b in range(2)]) \
+            if native_enabled() else None
         self._roles: dict = {}      # (coll, root) -> (writes, need)
         self._views: dict = {}      # (k, b, off, nbytes, dtype) -> typed view of a buffer
 
@@ -128,7 +161,27 @@ class Board:
             v = self._views[key] = self.data[k][b][off:off + nbytes].view(dtype)
         return v
 
+    def set_wait(self, spin: float) -> None:
+        """The compiled round's wait before it hands back to the executor's: spin ``spin``
+        seconds, then yield for up to 1 ms more."""
+        if self.fast is not None:
+            self.fast.set_wait(int(spin * 1e9), int(spin * 1e9) + 1_000_000)
+
+    def fast_plan(self, coll: str, sig: int, meta: tuple, dtype: np.dtype, n: int,
+                  op: Op | None, root: int):
+        """The extension's plan for one inline call (None when there is no extension)."""
+        if self.fast is None:
+            return None
+        writes = 0 if coll == "barrier" or (coll == "broadcast" and self.me != root) \
+            else n * dtype.itemsize
+        return self.fast.plan(COLLS.index(coll), sig, meta, n, dtype.itemsize,
+                              _NTYPES.get(dtype, -1), _NOPS.get(op, 0) if op else 0, root,
+                              writes)
+
     def close(self) -> None:
+        if self.fast is not None:
+            self.fast.close()      # the segment is about to be unmapped
+            self.fast = None
         self.data = []
         self._views = {}
 

@@ -48,7 +48,8 @@ echo "== pure Python: ${PURE[*]}"
 
 echo "== the project wheel"
 rm -f "$DEST"/gpurt-*.whl
-"${PIP[@]}" wheel --quiet --no-deps "$ROOT" -w "$DEST"
+# pure Python (no compiled board round): it must install on whatever CPython the GPU machine has
+GPURT_NO_EXTENSION=1 "${PIP[@]}" wheel --quiet --no-deps "$ROOT" -w "$DEST"
 
 echo "== sizes"
 ( cd "$DEST" && ls -l --block-size=K ./*.whl | awk '{printf "%8s  %s\n", $5, $9}' )

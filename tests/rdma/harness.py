@@ -232,7 +232,7 @@ def _copy_project(root: Path, dest: Path) -> None:
             "benchmarks", "docs", "examples"}
     shutil.copytree(root, dest, symlinks=True,
                     ignore=lambda d, names: [n for n in names if n in skip or n.endswith(
-                        (".egg-info", ".pyc"))])
+                        (".egg-info", ".pyc", ".so"))])
 
 
 def _tree_hash(top: Path) -> str:

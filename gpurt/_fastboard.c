@@ -1,0 +1,381 @@
+/* gpurt._fastboard: the shm board's blocking small-message round, compiled.
+ *
+ * The same protocol as transports/shm_board.py (read that docstring first), for the inline
+ * fast path of allreduce, broadcast and barrier: publish my contribution and header, wait
+ * for every peer's flag, compare their headers, read (copy or reduce in rank order), store
+ * `done`.  Python keeps everything that is not the common case: when a slot is not free
+ * yet, a peer is slow (longer than a short spin-then-yield budget), a header differs
+ * (Python raises the CollectiveMismatchError with the details) or the dtype/op has no
+ * kernel here, `run` returns where it stopped and BoardRun.advance finishes the call under
+ * the executor's deadlines and liveness checks.  Nothing here blocks for long, raises a
+ * collective error or decides anything the Python protocol would decide differently.
+ *
+ * Results are bitwise those of the NumPy path: out = slot0, then out = out op slot_k for
+ * k = 1..p-1, one rounding per element and step; integer sum/product wrap (computed in
+ * unsigned arithmetic); min/max pick the same operand as np.minimum/np.maximum
+ * (NaN first, then the second of two equal values: -0.0 vs 0.0).
+ *
+ * Memory order: flags are loaded with acquire and stored with release, so the protocol is
+ * correct on weakly ordered CPUs too (the Python path relies on x86 TSO).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+#include <sched.h>
+#include <time.h>
+
+/* the order of shm_board.COLLS, checked by Python at import */
+enum { C_ALLREDUCE, C_REDUCE, C_BROADCAST, C_ALLGATHER, C_REDUCE_SCATTER, C_ALLTOALL,
+       C_GATHER, C_SCATTER, C_BARRIER };
+/* reduction ops (AVG reduces with SUM; Python divides afterwards) */
+enum { O_NONE, O_SUM, O_PROD, O_MIN, O_MAX, O_BAND, O_BOR, O_BXOR };
+/* element types with kernels here; anything else reduces in Python */
+enum { T_NONE = -1, T_I8, T_I16, T_I32, T_I64, T_U8, T_U16, T_U32, T_U64, T_F32, T_F64 };
+
+/* what run() returns */
+enum { DONE = 0, PUBLISHED = 1, NOTHING = 2 };
+
+#define HDR_SITE 8
+
+typedef struct {
+    PyObject_HEAD
+    uint64_t *q;            /* the segment, as 64-bit words (NULL once closed) */
+    char *u8;               /* the segment, as bytes */
+    int p, me;
+    Py_ssize_t *ctrl;       /* word index of rank k's flag; done is the next word */
+    Py_ssize_t *hdr;        /* word index of rank k's header b: [2k + b] */
+    Py_ssize_t *data;       /* byte offset of rank k's buffer b: [2k + b] */
+    Py_ssize_t slot;
+    int64_t spin_ns;        /* spin this long before yielding (0: yield at once) */
+    int64_t budget_ns;      /* then yield until this much has passed; then Python waits */
+} FastBoard;
+
+typedef struct {
+    PyObject_HEAD
+    int coll, op, type, itemsize;
+    uint64_t sig;
+    uint64_t meta[5];
+    Py_ssize_t n;           /* elements of the call (per rank) */
+    Py_ssize_t wbytes;      /* bytes this rank publishes */
+    int root;
+} Plan;
+
+/* NumPy's array object starts with its data pointer (part of its stable C ABI:
+ * PyArrayObject_fields); Python checks this against ndarray.ctypes.data at import. */
+typedef struct { PyObject_HEAD char *data; } np_head;
+
+static inline uint64_t load_acq(const uint64_t *a) { return __atomic_load_n(a, __ATOMIC_ACQUIRE); }
+static inline void store_rel(uint64_t *a, uint64_t v) { __atomic_store_n(a, v, __ATOMIC_RELEASE); }
+
+static inline int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+/* ---- reduction kernels: out = out op src, n elements ---------------------------------- */
+
+#define INT_KERNEL(T, U)                                                                   \
+    static void red_##T(int op, char *o_, const char *s_, Py_ssize_t n) {                \
+        T *o = (T *)o_; const T *s = (const T *)s_; Py_ssize_t i;                        \
+        switch (op) {                                                                      \
+        case O_SUM: for (i = 0; i < n; i++) o[i] = (T)(U)((uint64_t)(U)o[i] + (uint64_t)(U)s[i]); break; \
+        case O_PROD: for (i = 0; i < n; i++) o[i] = (T)(U)((uint64_t)(U)o[i] * (uint64_t)(U)s[i]); break; \
+        case O_MIN: for (i = 0; i < n; i++) o[i] = s[i] < o[i] ? s[i] : o[i]; break;    \
+        case O_MAX: for (i = 0; i < n; i++) o[i] = s[i] > o[i] ? s[i] : o[i]; break;    \
+        case O_BAND: for (i = 0; i < n; i++) o[i] = o[i] & s[i]; break;                  \
+        case O_BOR: for (i = 0; i < n; i++) o[i] = o[i] | s[i]; break;                   \
+        case O_BXOR: for (i = 0; i < n; i++) o[i] = o[i] ^ s[i]; break;                  \
+        }                                                                                  \
+    }
+
+INT_KERNEL(int8_t, uint8_t)
+INT_KERNEL(int16_t, uint16_t)
+INT_KERNEL(int32_t, uint32_t)
+INT_KERNEL(int64_t, uint64_t)
+INT_KERNEL(uint8_t, uint8_t)
+INT_KERNEL(uint16_t, uint16_t)
+INT_KERNEL(uint32_t, uint32_t)
+INT_KERNEL(uint64_t, uint64_t)
+
+/* np.minimum / np.maximum, bit for bit: a NaN operand wins (the first one if both are
+ * NaN), and between equal values (0.0 and -0.0) the second */
+#define FLOAT_KERNEL(T)                                                                    \
+    static void red_##T(int op, char *o_, const char *s_, Py_ssize_t n) {                \
+        T *o = (T *)o_; const T *s = (const T *)s_; Py_ssize_t i;                        \
+        switch (op) {                                                                      \
+        case O_SUM: for (i = 0; i < n; i++) o[i] = o[i] + s[i]; break;                   \
+        case O_PROD: for (i = 0; i < n; i++) o[i] = o[i] * s[i]; break;                  \
+        case O_MIN: for (i = 0; i < n; i++) { T a = o[i], b = s[i];                       \
+                    o[i] = (a < b || a != a) ? a : b; } break;                            \
+        case O_MAX: for (i = 0; i < n; i++) { T a = o[i], b = s[i];                       \
+                    o[i] = (a > b || a != a) ? a : b; } break;                            \
+        }                                                                                  \
+    }
+
+FLOAT_KERNEL(float)
+FLOAT_KERNEL(double)
+
+typedef void (*kernel_t)(int, char *, const char *, Py_ssize_t);
+static const kernel_t KERNELS[] = {red_int8_t, red_int16_t, red_int32_t, red_int64_t,
+                                   red_uint8_t, red_uint16_t, red_uint32_t, red_uint64_t,
+                                   red_float, red_double};
+
+static int has_kernel(int type, int op) {
+    if (type < 0 || op == O_NONE) return 0;
+    if (type >= T_F32 && op >= O_BAND) return 0;   /* bitwise ops: integers only */
+    return 1;
+}
+
+/* ---- Plan -------------------------------------------------------------------------------- */
+
+static PyTypeObject PlanType;
+
+/* ---- FastBoard --------------------------------------------------------------------------- */
+
+static void fb_free_tables(FastBoard *fb) {
+    PyMem_Free(fb->ctrl); PyMem_Free(fb->hdr); PyMem_Free(fb->data);
+    fb->ctrl = fb->hdr = fb->data = NULL;
+    fb->q = NULL; fb->u8 = NULL;
+}
+
+static void fb_dealloc(FastBoard *fb) {
+    fb_free_tables(fb);
+    Py_TYPE(fb)->tp_free((PyObject *)fb);
+}
+
+static int read_table(PyObject *seq, Py_ssize_t want, Py_ssize_t **out) {
+    PyObject *fast = PySequence_Fast(seq, "expected a sequence of ints");
+    if (!fast) return -1;
+    if (PySequence_Fast_GET_SIZE(fast) != want) {
+        Py_DECREF(fast);
+        PyErr_Format(PyExc_ValueError, "expected %zd entries", want);
+        return -1;
+    }
+    *out = PyMem_Malloc(sizeof(Py_ssize_t) * (want ? want : 1));
+    if (!*out) { Py_DECREF(fast); PyErr_NoMemory(); return -1; }
+    for (Py_ssize_t i = 0; i < want; i++) {
+        (*out)[i] = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(fast, i));
+        if ((*out)[i] == -1 && PyErr_Occurred()) { Py_DECREF(fast); return -1; }
+    }
+    Py_DECREF(fast);
+    return 0;
+}
+
+/* FastBoard(address, nlocal, me, slot, ctrl, hdr, data): word/byte offsets as in Board */
+static int fb_init(FastBoard *fb, PyObject *args, PyObject *kw) {
+    unsigned long long addr;
+    int p, me;
+    Py_ssize_t slot;
+    PyObject *ctrl, *hdr, *data;
+    if (!PyArg_ParseTuple(args, "KiinOOO", &addr, &p, &me, &slot, &ctrl, &hdr, &data))
+        return -1;
+    if (p < 1 || me < 0 || me >= p || (addr & 7)) {
+        PyErr_SetString(PyExc_ValueError, "bad board geometry");
+        return -1;
+    }
+    fb_free_tables(fb);
+    if (read_table(ctrl, p, &fb->ctrl) || read_table(hdr, 2 * p, &fb->hdr) ||
+        read_table(data, 2 * p, &fb->data)) {
+        fb_free_tables(fb);
+        return -1;
+    }
+    fb->q = (uint64_t *)(uintptr_t)addr;
+    fb->u8 = (char *)(uintptr_t)addr;
+    fb->p = p; fb->me = me; fb->slot = slot;
+    fb->spin_ns = 0; fb->budget_ns = 1000000;
+    return 0;
+}
+
+static PyObject *fb_set_wait(FastBoard *fb, PyObject *args) {
+    long long spin, budget;
+    if (!PyArg_ParseTuple(args, "LL", &spin, &budget)) return NULL;
+    fb->spin_ns = spin < 0 ? 0 : spin;
+    fb->budget_ns = budget < fb->spin_ns ? fb->spin_ns : budget;
+    Py_RETURN_NONE;
+}
+
+static PyObject *fb_close(FastBoard *fb, PyObject *unused) {
+    fb_free_tables(fb);
+    Py_RETURN_NONE;
+}
+
+/* plan(coll, sig, meta(5 ints), n, itemsize, type, op, root, wbytes) */
+static PyObject *fb_plan(FastBoard *fb, PyObject *args) {
+    int coll, itemsize, type, op, root;
+    unsigned long long sig;
+    unsigned long long m[5];
+    Py_ssize_t n, wbytes;
+    if (!PyArg_ParseTuple(args, "iK(KKKKK)niiiin", &coll, &sig, &m[0], &m[1], &m[2], &m[3],
+                          &m[4], &n, &itemsize, &type, &op, &root, &wbytes))
+        return NULL;
+    if (wbytes < 0 || wbytes > fb->slot || n < 0) {
+        PyErr_SetString(PyExc_ValueError, "call does not fit the board");
+        return NULL;
+    }
+    Plan *pl = PyObject_New(Plan, &PlanType);
+    if (!pl) return NULL;
+    pl->coll = coll; pl->sig = sig; pl->n = n; pl->itemsize = itemsize; pl->type = type;
+    pl->op = op; pl->root = root; pl->wbytes = wbytes;
+    for (int i = 0; i < 5; i++) pl->meta[i] = m[i];
+    return (PyObject *)pl;
+}
+
+static inline int peers_ready(const FastBoard *fb, uint64_t seq) {
+    for (int k = 0; k < fb->p; k++)
+        if (k != fb->me && load_acq(&fb->q[fb->ctrl[k]]) < seq) return 0;
+    return 1;
+}
+
+/* Spin, then yield, until every peer has published call `seq` or the budget is gone.
+ * Called without the GIL. */
+static int wait_peers(const FastBoard *fb, uint64_t seq) {
+    int64_t start = now_ns(), t;
+    for (;;) {
+        for (int i = 0; i < 64; i++) {
+            if (peers_ready(fb, seq)) return 1;
+            cpu_relax();
+        }
+        t = now_ns() - start;
+        if (t >= fb->budget_ns) return peers_ready(fb, seq);
+        if (t >= fb->spin_ns) sched_yield();
+    }
+}
+
+/* run(plan, seq, last, x, out) -> DONE / PUBLISHED / NOTHING (see the top of the file) */
+static PyObject *fb_run(FastBoard *fb, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5 || Py_TYPE(args[0]) != &PlanType) {
+        PyErr_SetString(PyExc_TypeError, "run(plan, seq, last, x, out)");
+        return NULL;
+    }
+    if (fb->q == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "the board is closed");
+        return NULL;
+    }
+    const Plan *pl = (const Plan *)args[0];
+    uint64_t seq = PyLong_AsUnsignedLongLong(args[1]);
+    uint64_t last = PyLong_AsUnsignedLongLong(args[2]);
+    if (PyErr_Occurred()) return NULL;
+    const char *x = ((np_head *)args[3])->data;
+    char *out = ((np_head *)args[4])->data;
+    uint64_t *q = fb->q;
+    const int p = fb->p, me = fb->me, b = (int)(seq & 1);
+
+    /* 1. my buffer b is free once every peer has finished the call that last used it */
+    if (last)
+        for (int k = 0; k < p; k++)
+            if (k != me && load_acq(&q[fb->ctrl[k] + 1]) < last) return PyLong_FromLong(NOTHING);
+
+    /* 2. publish: data, header, then the flag */
+    Py_ssize_t h = fb->hdr[2 * me + b];
+    if (pl->wbytes) memcpy(fb->u8 + fb->data[2 * me + b], x, (size_t)pl->wbytes);
+    q[h] = seq;
+    q[h + 1] = pl->sig;
+    q[h + 2] = (uint64_t)pl->wbytes;
+    for (int i = 0; i < 5; i++) q[h + 3 + i] = pl->meta[i];
+    q[h + HDR_SITE] = 0;            /* the inline path publishes no call site */
+    store_rel(&q[fb->ctrl[me]], seq);
+
+    /* 3. wait for every peer's flag (briefly; then Python waits, with deadlines) */
+    if (!peers_ready(fb, seq)) {
+        int ok;
+        Py_BEGIN_ALLOW_THREADS
+        ok = wait_peers(fb, seq);
+        Py_END_ALLOW_THREADS
+        if (!ok) return PyLong_FromLong(PUBLISHED);
+    }
+    /* 4. their headers: any difference is Python's to report */
+    for (int k = 0; k < p; k++) {
+        if (k == me) continue;
+        Py_ssize_t hk = fb->hdr[2 * k + b];
+        if (q[hk] != seq || q[hk + 1] != pl->sig) return PyLong_FromLong(PUBLISHED);
+    }
+    /* 5. read, in rank order */
+    Py_ssize_t nb = pl->n * pl->itemsize;
+    switch (pl->coll) {
+    case C_ALLREDUCE:
+        if (!has_kernel(pl->type, pl->op)) return PyLong_FromLong(PUBLISHED);
+        memcpy(out, fb->u8 + fb->data[b], (size_t)nb);
+        for (int k = 1; k < p; k++)
+            KERNELS[pl->type](pl->op, out, fb->u8 + fb->data[2 * k + b], pl->n);
+        break;
+    case C_BROADCAST:
+        if (me != pl->root) memcpy(out, fb->u8 + fb->data[2 * pl->root + b], (size_t)nb);
+        break;
+    case C_BARRIER:
+        break;
+    default:
+        return PyLong_FromLong(PUBLISHED);
+    }
+    /* 6. done with the peers' buffers */
+    store_rel(&q[fb->ctrl[me] + 1], seq);
+    return PyLong_FromLong(DONE);
+}
+
+static PyObject *data_address(PyObject *mod, PyObject *arr) {
+    return PyLong_FromVoidPtr(((np_head *)arr)->data);
+}
+
+static PyMethodDef fb_methods[] = {
+    {"run", (PyCFunction)(void (*)(void))fb_run, METH_FASTCALL, "run(plan, seq, last, x, out)"},
+    {"plan", (PyCFunction)fb_plan, METH_VARARGS,
+     "plan(coll, sig, meta, n, itemsize, type, op, root, wbytes)"},
+    {"set_wait", (PyCFunction)fb_set_wait, METH_VARARGS, "set_wait(spin_ns, budget_ns)"},
+    {"close", (PyCFunction)fb_close, METH_NOARGS, "forget the segment (it is being unmapped)"},
+    {NULL}
+};
+
+static PyTypeObject FastBoardType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "gpurt._fastboard.FastBoard",
+    .tp_basicsize = sizeof(FastBoard),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)fb_init,
+    .tp_dealloc = (destructor)fb_dealloc,
+    .tp_methods = fb_methods,
+    .tp_doc = "The shm board's inline round, compiled (see the module's source).",
+};
+
+static PyTypeObject PlanType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "gpurt._fastboard.Plan",
+    .tp_basicsize = sizeof(Plan),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "One call's constant part (signature, header, kernel).",
+};
+
+static PyMethodDef mod_methods[] = {
+    {"data_address", data_address, METH_O, "the data pointer of a NumPy array (self-check)"},
+    {NULL}
+};
+
+static struct PyModuleDef mod = {PyModuleDef_HEAD_INIT, "gpurt._fastboard", NULL, -1, mod_methods};
+
+PyMODINIT_FUNC PyInit__fastboard(void) {
+    if (PyType_Ready(&FastBoardType) < 0 || PyType_Ready(&PlanType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&mod);
+    if (!m) return NULL;
+    Py_INCREF(&FastBoardType);
+    if (PyModule_AddObject(m, "FastBoard", (PyObject *)&FastBoardType) < 0) return NULL;
+    PyObject *colls = Py_BuildValue("(sssssssss)", "allreduce", "reduce", "broadcast",
+                                    "allgather", "reduce_scatter", "alltoall", "gather",
+                                    "scatter", "barrier");
+    PyObject *types = Py_BuildValue("(ssssssssss)", "int8", "int16", "int32", "int64", "uint8",
+                                    "uint16", "uint32", "uint64", "float32", "float64");
+    PyObject *ops = Py_BuildValue("(ssssssss)", "", "sum", "prod", "min", "max", "band", "bor",
+                                  "bxor");
+    if (!colls || !types || !ops || PyModule_AddObject(m, "COLLS", colls) < 0 ||
+        PyModule_AddObject(m, "TYPES", types) < 0 || PyModule_AddObject(m, "OPS", ops) < 0)
+        return NULL;
+    return m;
+}
