@@ -1,7 +1,7 @@
 /* gpurt._fastboard: the shm board's blocking small-message round, compiled.
  *
  * The same protocol as transports/shm_board.py (read that docstring first), for the inline
- * fast path of allreduce, broadcast and barrier: publish my contribution and header, wait
+ * fast path of the blocking collectives on NumPy arrays: publish my contribution and header, wait
  * for every peer's flag, compare their headers, read (copy or reduce in rank order), store
  * `done`.  Python keeps everything that is not the common case: when a slot is not free
  * yet, a peer is slow (longer than a short spin-then-yield budget), a header differs
@@ -34,7 +34,7 @@ enum { O_NONE, O_SUM, O_PROD, O_MIN, O_MAX, O_BAND, O_BOR, O_BXOR };
 enum { T_NONE = -1, T_I8, T_I16, T_I32, T_I64, T_U8, T_U16, T_U32, T_U64, T_F32, T_F64 };
 
 /* what run() returns */
-enum { DONE = 0, PUBLISHED = 1, NOTHING = 2 };
+enum { DONE = 0, PUBLISHED = 1, NOTHING = 2, HANDBACK = 3 };
 
 #define HDR_SITE 8
 
@@ -251,6 +251,8 @@ static int wait_peers(const FastBoard *fb, uint64_t seq) {
     }
 }
 
+static int finish(const FastBoard *fb, const Plan *pl, uint64_t seq, char *out);
+
 /* run(plan, seq, last, x, out) -> DONE / PUBLISHED / NOTHING (see the top of the file) */
 static PyObject *fb_run(FastBoard *fb, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 5 || Py_TYPE(args[0]) != &PlanType) {
@@ -293,32 +295,87 @@ static PyObject *fb_run(FastBoard *fb, PyObject *const *args, Py_ssize_t nargs) 
         Py_END_ALLOW_THREADS
         if (!ok) return PyLong_FromLong(PUBLISHED);
     }
+    return PyLong_FromLong(finish(fb, pl, seq, out) == DONE ? DONE : PUBLISHED);
+}
+
+/* complete(plan, seq, out): the rest of a published call (the Python BoardRun's phase 1):
+ * 0 done, 1 a peer has not published yet, 3 Python's to finish (a header differs, or no
+ * kernel for this dtype/op).  Lets every read of the board go through the same kernels,
+ * so that ranks on different paths get the same bits (NaN payloads included). */
+static PyObject *fb_complete(FastBoard *fb, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || Py_TYPE(args[0]) != &PlanType) {
+        PyErr_SetString(PyExc_TypeError, "complete(plan, seq, out)");
+        return NULL;
+    }
+    if (fb->q == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "the board is closed");
+        return NULL;
+    }
+    uint64_t seq = PyLong_AsUnsignedLongLong(args[1]);
+    if (PyErr_Occurred()) return NULL;
+    if (!peers_ready(fb, seq)) return PyLong_FromLong(1);
+    return PyLong_FromLong(finish(fb, (const Plan *)args[0], seq, ((np_head *)args[2])->data)
+                           == DONE ? 0 : 3);
+}
+
+/* Steps 4-6 once every peer's flag has passed `seq`: compare headers, read, store done.
+ * DONE, or HANDBACK when a header differs or there is no kernel (Python's to do). */
+static int finish(const FastBoard *fb, const Plan *pl, uint64_t seq, char *out) {
+    uint64_t *q = fb->q;
+    const int p = fb->p, me = fb->me, b = (int)(seq & 1);
     /* 4. their headers: any difference is Python's to report */
     for (int k = 0; k < p; k++) {
         if (k == me) continue;
         Py_ssize_t hk = fb->hdr[2 * k + b];
-        if (q[hk] != seq || q[hk + 1] != pl->sig) return PyLong_FromLong(PUBLISHED);
+        if (q[hk] != seq || q[hk + 1] != pl->sig) return HANDBACK;
     }
     /* 5. read, in rank order */
     Py_ssize_t nb = pl->n * pl->itemsize;
     switch (pl->coll) {
     case C_ALLREDUCE:
-        if (!has_kernel(pl->type, pl->op)) return PyLong_FromLong(PUBLISHED);
+        if (!has_kernel(pl->type, pl->op)) return HANDBACK;
         memcpy(out, fb->u8 + fb->data[b], (size_t)nb);
         for (int k = 1; k < p; k++)
             KERNELS[pl->type](pl->op, out, fb->u8 + fb->data[2 * k + b], pl->n);
         break;
+    case C_REDUCE:
+        if (me != pl->root) break;
+        if (!has_kernel(pl->type, pl->op)) return HANDBACK;
+        memcpy(out, fb->u8 + fb->data[b], (size_t)nb);
+        for (int k = 1; k < p; k++)
+            KERNELS[pl->type](pl->op, out, fb->u8 + fb->data[2 * k + b], pl->n);
+        break;
+    case C_REDUCE_SCATTER:      /* my block of every rank's p blocks */
+        if (!has_kernel(pl->type, pl->op)) return HANDBACK;
+        memcpy(out, fb->u8 + fb->data[b] + me * nb, (size_t)nb);
+        for (int k = 1; k < p; k++)
+            KERNELS[pl->type](pl->op, out, fb->u8 + fb->data[2 * k + b] + me * nb, pl->n);
+        break;
+    case C_GATHER:
+        if (me != pl->root) break;
+        /* fall through */
+    case C_ALLGATHER:
+        for (int k = 0; k < p; k++)
+            memcpy(out + k * nb, fb->u8 + fb->data[2 * k + b], (size_t)nb);
+        break;
+    case C_ALLTOALL:            /* block k of out: my block of rank k's */
+        for (int k = 0; k < p; k++)
+            memcpy(out + k * nb, fb->u8 + fb->data[2 * k + b] + me * nb, (size_t)nb);
+        break;
     case C_BROADCAST:
         if (me != pl->root) memcpy(out, fb->u8 + fb->data[2 * pl->root + b], (size_t)nb);
+        break;
+    case C_SCATTER:
+        memcpy(out, fb->u8 + fb->data[2 * pl->root + b] + me * nb, (size_t)nb);
         break;
     case C_BARRIER:
         break;
     default:
-        return PyLong_FromLong(PUBLISHED);
+        return HANDBACK;
     }
     /* 6. done with the peers' buffers */
     store_rel(&q[fb->ctrl[me] + 1], seq);
-    return PyLong_FromLong(DONE);
+    return DONE;
 }
 
 static PyObject *data_address(PyObject *mod, PyObject *arr) {
@@ -327,6 +384,8 @@ static PyObject *data_address(PyObject *mod, PyObject *arr) {
 
 static PyMethodDef fb_methods[] = {
     {"run", (PyCFunction)(void (*)(void))fb_run, METH_FASTCALL, "run(plan, seq, last, x, out)"},
+    {"complete", (PyCFunction)(void (*)(void))fb_complete, METH_FASTCALL,
+     "complete(plan, seq, out)"},
     {"plan", (PyCFunction)fb_plan, METH_VARARGS,
      "plan(coll, sig, meta, n, itemsize, type, op, root, wbytes)"},
     {"set_wait", (PyCFunction)fb_set_wait, METH_VARARGS, "set_wait(spin_ns, budget_ns)"},

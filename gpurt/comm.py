@@ -726,6 +726,64 @@ class Communicator:
             flags = x.flags
             if not (flags.c_contiguous and flags.writeable):
                 return None
+        return self._board_go(coll, fp, x, res, root, n, timeout)
+
+    def _board_inline_to(self, coll: str, x: np.ndarray, out: Any, op: Any, root: int,
+                         timeout: float | None, algo: str | None) -> Any:
+        """The inline path of the collectives whose result is not x's shape (reduce,
+        allgather, gather, reduce_scatter, alltoall): only C-contiguous NumPy arrays and the
+        plain cases; ``_NO`` sends the call down the general path, which also raises every
+        error (so the rules are written once, in the i-variants)."""
+        eng = self.engine
+        if self._closed or eng.colls or eng.p2p or eng.poisoned is not None or \
+                not x.flags.c_contiguous or (out is not None and type(out) is not np.ndarray):
+            return _NO
+        if op is not None and type(op) is not Op and type(op) is not str:
+            return _NO
+        p, dtype, xs = self.size, x.dtype, x.size
+        n = xs
+        if coll in ("reduce_scatter", "alltoall"):
+            if xs % p:
+                return _NO
+            n = xs // p
+        key = (coll, dtype, n, op, root, algo)
+        fp = self._fastplans.get(key)
+        if fp is None:
+            fp = self._fastplans[key] = self._fastplan(coll, dtype, n, op, root, algo)
+        if not fp:
+            return _NO
+        mine = self.rank == root
+        if (coll == "reduce" or coll == "gather") and not mine:
+            res, ret = x, (None if coll == "gather" else (x if out is None else out))
+        elif coll == "reduce" and (out is None or out is x):
+            if not x.flags.writeable:
+                return _NO
+            res = ret = x
+        else:
+            want = {"reduce": n, "reduce_scatter": n, "alltoall": xs}.get(coll, p * n)
+            if out is None:
+                if coll == "reduce_scatter":
+                    shape = x.shape[1:] if x.ndim >= 2 and x.shape[0] == p else (n,)
+                elif coll == "alltoall":
+                    shape = x.shape
+                else:
+                    shape = (p,) + x.shape
+                out = np.empty(shape, dtype)
+            else:
+                of = out.flags
+                if not (of.c_contiguous and of.writeable) or out.dtype != dtype or \
+                        out.size != want or np.may_share_memory(x, out):
+                    return _NO
+            res = ret = out
+        self._board_go(coll, fp, x, res, root, n, timeout)
+        return ret
+
+    def _board_go(self, coll: str, fp: tuple, x: np.ndarray, res: np.ndarray, root: int,
+                  n: int, timeout: float | None) -> np.ndarray:
+        """Run one inline board call whose arguments were checked: the compiled round
+        where built, the Python BoardRun for whatever it hands back."""
+        o, sig, meta, red, fargs, cplan = fp
+        eng = self.engine
         self.last_algorithm = "shm_board"
         self._seq += 1
         seq = self._seq
@@ -753,7 +811,7 @@ class Communicator:
             except CollectiveTimeout as e:
                 eng.poison(e)
                 raise
-        if o is Op.AVG:
+        if o is Op.AVG and (coll != "reduce" or self.rank == root):
             host_finalize(o, res, self.size)
         if fl is not None:
             rec[5], rec[6] = time.time(), "done"
@@ -838,6 +896,11 @@ class Communicator:
     def reduce(self, x: Any, out: Any = None, op: Any = Op.SUM, root: int = 0, *,
                timeout: float | None = None, algo: str | None = None, stream: Any = None) -> Any:
         timeout = self._timeout_arg(timeout, "reduce")
+        if self._fastpath and (algo is None or algo == "shm_board") and \
+                type(x) is np.ndarray and type(root) is int and 0 <= root < self.size:
+            done = self._board_inline_to("reduce", x, out, op, root, timeout, algo)
+            if done is not _NO:
+                return done
         return self._blocking(self.ireduce(x, out, op, root, algo=algo, stream=stream), timeout)
 
     @_announces_rejection("allgather")
@@ -856,6 +919,10 @@ class Communicator:
     def allgather(self, x: Any, out: Any = None, *, timeout: float | None = None,
                   algo: str | None = None, stream: Any = None) -> Any:
         timeout = self._timeout_arg(timeout, "allgather")
+        if self._fastpath and (algo is None or algo == "shm_board") and type(x) is np.ndarray:
+            done = self._board_inline_to("allgather", x, out, None, 0, timeout, algo)
+            if done is not _NO:
+                return done
         return self._blocking(self.iallgather(x, out, algo=algo, stream=stream), timeout)
 
     @_announces_rejection("reduce_scatter")
@@ -876,6 +943,10 @@ class Communicator:
     def reduce_scatter(self, x: Any, out: Any = None, op: Any = Op.SUM, *,
                        timeout: float | None = None, algo: str | None = None, stream: Any = None) -> Any:
         timeout = self._timeout_arg(timeout, "reduce_scatter")
+        if self._fastpath and (algo is None or algo == "shm_board") and type(x) is np.ndarray:
+            done = self._board_inline_to("reduce_scatter", x, out, op, 0, timeout, algo)
+            if done is not _NO:
+                return done
         return self._blocking(self.ireduce_scatter(x, out, op, algo=algo, stream=stream), timeout)
 
     def _blocks(self, xb: Buf, coll: str) -> int:
@@ -900,6 +971,10 @@ class Communicator:
     def alltoall(self, x: Any, out: Any = None, *, timeout: float | None = None,
                  algo: str | None = None, stream: Any = None) -> Any:
         timeout = self._timeout_arg(timeout, "alltoall")
+        if self._fastpath and (algo is None or algo == "shm_board") and type(x) is np.ndarray:
+            done = self._board_inline_to("alltoall", x, out, None, 0, timeout, algo)
+            if done is not _NO:
+                return done
         return self._blocking(self.ialltoall(x, out, algo=algo, stream=stream), timeout)
 
     @_announces_rejection("gather")
@@ -924,6 +999,11 @@ class Communicator:
     def gather(self, x: Any, out: Any = None, root: int = 0, *, timeout: float | None = None,
                algo: str | None = None, stream: Any = None) -> Any:
         timeout = self._timeout_arg(timeout, "gather")
+        if self._fastpath and (algo is None or algo == "shm_board") and \
+                type(x) is np.ndarray and type(root) is int and 0 <= root < self.size:
+            done = self._board_inline_to("gather", x, out, None, root, timeout, algo)
+            if done is not _NO:
+                return done
         return self._blocking(self.igather(x, out, root, algo=algo, stream=stream), timeout)
 
     @_announces_rejection("scatter")
@@ -1136,6 +1216,7 @@ class Communicator:
 
 _EMPTY_U8 = np.empty(0, np.uint8)
 _SUPPORTED_DTYPES = frozenset(DTYPES)
+_NO = object()     # "not taken inline" (None is a result: gather's off the root)
 
 # (op as the user passes it, dtype) -> Op, for the pairs that are valid: the fast path's
 # whole argument check of op x dtype is one dict lookup

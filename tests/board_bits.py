@@ -1,5 +1,5 @@
 """Run under ``mpiexec -n N``: the blocking small-message path (the shm board's inline
-round: allreduce, broadcast, barrier) against a NumPy reference, bit for bit.
+round: every collective but scatter) against a NumPy reference, bit for bit.
 
     mpiexec -n 3 python tests/board_bits.py [native|python]
 
@@ -8,9 +8,12 @@ it off (GPURT_NATIVE=0, set here), so both implementations are held to the same 
 Inputs are random, with the awkward values mixed in — NaN, ±inf, −0.0, the extremes of
 each integer type (sums and products wrap as NumPy's do) — and the reference is the rank-
 order reduction ``((x0 op x1) op x2) ...`` with NumPy's ufuncs over every rank's input
-(gathered through MPI).  Results are compared as raw bytes.  Also: in place and into a
+(gathered through MPI).  Results are compared as raw bytes (a NaN matching any NaN: which
+NaN comes out of two is not defined — see ``same``).  Also: in place and into a
 separate ``out``, multi-dimensional arrays, every root of broadcast, AVG, zero-size
-arrays, and calls alternating with non-blocking ones (whose BoardRun shares the board).
+arrays, and calls alternating with non-blocking ones (whose BoardRun shares the board);
+reduce/gather off the root leave ``out`` alone, reduce_scatter/allgather/alltoall with and
+without ``out`` (and the shapes ``out=None`` gets).
 Prints ``ok N checks on P ranks (native|python)`` on rank 0; exits non-zero on a failure.
 """
 
@@ -71,7 +74,20 @@ def specials(dtype: np.dtype, n: int) -> np.ndarray:
 
 
 def same(a: np.ndarray, b: np.ndarray) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
+    """Bit for bit, except that a NaN matches any NaN: IEEE 754 leaves open which NaN an
+    operation on two NaNs returns (x86 returns the first operand's, and a C compiler may
+    swap the operands of a commutative + or *), so only where the NaNs are is compared."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.dtype.kind in "fc" or a.dtype == BFLOAT16:
+        wide = np.complex128 if a.dtype.kind == "c" else np.float64
+        na, nb = np.isnan(a.astype(wide)), np.isnan(b.astype(wide))
+        if not np.array_equal(na, nb):
+            return False
+        a, b = a.copy(), b.copy()
+        a[na] = 0
+        b[nb] = 0
+    return a.tobytes() == b.tobytes()
 
 
 def check(what: str, got: np.ndarray, want: np.ndarray) -> None:
@@ -121,6 +137,59 @@ for dtype in (np.dtype(np.float32), np.dtype(np.int8), np.dtype(np.complex128)):
             xs = world.allgather(x)
             comm.broadcast(x, root=root)
             check(f"broadcast({dtype}, n={n}, root={root})", x, xs[root])
+# the collectives whose result is not x's shape
+for op in (Op.SUM, Op.MAX, Op.AVG, Op.BXOR, Op.PROD):
+    for dtype in [d for d in _ALLOWED[op]
+                  if d.name in ("float32", "float64", "int8", "uint64", "float16", "int32",
+                                "bfloat16", "complex64")]:
+        for n in (0, 3, 500):
+            x = specials(dtype, n * p).reshape(p, n) if n else specials(dtype, 0)
+            xs = world.allgather(x)
+            what = f"({dtype}, {op.name}, n={n})"
+            # reduce_scatter: block r of the reduction of every rank's p blocks
+            want = reference([v.reshape(p, -1)[r] if n else v for v in xs], op)
+            got = comm.reduce_scatter(x, op=op)
+            check("reduce_scatter" + what, got.reshape(-1), want.reshape(-1))
+            if n:
+                assert got.shape == (n,), got.shape
+            out = np.full(n, 7, dtype)
+            comm.reduce_scatter(x, out=out, op=op)
+            check("reduce_scatter into out" + what, out, want.reshape(-1))
+            check("reduce_scatter input unchanged" + what, x, xs[r])
+            for root in range(p):
+                y = x.copy()
+                got = comm.reduce(y, op=op, root=root)
+                want = reference(xs, op) if r == root else xs[r]
+                check(f"reduce root={root} in place" + what, got, want)
+                out = np.full(x.shape, 5, dtype)
+                got = comm.reduce(x, out=out, op=op, root=root)
+                if r == root:
+                    check(f"reduce root={root} into out" + what, got, reference(xs, op))
+                else:
+                    check(f"reduce root={root} leaves out" + what, out, np.full(x.shape, 5, dtype))
+for dtype in (np.dtype(np.float32), np.dtype(np.int16), np.dtype(np.complex128), BFLOAT16):
+    for n in (0, 1, 7, 300):
+        x = specials(dtype, n)
+        xs = world.allgather(x)
+        got = comm.allgather(x)
+        check(f"allgather({dtype}, n={n})", got, np.stack(xs))
+        out = np.empty(p * n, dtype)
+        comm.allgather(x, out=out)
+        check(f"allgather into out({dtype}, n={n})", out, np.concatenate(xs))
+        for root in range(p):
+            got = comm.gather(x, root=root)
+            if r == root:
+                check(f"gather({dtype}, n={n}, root={root})", got, np.stack(xs))
+            elif got is not None:
+                bad.append(f"rank {r}: gather returned {type(got)} off the root")
+        a = specials(dtype, p * n).reshape(p, n)
+        As = world.allgather(a)
+        want = np.stack([As[k][r] for k in range(p)])
+        got = comm.alltoall(a)
+        check(f"alltoall({dtype}, n={n})", got, want)
+        out = np.empty(p * n, dtype)
+        comm.alltoall(a.reshape(-1), out=out)
+        check(f"alltoall into out({dtype}, n={n})", out, want.reshape(-1))
 for _ in range(50):
     comm.barrier()
     checks += 1

@@ -23,7 +23,7 @@ def _need_native() -> None:
 def test_board_bits_native(n):
     """Every dtype x op (NaN, ±inf, -0.0, integer extremes that wrap), broadcast from every
     root, barrier, in place / into out / non-blocking in between: the compiled round gives
-    NumPy's rank-order bits on every rank."""
+    NumPy's rank-order bits on every rank (NaN payloads aside)."""
     _need_native()
     out = run_mpi(n, ["tests/board_bits.py", "native"]).stdout
     assert f"checks on {n} ranks (native)" in out and out.startswith("ok"), out

@@ -172,8 +172,12 @@ class Board:
         """The extension's plan for one inline call (None when there is no extension)."""
         if self.fast is None:
             return None
-        writes = 0 if coll == "barrier" or (coll == "broadcast" and self.me != root) \
-            else n * dtype.itemsize
+        if coll == "barrier" or (coll in ("broadcast", "scatter") and self.me != root):
+            writes = 0
+        elif coll in ("reduce_scatter", "alltoall", "scatter"):
+            writes = self.nlocal * n * dtype.itemsize      # x holds one block per rank
+        else:
+            writes = n * dtype.itemsize
         return self.fast.plan(COLLS.index(coll), sig, meta, n, dtype.itemsize,
                               _NTYPES.get(dtype, -1), _NOPS.get(op, 0) if op else 0, root,
                               writes)
@@ -190,7 +194,7 @@ class BoardRun:
     """One collective on the board; ``advance`` never blocks (the executor's protocol)."""
 
     __slots__ = ("board", "coll", "seq", "sig", "meta", "x", "out", "root", "red", "p",
-                 "r", "n", "nbytes", "phase", "need", "writes", "b", "check", "site")
+                 "r", "n", "nbytes", "phase", "need", "writes", "b", "check", "site", "cplan")
 
     def __init__(self, board: Board, coll: str, seq: int, sig: int, meta: tuple,
                  x: np.ndarray, out: np.ndarray, root: int, red: Callable | None, n: int,
@@ -213,6 +217,12 @@ class BoardRun:
         self.nbytes = 0 if self.check or (coll in ("broadcast", "scatter") and self.r != root) \
             else x.nbytes
         self.phase = 0
+        # the compiled reader, when built: every rank then reads (and reduces) with the
+        # same kernels whichever path its call took, so the bits agree, NaN payloads too
+        self.cplan = None
+        if board.fast is not None and not self.check:
+            self.cplan = board.fast_plan(coll, sig, meta, x.dtype, n,
+                                         _OPS[meta[3]] if meta[3] < len(_OPS) else None, root)
 
     @property
     def done(self) -> bool:
@@ -255,6 +265,14 @@ class BoardRun:
             self.phase, moved = 1, True
         if self.phase == 1:
             seq = self.seq
+            if self.cplan is not None:
+                got = bd.fast.complete(self.cplan, seq, self.out)
+                if got == 0:
+                    self.phase = 2
+                    return True
+                if got == 1:              # a peer has not published yet
+                    return moved
+                # 3: a header differs, or no kernel for this dtype/op: below
             for k in self.need:
                 if q[bd.ctrl[k]] < seq:
                     return moved
