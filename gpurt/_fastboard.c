@@ -378,6 +378,47 @@ static int finish(const FastBoard *fb, const Plan *pl, uint64_t seq, char *out) 
     return DONE;
 }
 
+/* ---- shared claim counters (the shm transport's cooperative single copy) --------------
+ * A 64-bit word holds (generation << 32) | next chunk.  claim(addr, gen, n) takes the next
+ * chunk of generation `gen` if there is one (compare-and-swap, so a word already reset
+ * for a later generation is never taken from): the chunk's index, or -1. */
+static PyObject *claim(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "claim(address, gen, nchunks)");
+        return NULL;
+    }
+    uint64_t *a = (uint64_t *)PyLong_AsVoidPtr(args[0]);
+    uint64_t gen = PyLong_AsUnsignedLongLong(args[1]) & 0xFFFFFFFFu;
+    long long n = PyLong_AsLongLong(args[2]);
+    if (PyErr_Occurred()) return NULL;
+    if (!a || ((uintptr_t)a & 7)) {
+        PyErr_SetString(PyExc_ValueError, "claim: not an aligned address");
+        return NULL;
+    }
+    uint64_t w = __atomic_load_n(a, __ATOMIC_ACQUIRE);
+    for (;;) {
+        if ((w >> 32) != gen || (long long)(w & 0xFFFFFFFFu) >= n) return PyLong_FromLong(-1);
+        if (__atomic_compare_exchange_n(a, &w, w + 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+            return PyLong_FromLongLong((long long)(w & 0xFFFFFFFFu));
+    }
+}
+
+/* fetch_add(addr, v) -> the previous value (sequentially consistent) */
+static PyObject *fetch_add(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "fetch_add(address, value)");
+        return NULL;
+    }
+    uint64_t *a = (uint64_t *)PyLong_AsVoidPtr(args[0]);
+    uint64_t v = PyLong_AsUnsignedLongLong(args[1]);
+    if (PyErr_Occurred()) return NULL;
+    if (!a || ((uintptr_t)a & 7)) {
+        PyErr_SetString(PyExc_ValueError, "fetch_add: not an aligned address");
+        return NULL;
+    }
+    return PyLong_FromUnsignedLongLong(__atomic_fetch_add(a, v, __ATOMIC_SEQ_CST));
+}
+
 static PyObject *data_address(PyObject *mod, PyObject *arr) {
     return PyLong_FromVoidPtr(((np_head *)arr)->data);
 }
@@ -415,6 +456,9 @@ static PyTypeObject PlanType = {
 
 static PyMethodDef mod_methods[] = {
     {"data_address", data_address, METH_O, "the data pointer of a NumPy array (self-check)"},
+    {"claim", (PyCFunction)(void (*)(void))claim, METH_FASTCALL, "claim(address, gen, nchunks)"},
+    {"fetch_add", (PyCFunction)(void (*)(void))fetch_add, METH_FASTCALL,
+     "fetch_add(address, value)"},
     {NULL}
 };
 

@@ -82,6 +82,10 @@ VARIABLES: tuple[Var, ...] = (
     Var("GPURT_SHM_BOARD", "256K", _bytes,
         "shm: bytes per board buffer; collectives whose per-rank data fits use the one-round "
         "board protocol when all ranks share a node (0 disables it)."),
+    Var("GPURT_SHM_HELP", "1M", _bytes,
+        "shm: a single-copy receive of at least this many bytes (straight into the "
+        "destination) is shared with the sender, which copies chunks into it "
+        "(process_vm_writev) while it waits; needs gpurt._fastboard; 0 disables."),
     Var("GPURT_NATIVE", "1", _flag,
         "shm board: run the blocking small-message round (allreduce, broadcast, barrier) "
         "in the compiled gpurt._fastboard when it was built; 0 runs the same protocol in "

@@ -60,3 +60,74 @@ def test_native_built_and_in_info(monkeypatch):
         monkeypatch.delenv("GPURT_NATIVE")
         config.reload()
     assert "compiled board round: no   built; off (GPURT_NATIVE=0)" in res.output, res.output
+
+
+# -- the shm transport's cooperative single copy (needs the extension's claim word) ----------
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_cooperative_copy(n):
+    """Large plain receives shared between receiver (readv) and waiting sender (writev):
+    broadcast/gather/allgather from every root around the chunk boundaries, a busy sender
+    (the receiver finishes alone, before the sender's wait), a slow receiver, 20 messages
+    back to back; both sides copied chunks (tests/help_cases.py)."""
+    _need_native()
+    out = run_mpi(n, ["tests/help_cases.py"]).stdout
+    assert out.startswith("ok") and "cooperative copy on" in out, out
+
+
+def test_cooperative_copy_off():
+    """GPURT_SHM_HELP=0: the receiver copies everything (the same cases, exact)."""
+    out = run_mpi(2, ["tests/help_cases.py"], env={"GPURT_SHM_HELP": "0"}).stdout
+    assert out.startswith("ok") and "cooperative copy off" in out, out
+
+
+SENDER_DIES = """
+import os, sys, time
+import numpy as np
+import gpurt
+from gpurt.transports import cma, shm
+c = gpurt.init()
+def report(text):   # one file per rank: the launcher interleaves stdout
+    with open(os.path.join(sys.argv[1], f"rank{c.rank}"), "a") as f:
+        f.write(text + "\\n")
+n = 64 << 20
+x = np.zeros(n, np.uint8)
+if c.rank == 0:
+    real = cma.copy
+    def dying(pid, local, remote, nbytes, to_peer, peer=-1):
+        if to_peer:            # a chunk taken for the peer, never copied: gone, once the
+            time.sleep(0.5)    # receiver has copied all the others and waits for this one
+            os._exit(3)
+        return real(pid, local, remote, nbytes, to_peer, peer)
+    shm.cma.copy = dying
+    x[:] = 7
+t = time.monotonic()
+try:
+    c.broadcast(x, root=0, timeout=30)
+    report(f"rank {c.rank}: no error")
+except gpurt.PeerFailure as e:
+    report(f"rank {c.rank}: PeerFailure rank={e.rank} after {time.monotonic() - t:.2f}s: {e}")
+os._exit(0)
+"""
+
+
+def test_sender_that_dies_holding_a_chunk_is_a_peer_failure(tmp_path):
+    """The sender takes a chunk of the receiver's buffer and exits (0.5 s later) without
+    copying it: the receiver, which has copied every other chunk and waits for that one,
+    raises PeerFailure(rank=0) within the liveness bound, not at its 30 s deadline."""
+    _need_native()
+    from conftest import ROOT, is_hydra, mpiexec
+    import subprocess
+    import sys
+
+    if not is_hydra():
+        pytest.skip("uses MPICH hydra's -disable-auto-cleanup; this launcher is not hydra")
+    proc = subprocess.run([mpiexec(), "-disable-auto-cleanup", "-n", "2", sys.executable, "-c",
+                           SENDER_DIES, str(tmp_path)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    text = (tmp_path / "rank1").read_text() if (tmp_path / "rank1").exists() else ""
+    line = next((ln for ln in text.splitlines() if "PeerFailure" in ln), None)
+    assert line is not None, (text, proc.stdout[-3000:], proc.stderr[-3000:])
+    assert "rank=0 " in line, line
+    assert "has exited" in line, line          # found by the liveness check, not a readv
+    assert float(line.split(" after ")[1].split("s:")[0]) < 2.5, line

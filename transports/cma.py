@@ -30,8 +30,11 @@ try:
     _readv.restype = ctypes.c_ssize_t
     _readv.argtypes = [ctypes.c_int, ctypes.POINTER(_IOVec), ctypes.c_ulong,
                        ctypes.POINTER(_IOVec), ctypes.c_ulong, ctypes.c_ulong]
+    _writev = _libc.process_vm_writev
+    _writev.restype = ctypes.c_ssize_t
+    _writev.argtypes = _readv.argtypes
 except (OSError, AttributeError):  # pragma: no cover - not Linux/glibc
-    _readv = None
+    _readv = _writev = None
 
 
 def address(arr: np.ndarray) -> int:
@@ -57,6 +60,29 @@ def read(pid: int, remote: int, dst: np.ndarray, peer: int = -1) -> None:
                                   f"transfer", rank=peer)
             raise TransportError(f"process_vm_readv from rank {peer} (pid {pid}) failed: "
                                  f"{os.strerror(e)}")
+        done += got
+
+
+def copy(pid: int, local: int, remote: int, n: int, to_peer: bool, peer: int = -1) -> None:
+    """Copy ``n`` bytes between ``local`` (an address here) and ``remote`` (one in process
+    ``pid``): into the peer's memory (``process_vm_writev``) when ``to_peer``, else out of
+    it.  The same permission as ``read`` (the set-up probe covers both directions)."""
+    fn = _writev if to_peer else _readv
+    if fn is None:
+        raise TransportError("process_vm_readv/writev are not available")
+    done = 0
+    liov, riov = _IOVec(), _IOVec()
+    while done < n:
+        liov.iov_base, liov.iov_len = local + done, n - done
+        riov.iov_base, riov.iov_len = remote + done, n - done
+        got = fn(pid, ctypes.byref(liov), 1, ctypes.byref(riov), 1, 0)
+        if got <= 0:
+            e = ctypes.get_errno()
+            if e == errno.ESRCH:
+                raise PeerFailure(f"rank {peer} (pid {pid}) exited during a single-copy "
+                                  f"transfer", rank=peer)
+            raise TransportError(f"process_vm_{'writev to' if to_peer else 'readv from'} "
+                                 f"rank {peer} (pid {pid}) failed: {os.strerror(e)}")
         done += got
 
 

@@ -61,6 +61,7 @@ _MAGIC = 0x67707572745F7368  # "gpurt_sh"
 _HDR = 4096                  # segment header (at least): magic, pid and probe tables
 _CTRL = 128                  # ring control: head (+0), tail (+64)
 _SLOT_HDR = 64
+_HELP_CHUNK = 512 << 10       # cooperative single copy: bytes per chunk
 _BOUNCE = 256 * 1024          # reductions of single-copy data go through this much cache
 
 
@@ -214,7 +215,7 @@ class _Msg:
     """One message in flight on a ring (either direction)."""
 
     __slots__ = ("peer", "data", "sink", "total", "tag", "sig", "off", "started", "done",
-                 "ring", "lane", "ack", "remote")
+                 "ring", "lane", "ack", "remote", "help")
 
     def __init__(self, ring, peer: int, lane: int, total: int, tag: int, sig: int,
                  data: np.ndarray | None = None, sink: Sink | None = None):
@@ -224,12 +225,17 @@ class _Msg:
         self.off, self.started, self.done = 0, False, False
         self.ack = 0        # sender, single copy: done once the peer acknowledges this many
         self.remote = 0     # receiver, single copy: the sender's address
+        self.help = None    # receiver, cooperative single copy: (gen, chunks, chunk, bytes)
 
     def test(self) -> bool:
         if not self.done:
-            self.ring.progress()
-            if self.ack and self.ring.seg.q[self.ring.ack_i] >= self.ack:
-                self.done, self.data = True, None
+            ring = self.ring
+            ring.progress()
+            if self.ack:
+                if ring.seg.q[ring.ack_i] >= self.ack:
+                    self.done, self.data = True, None
+                elif ring.can_help:
+                    ring.help_copy(self.ack, self.peer)    # waiting anyway: copy chunks for the peer
         return self.done
 
 
@@ -242,6 +248,18 @@ class _Ring:
         self.nslots, self.slot = seg.nslots[lane], seg.slot
         # control: head (+0, the sender's), tail and single-copy acks (+64, +72: the receiver's)
         self.head_i, self.tail_i, self.ack_i = base // 8, (base + 64) // 8, (base + 72) // 8
+        # cooperative single copy (the receiver's line): claim word (generation << 32 |
+        # next chunk), chunks done (same form), destination, source, bytes, chunk size
+        self.claim_i, self.hdone_i = (base + 80) // 8, (base + 88) // 8
+        self.hdst_i, self.hsrc_i = (base + 96) // 8, (base + 104) // 8
+        self.hlen_i, self.hchunk_i = (base + 112) // 8, (base + 120) // 8
+        addr = cma.address(seg.u8)
+        self.claim_addr, self.hdone_addr = addr + base + 80, addr + base + 88
+        self.help_min = 0    # receiver: plain single-copy receives of >= this many bytes are
+                             # offered to the sender for help (0: never)
+        self.can_help = False   # sender: copy chunks into the peer while waiting for its ack
+        self.helped = 0         # chunks copied for the other end (sender) / by itself (receiver)
+        self.copied = False     # receiver: the last _read_remote copied a chunk
         offs = [base + _CTRL + k * (self.slot + _SLOT_HDR) for k in range(self.nslots)]
         self.hdr_i = [o // 8 for o in offs]
         self.data = [seg.u8[o + _SLOT_HDR:o + _SLOT_HDR + self.slot] for o in offs]
@@ -298,7 +316,11 @@ class _Ring:
             m = self.queue[0]
             while not m.done:
                 if m.remote:
-                    self._read_remote(m)
+                    self.copied = False
+                    if not self._read_remote(m):
+                        # the sender is copying its last chunks: progress only if this
+                        # call copied some (else the caller's wait backs off, yields)
+                        return moved or self.copied
                     moved = True
                     continue
                 if self.count == self.seen:
@@ -327,13 +349,20 @@ class _Ring:
             self.queue.popleft()
         return moved
 
-    def _read_remote(self, m: _Msg) -> None:
+    def _read_remote(self, m: _Msg) -> bool:
         """Single copy: read the rest of ``m`` from the sender's memory — straight into the
-        destination for a plain receive, through a cache-sized bounce buffer for a
-        reduction — then acknowledge."""
+        destination for a plain receive (shared with the sender, chunk by chunk, when it is
+        large: ``_help_read``), through a cache-sized bounce buffer for a reduction — then
+        acknowledge.  False while chunks the sender took are still being copied."""
         dst = getattr(m.sink, "dst", None)
         if dst is not None:
-            cma.read(self.peer_pid, m.remote + m.off, dst[m.off:m.total], m.peer)
+            if m.help is None and self.help_min and m.total - m.off >= self.help_min:
+                self._open_help(m, dst)
+            if m.help is not None:
+                if not self._help_read(m):
+                    return False
+            else:
+                cma.read(self.peer_pid, m.remote + m.off, dst[m.off:m.total], m.peer)
             m.off = m.total
         else:
             if self.bounce is None:
@@ -346,7 +375,72 @@ class _Ring:
                 m.off += n
         self.acks += 1
         self.seg.q[self.ack_i] = self.acks
-        m.done, m.sink, m.remote = True, None, 0
+        m.done, m.sink, m.remote, m.help = True, None, 0, None
+        return True
+
+    # -- cooperative single copy -----------------------------------------------
+    # process_vm_readv copies at ~1/3 of memcpy's speed here, and in a one-to-one transfer
+    # (broadcast, gather, a tree's edge) the sender has nothing to do but wait for the
+    # ack.  So the receiver cuts a large plain receive into chunks that either end takes
+    # with a compare-and-swap on a claim word (gpurt._fastboard.claim): the receiver reads
+    # its chunks (readv), the sender writes its chunks into the receiver's buffer (writev)
+    # while it polls for the ack, and the receiver acknowledges once every chunk is done.
+    # The claim word carries the message's ack number as its generation, so a sender
+    # that looks late never takes a chunk of another message; a sender that never looks
+    # (busy elsewhere, or without the extension) leaves every chunk to the receiver.
+
+    def _open_help(self, m: _Msg, dst: np.ndarray) -> None:
+        gen = (self.acks + 1) & 0xFFFFFFFF       # = the sender's m.ack for this message
+        nbytes = m.total - m.off
+        chunk = _HELP_CHUNK
+        q = self.seg.q
+        q[self.hdst_i] = cma.address(dst) + m.off
+        q[self.hsrc_i] = m.remote + m.off
+        q[self.hlen_i] = nbytes
+        q[self.hchunk_i] = chunk
+        q[self.hdone_i] = gen << 32
+        _fence()
+        q[self.claim_i] = gen << 32              # published: chunks can be taken
+        m.help = (gen, -(-nbytes // chunk), chunk, nbytes)
+
+    def _help_read(self, m: _Msg) -> bool:
+        gen, nch, chunk, nbytes = m.help
+        q = self.seg.q
+        dst, src = q[self.hdst_i], q[self.hsrc_i]
+        claim, add = shm_board.NATIVE.claim, shm_board.NATIVE.fetch_add
+        while True:
+            c = claim(self.claim_addr, gen, nch)
+            if c < 0:
+                break
+            off = c * chunk
+            cma.copy(self.peer_pid, dst + off, src + off, min(chunk, nbytes - off), False,
+                     m.peer)
+            add(self.hdone_addr, 1)
+            self.helped += 1
+            self.copied = True
+        return (q[self.hdone_i] & 0xFFFFFFFF) >= nch
+
+    def help_copy(self, gen: int, peer: int) -> None:
+        """Sender: copy whatever chunks of message ``gen`` are left into the peer's buffer."""
+        q = self.seg.q
+        gen &= 0xFFFFFFFF
+        if q[self.claim_i] >> 32 != gen:
+            return
+        nbytes, chunk = q[self.hlen_i], q[self.hchunk_i]
+        if not chunk:
+            return
+        nch = -(-nbytes // chunk)
+        claim, add = shm_board.NATIVE.claim, shm_board.NATIVE.fetch_add
+        while True:
+            c = claim(self.claim_addr, gen, nch)
+            if c < 0:
+                return
+            # taken: the receiver waits for this chunk, so the words below are this message's
+            off = c * chunk
+            cma.copy(self.peer_pid, q[self.hsrc_i] + off, q[self.hdst_i] + off,
+                     min(chunk, nbytes - off), True, peer)
+            add(self.hdone_addr, 1)
+            self.helped += 1
 
     def progress(self) -> bool:
         return self._push() if self.sender else self._pull()
@@ -437,6 +531,11 @@ class ShmTransport:
         single = int(config.get("GPURT_SHM_CMA"))
         cma_txt = (f"single-copy (CMA) for messages >= {single} B, probed between ranks at "
                    f"start ({scope})" if single else "single-copy (CMA) off (GPURT_SHM_CMA=0)")
+        helpmin = int(config.get("GPURT_SHM_HELP"))
+        if single and helpmin:
+            cma_txt += (f"; receives >= {max(helpmin, single)} B copied by both ends"
+                        if shm_board.NATIVE is not None else
+                        "; receiver-only copies (no gpurt._fastboard for the shared claim)")
         return True, f"{d} has {free / 2**30:.1f} GiB free; {cma_txt}"
 
     def __init__(self) -> None:
@@ -522,13 +621,19 @@ class ShmTransport:
         node_ranks = topo.local_ranks[topo.node_of[comm.rank]]
         self.endpoints = {p: ShmEndpoint(self, p, node_ranks.index(p)) for p in peers}
         threshold = int(config.get("GPURT_SHM_CMA"))
+        helpmin = max(int(config.get("GPURT_SHM_HELP")), threshold)
+        help_on = bool(helpmin) and int(config.get("GPURT_SHM_HELP")) > 0 and \
+            shm_board.NATIVE is not None
         for ep in self.endpoints.values():
             pid = self.seg.q[self.seg.pid_i(ep.local_peer)]
-            for ring in ep.rx:
+            for ring in ep.rx + ep.tx:
                 ring.peer_pid = pid
             if not self.cma_why and threshold:
                 for ring in ep.tx:
                     ring.cma_min = threshold
+                    ring.can_help = help_on
+                for ring in ep.rx:
+                    ring.help_min = helpmin if help_on else 0
         return dict(self.endpoints)
 
     def _probe_cma(self, node, rank: int) -> str:
