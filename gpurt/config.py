@@ -85,7 +85,8 @@ VARIABLES: tuple[Var, ...] = (
     Var("GPURT_SHM_HELP", "1M", _bytes,
         "shm: a single-copy receive of at least this many bytes (straight into the "
         "destination) is shared with the sender, which copies chunks into it "
-        "(process_vm_writev) while it waits; needs gpurt._fastboard; 0 disables."),
+        "(process_vm_writev) while it waits; needs gpurt._fastboard and a CPU per local rank; "
+        "0 disables."),
     Var("GPURT_NATIVE", "1", _flag,
         "shm board: run the blocking small-message round (allreduce, broadcast, barrier) "
         "in the compiled gpurt._fastboard when it was built; 0 runs the same protocol in "

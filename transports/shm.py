@@ -46,6 +46,7 @@ from collections import deque
 import numpy as np
 
 from gpurt import config
+from gpurt.wait import oversubscribed
 from gpurt.errors import (CollectiveMismatchError, PeerFailure, ResourceError, TransportError,
                           relayed_rank)
 
@@ -622,8 +623,11 @@ class ShmTransport:
         self.endpoints = {p: ShmEndpoint(self, p, node_ranks.index(p)) for p in peers}
         threshold = int(config.get("GPURT_SHM_CMA"))
         helpmin = max(int(config.get("GPURT_SHM_HELP")), threshold)
+        # helping pays with a core to spare for the waiting sender; with more ranks than
+        # cores it only shuffles the same copies around (measured: 4 ranks on 2 cores,
+        # 16 MiB alltoall, no gain), so it is off there
         help_on = bool(helpmin) and int(config.get("GPURT_SHM_HELP")) > 0 and \
-            shm_board.NATIVE is not None
+            shm_board.NATIVE is not None and not oversubscribed(nlocal)
         for ep in self.endpoints.values():
             pid = self.seg.q[self.seg.pid_i(ep.local_peer)]
             for ring in ep.rx + ep.tx:
