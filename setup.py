@@ -12,6 +12,7 @@ import os
 from setuptools import Extension, setup
 
 EXT = [Extension("gpurt._fastboard", ["gpurt/_fastboard.c"], optional=True,
-                 extra_compile_args=["-O3", "-ffp-contract=off", "-fno-strict-aliasing"])]
+                 extra_compile_args=["-O3", "-fno-fast-math", "-ffp-contract=off",
+                                     "-fno-strict-aliasing"])]
 
 setup(ext_modules=[] if os.environ.get("GPURT_NO_EXTENSION") == "1" else EXT)

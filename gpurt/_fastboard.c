@@ -15,9 +15,13 @@
  * unsigned arithmetic); min/max pick the same operand as np.minimum/np.maximum
  * (NaN first, then the second of two equal values: -0.0 vs 0.0).
  *
- * Memory order: flags are loaded with acquire and stored with release, so the protocol is
- * correct on weakly ordered CPUs too (the Python path relies on x86 TSO).
+ * Memory order: flags are loaded with acquire and stored with release (between two C ranks
+ * that would hold on weakly ordered CPUs too; the Python path, and so the transport,
+ * relies on x86 TSO and is off elsewhere).
  */
+#ifdef __FAST_MATH__
+#error "gpurt._fastboard must not be built with -ffast-math: the NaN tests in min/max would fold away"
+#endif
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
@@ -37,6 +41,9 @@ enum { T_NONE = -1, T_I8, T_I16, T_I32, T_I64, T_U8, T_U16, T_U32, T_U64, T_F32,
 enum { DONE = 0, PUBLISHED = 1, NOTHING = 2, HANDBACK = 3 };
 
 #define HDR_SITE 8
+#define ABI 3                   /* bumped whenever Python's use of this module changes */
+
+static PyTypeObject *ndarray_type;  /* numpy.ndarray, given by set_ndarray (run checks it) */
 
 typedef struct {
     PyObject_HEAD
@@ -218,7 +225,17 @@ static PyObject *fb_plan(FastBoard *fb, PyObject *args) {
     if (!PyArg_ParseTuple(args, "iK(KKKKK)niiiin", &coll, &sig, &m[0], &m[1], &m[2], &m[3],
                           &m[4], &n, &itemsize, &type, &op, &root, &wbytes))
         return NULL;
-    if (wbytes < 0 || wbytes > fb->slot || n < 0) {
+    if (coll < C_ALLREDUCE || coll > C_BARRIER || op < O_NONE || op > O_BXOR ||
+        type < T_NONE || type > T_F64 || itemsize < 1 || itemsize > 64 ||
+        root < 0 || root >= fb->p) {
+        PyErr_SetString(PyExc_ValueError, "plan: bad collective, op, type, itemsize or root");
+        return NULL;
+    }
+    /* every byte read at an offset of a buffer must lie inside it */
+    Py_ssize_t blocks = (coll == C_REDUCE_SCATTER || coll == C_ALLTOALL || coll == C_SCATTER)
+        ? fb->p : 1;
+    if (wbytes < 0 || wbytes > fb->slot || n < 0 ||
+        (n && (coll == C_BARRIER ? 0 : n > fb->slot / itemsize / blocks))) {
         PyErr_SetString(PyExc_ValueError, "call does not fit the board");
         return NULL;
     }
@@ -264,9 +281,14 @@ static PyObject *fb_run(FastBoard *fb, PyObject *const *args, Py_ssize_t nargs) 
         return NULL;
     }
     const Plan *pl = (const Plan *)args[0];
+    if (!ndarray_type || Py_TYPE(args[3]) != ndarray_type || Py_TYPE(args[4]) != ndarray_type) {
+        PyErr_SetString(PyExc_TypeError, "run: x and out must be numpy.ndarray");
+        return NULL;
+    }
     uint64_t seq = PyLong_AsUnsignedLongLong(args[1]);
+    if (seq == (uint64_t)-1 && PyErr_Occurred()) return NULL;
     uint64_t last = PyLong_AsUnsignedLongLong(args[2]);
-    if (PyErr_Occurred()) return NULL;
+    if (last == (uint64_t)-1 && PyErr_Occurred()) return NULL;
     const char *x = ((np_head *)args[3])->data;
     char *out = ((np_head *)args[4])->data;
     uint64_t *q = fb->q;
@@ -311,8 +333,12 @@ static PyObject *fb_complete(FastBoard *fb, PyObject *const *args, Py_ssize_t na
         PyErr_SetString(PyExc_RuntimeError, "the board is closed");
         return NULL;
     }
+    if (!ndarray_type || Py_TYPE(args[2]) != ndarray_type) {
+        PyErr_SetString(PyExc_TypeError, "complete: out must be a numpy.ndarray");
+        return NULL;
+    }
     uint64_t seq = PyLong_AsUnsignedLongLong(args[1]);
-    if (PyErr_Occurred()) return NULL;
+    if (seq == (uint64_t)-1 && PyErr_Occurred()) return NULL;
     if (!peers_ready(fb, seq)) return PyLong_FromLong(1);
     return PyLong_FromLong(finish(fb, (const Plan *)args[0], seq, ((np_head *)args[2])->data)
                            == DONE ? 0 : 3);
@@ -388,19 +414,60 @@ static PyObject *claim(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
         return NULL;
     }
     uint64_t *a = (uint64_t *)PyLong_AsVoidPtr(args[0]);
-    uint64_t gen = PyLong_AsUnsignedLongLong(args[1]) & 0xFFFFFFFFu;
+    if (!a && PyErr_Occurred()) return NULL;
+    uint64_t gen = PyLong_AsUnsignedLongLong(args[1]);
+    if (gen == (uint64_t)-1 && PyErr_Occurred()) return NULL;
     long long n = PyLong_AsLongLong(args[2]);
-    if (PyErr_Occurred()) return NULL;
+    if (n == -1 && PyErr_Occurred()) return NULL;
     if (!a || ((uintptr_t)a & 7)) {
         PyErr_SetString(PyExc_ValueError, "claim: not an aligned address");
         return NULL;
     }
+    gen &= 0xFFFFFFFFu;
     uint64_t w = __atomic_load_n(a, __ATOMIC_ACQUIRE);
     for (;;) {
         if ((w >> 32) != gen || (long long)(w & 0xFFFFFFFFu) >= n) return PyLong_FromLong(-1);
         if (__atomic_compare_exchange_n(a, &w, w + 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
             return PyLong_FromLongLong((long long)(w & 0xFFFFFFFFu));
     }
+}
+
+/* seal(addr, gen): no chunk of generation `gen` can be taken any more; returns how many
+ * had been taken (-1 if the word is not at `gen`).  The receiver seals before it gives up
+ * on a message, so a late sender never writes into a buffer that was handed back. */
+static PyObject *seal(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "seal(address, gen)");
+        return NULL;
+    }
+    uint64_t *a = (uint64_t *)PyLong_AsVoidPtr(args[0]);
+    if (!a && PyErr_Occurred()) return NULL;
+    uint64_t gen = PyLong_AsUnsignedLongLong(args[1]);
+    if (gen == (uint64_t)-1 && PyErr_Occurred()) return NULL;
+    if (!a || ((uintptr_t)a & 7)) {
+        PyErr_SetString(PyExc_ValueError, "seal: not an aligned address");
+        return NULL;
+    }
+    gen &= 0xFFFFFFFFu;
+    uint64_t w = __atomic_load_n(a, __ATOMIC_ACQUIRE);
+    for (;;) {
+        if ((w >> 32) != gen) return PyLong_FromLong(-1);
+        uint64_t taken = w & 0xFFFFFFFFu;
+        if (__atomic_compare_exchange_n(a, &w, (gen << 32) | 0xFFFFFFFFu, 0, __ATOMIC_ACQ_REL,
+                                        __ATOMIC_ACQUIRE))
+            return PyLong_FromUnsignedLongLong(taken == 0xFFFFFFFFu ? 0 : taken);
+    }
+}
+
+static PyObject *set_ndarray(PyObject *mod, PyObject *t) {
+    if (!PyType_Check(t)) {
+        PyErr_SetString(PyExc_TypeError, "set_ndarray(numpy.ndarray)");
+        return NULL;
+    }
+    Py_INCREF(t);
+    Py_XDECREF((PyObject *)ndarray_type);
+    ndarray_type = (PyTypeObject *)t;
+    Py_RETURN_NONE;
 }
 
 /* fetch_add(addr, v) -> the previous value (sequentially consistent) */
@@ -410,8 +477,9 @@ static PyObject *fetch_add(PyObject *mod, PyObject *const *args, Py_ssize_t narg
         return NULL;
     }
     uint64_t *a = (uint64_t *)PyLong_AsVoidPtr(args[0]);
+    if (!a && PyErr_Occurred()) return NULL;
     uint64_t v = PyLong_AsUnsignedLongLong(args[1]);
-    if (PyErr_Occurred()) return NULL;
+    if (v == (uint64_t)-1 && PyErr_Occurred()) return NULL;
     if (!a || ((uintptr_t)a & 7)) {
         PyErr_SetString(PyExc_ValueError, "fetch_add: not an aligned address");
         return NULL;
@@ -420,6 +488,10 @@ static PyObject *fetch_add(PyObject *mod, PyObject *const *args, Py_ssize_t narg
 }
 
 static PyObject *data_address(PyObject *mod, PyObject *arr) {
+    if (!ndarray_type || Py_TYPE(arr) != ndarray_type) {
+        PyErr_SetString(PyExc_TypeError, "data_address: a numpy.ndarray (after set_ndarray)");
+        return NULL;
+    }
     return PyLong_FromVoidPtr(((np_head *)arr)->data);
 }
 
@@ -459,6 +531,8 @@ static PyMethodDef mod_methods[] = {
     {"claim", (PyCFunction)(void (*)(void))claim, METH_FASTCALL, "claim(address, gen, nchunks)"},
     {"fetch_add", (PyCFunction)(void (*)(void))fetch_add, METH_FASTCALL,
      "fetch_add(address, value)"},
+    {"seal", (PyCFunction)(void (*)(void))seal, METH_FASTCALL, "seal(address, gen)"},
+    {"set_ndarray", set_ndarray, METH_O, "set_ndarray(numpy.ndarray): the only array type"},
     {NULL}
 };
 
@@ -468,8 +542,6 @@ PyMODINIT_FUNC PyInit__fastboard(void) {
     if (PyType_Ready(&FastBoardType) < 0 || PyType_Ready(&PlanType) < 0) return NULL;
     PyObject *m = PyModule_Create(&mod);
     if (!m) return NULL;
-    Py_INCREF(&FastBoardType);
-    if (PyModule_AddObject(m, "FastBoard", (PyObject *)&FastBoardType) < 0) return NULL;
     PyObject *colls = Py_BuildValue("(sssssssss)", "allreduce", "reduce", "broadcast",
                                     "allgather", "reduce_scatter", "alltoall", "gather",
                                     "scatter", "barrier");
@@ -477,8 +549,15 @@ PyMODINIT_FUNC PyInit__fastboard(void) {
                                     "uint16", "uint32", "uint64", "float32", "float64");
     PyObject *ops = Py_BuildValue("(ssssssss)", "", "sum", "prod", "min", "max", "band", "bor",
                                   "bxor");
-    if (!colls || !types || !ops || PyModule_AddObject(m, "COLLS", colls) < 0 ||
-        PyModule_AddObject(m, "TYPES", types) < 0 || PyModule_AddObject(m, "OPS", ops) < 0)
+    if (!colls || !types || !ops ||
+        PyModule_AddObjectRef(m, "FastBoard", (PyObject *)&FastBoardType) < 0 ||
+        PyModule_AddObjectRef(m, "COLLS", colls) < 0 ||
+        PyModule_AddObjectRef(m, "TYPES", types) < 0 ||
+        PyModule_AddObjectRef(m, "OPS", ops) < 0 ||
+        PyModule_AddIntConstant(m, "ABI", ABI) < 0) {
+        Py_XDECREF(colls); Py_XDECREF(types); Py_XDECREF(ops); Py_DECREF(m);
         return NULL;
+    }
+    Py_DECREF(colls); Py_DECREF(types); Py_DECREF(ops);
     return m;
 }

@@ -687,7 +687,7 @@ class Communicator:
     def allreduce(self, x: Any, out: Any = None, op: Any = Op.SUM, *,
                   timeout: float | None = None, algo: str | None = None, stream: Any = None) -> Any:
         timeout = self._timeout_arg(timeout, "allreduce")
-        if self._fastpath and (algo is None or algo == "shm_board") and \
+        if self._fastpath and stream is None and (algo is None or algo == "shm_board") and \
                 type(x) is np.ndarray and (out is None or type(out) is np.ndarray):
             done = self._board_inline("allreduce", x, op, 0, timeout, out, algo)
             if done is not None:
@@ -754,6 +754,9 @@ class Communicator:
             return _NO
         mine = self.rank == root
         if (coll == "reduce" or coll == "gather") and not mine:
+            if coll == "reduce" and out is not None and not (
+                    out.flags.c_contiguous and out.dtype in _SUPPORTED_DTYPES):
+                return _NO        # ireduce checks out= on every rank (and raises)
             res, ret = x, (None if coll == "gather" else (x if out is None else out))
         elif coll == "reduce" and (out is None or out is x):
             if not x.flags.writeable:
@@ -795,22 +798,25 @@ class Communicator:
         bd = self.board
         b = seq & 1
         got = 2
-        if cplan is not None:
-            # the compiled round: publish, wait briefly, check, read; 0 = done,
-            # 1 = published (Python finishes), 2 = nothing done yet (Python does it all)
-            got = bd.fast.run(cplan, seq, bd.last_use[b], x, res)
-            if got != 2:
-                bd.last_use[b] = seq
-        if got:
-            run = shm_board.BoardRun(bd, coll, seq, sig, meta, x.reshape(-1), res.reshape(-1),
-                                     root, red, n)
-            if got == 1:
-                run.phase = 1
-            try:
+        try:
+            if cplan is not None:
+                # the compiled round: publish, wait briefly, check, read; 0 = done,
+                # 1 = published (Python finishes), 2 = nothing done yet (Python does it all)
+                got = bd.fast.run(cplan, seq, bd.last_use[b], x, res)
+                if got != 2:
+                    bd.last_use[b] = seq
+            if got:
+                run = shm_board.BoardRun(bd, coll, seq, sig, meta, x.reshape(-1),
+                                         res.reshape(-1), root, red, n)
+                if got == 1:
+                    run.phase = 1
                 eng.run_inline(run, coll, seq, timeout)
-            except CollectiveTimeout as e:
-                eng.poison(e)
-                raise
+        except BaseException as e:
+            # a signal's exception can surface right after the compiled round returned,
+            # with the call half done on the board: the communicator is unusable, as after
+            # any failure inside a call
+            eng.poison(e)
+            raise
         if o is Op.AVG and (coll != "reduce" or self.rank == root):
             host_finalize(o, res, self.size)
         if fl is not None:
@@ -859,7 +865,7 @@ class Communicator:
     def broadcast(self, x: Any, root: int = 0, *, timeout: float | None = None,
                   algo: str | None = None, stream: Any = None) -> Any:
         timeout = self._timeout_arg(timeout, "broadcast")
-        if self._fastpath and (algo is None or algo == "shm_board") and \
+        if self._fastpath and stream is None and (algo is None or algo == "shm_board") and \
                 type(x) is np.ndarray and type(root) is int and 0 <= root < self.size:
             done = self._board_inline("broadcast", x, None, root, timeout, None, algo)
             if done is not None:
@@ -896,7 +902,7 @@ class Communicator:
     def reduce(self, x: Any, out: Any = None, op: Any = Op.SUM, root: int = 0, *,
                timeout: float | None = None, algo: str | None = None, stream: Any = None) -> Any:
         timeout = self._timeout_arg(timeout, "reduce")
-        if self._fastpath and (algo is None or algo == "shm_board") and \
+        if self._fastpath and stream is None and (algo is None or algo == "shm_board") and \
                 type(x) is np.ndarray and type(root) is int and 0 <= root < self.size:
             done = self._board_inline_to("reduce", x, out, op, root, timeout, algo)
             if done is not _NO:
@@ -919,7 +925,8 @@ class Communicator:
     def allgather(self, x: Any, out: Any = None, *, timeout: float | None = None,
                   algo: str | None = None, stream: Any = None) -> Any:
         timeout = self._timeout_arg(timeout, "allgather")
-        if self._fastpath and (algo is None or algo == "shm_board") and type(x) is np.ndarray:
+        if self._fastpath and stream is None and (algo is None or algo == "shm_board") and \
+                type(x) is np.ndarray:
             done = self._board_inline_to("allgather", x, out, None, 0, timeout, algo)
             if done is not _NO:
                 return done
@@ -943,7 +950,8 @@ class Communicator:
     def reduce_scatter(self, x: Any, out: Any = None, op: Any = Op.SUM, *,
                        timeout: float | None = None, algo: str | None = None, stream: Any = None) -> Any:
         timeout = self._timeout_arg(timeout, "reduce_scatter")
-        if self._fastpath and (algo is None or algo == "shm_board") and type(x) is np.ndarray:
+        if self._fastpath and stream is None and (algo is None or algo == "shm_board") and \
+                type(x) is np.ndarray:
             done = self._board_inline_to("reduce_scatter", x, out, op, 0, timeout, algo)
             if done is not _NO:
                 return done
@@ -971,7 +979,8 @@ class Communicator:
     def alltoall(self, x: Any, out: Any = None, *, timeout: float | None = None,
                  algo: str | None = None, stream: Any = None) -> Any:
         timeout = self._timeout_arg(timeout, "alltoall")
-        if self._fastpath and (algo is None or algo == "shm_board") and type(x) is np.ndarray:
+        if self._fastpath and stream is None and (algo is None or algo == "shm_board") and \
+                type(x) is np.ndarray:
             done = self._board_inline_to("alltoall", x, out, None, 0, timeout, algo)
             if done is not _NO:
                 return done
@@ -999,7 +1008,7 @@ class Communicator:
     def gather(self, x: Any, out: Any = None, root: int = 0, *, timeout: float | None = None,
                algo: str | None = None, stream: Any = None) -> Any:
         timeout = self._timeout_arg(timeout, "gather")
-        if self._fastpath and (algo is None or algo == "shm_board") and \
+        if self._fastpath and stream is None and (algo is None or algo == "shm_board") and \
                 type(x) is np.ndarray and type(root) is int and 0 <= root < self.size:
             done = self._board_inline_to("gather", x, out, None, root, timeout, algo)
             if done is not _NO:

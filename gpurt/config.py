@@ -88,9 +88,10 @@ VARIABLES: tuple[Var, ...] = (
         "(process_vm_writev) while it waits; needs gpurt._fastboard and a CPU per local rank; "
         "0 disables."),
     Var("GPURT_NATIVE", "1", _flag,
-        "shm board: run the blocking small-message round (allreduce, broadcast, barrier) "
-        "in the compiled gpurt._fastboard when it was built; 0 runs the same protocol in "
-        "Python."),
+        "Use the compiled gpurt._fastboard where it was built: the shm board's blocking "
+        "round and its reads (every collective but scatter, on NumPy arrays) and the "
+        "cooperative single copy; 0 runs the board in Python and copies receiver-only. "
+        "Set it alike on every rank (NaN payloads of float reductions may differ otherwise)."),
     Var("GPURT_SHM_CMA", "128K", _bytes,
         "shm: messages of at least this many bytes are read by the receiver straight from "
         "the sender's memory (process_vm_readv, one copy instead of two) where the probe at "

@@ -209,7 +209,8 @@ def _native_board() -> dict:
     if not config.get("GPURT_NATIVE"):
         return {"built": True, "in_use": False, "why": "built; off (GPURT_NATIVE=0)"}
     return {"built": True, "in_use": True,
-            "why": "gpurt._fastboard: blocking allreduce/broadcast/barrier on the board"}
+            "why": "gpurt._fastboard: the board's blocking round and reads; the shm "
+                   "cooperative single copy"}
 
 
 @main.command()

@@ -236,7 +236,7 @@ class _Msg:
                 if ring.seg.q[ring.ack_i] >= self.ack:
                     self.done, self.data = True, None
                 elif ring.can_help:
-                    ring.help_copy(self.ack, self.peer)    # waiting anyway: copy chunks for the peer
+                    ring.help_copy(self)    # waiting anyway: copy chunks for the peer
         return self.done
 
 
@@ -261,6 +261,8 @@ class _Ring:
         self.can_help = False   # sender: copy chunks into the peer while waiting for its ack
         self.helped = 0         # chunks copied for the other end (sender) / by itself (receiver)
         self.copied = False     # receiver: the last _read_remote copied a chunk
+        self.mid = False        # receiver: inside its own chunk's copy
+        self.open_help: _Msg | None = None   # receiver: the message whose chunks are offered
         offs = [base + _CTRL + k * (self.slot + _SLOT_HDR) for k in range(self.nslots)]
         self.hdr_i = [o // 8 for o in offs]
         self.data = [seg.u8[o + _SLOT_HDR:o + _SLOT_HDR + self.slot] for o in offs]
@@ -357,11 +359,16 @@ class _Ring:
         acknowledge.  False while chunks the sender took are still being copied."""
         dst = getattr(m.sink, "dst", None)
         if dst is not None:
-            if m.help is None and self.help_min and m.total - m.off >= self.help_min:
+            if m.help is None and self.help_min and not m.off and m.total >= self.help_min:
                 self._open_help(m, dst)
             if m.help is not None:
-                if not self._help_read(m):
-                    return False
+                try:
+                    if not self._help_read(m):
+                        return False
+                except BaseException:
+                    self.seal_help()
+                    raise
+                self.open_help = None
             else:
                 cma.read(self.peer_pid, m.remote + m.off, dst[m.off:m.total], m.peer)
             m.off = m.total
@@ -392,17 +399,20 @@ class _Ring:
 
     def _open_help(self, m: _Msg, dst: np.ndarray) -> None:
         gen = (self.acks + 1) & 0xFFFFFFFF       # = the sender's m.ack for this message
-        nbytes = m.total - m.off
+        nbytes = m.total                         # (opened only at m.off == 0)
         chunk = _HELP_CHUNK
         q = self.seg.q
-        q[self.hdst_i] = cma.address(dst) + m.off
-        q[self.hsrc_i] = m.remote + m.off
+        q[self.claim_i] = (gen << 32) | 0xFFFFFFFF   # closed while the words below change
+        _fence()
+        q[self.hdst_i] = cma.address(dst)
+        q[self.hsrc_i] = m.remote
         q[self.hlen_i] = nbytes
         q[self.hchunk_i] = chunk
         q[self.hdone_i] = gen << 32
         _fence()
-        q[self.claim_i] = gen << 32              # published: chunks can be taken
+        q[self.claim_i] = gen << 32              # open: chunks can be taken
         m.help = (gen, -(-nbytes // chunk), chunk, nbytes)
+        self.open_help = m
 
     def _help_read(self, m: _Msg) -> bool:
         gen, nch, chunk, nbytes = m.help
@@ -414,32 +424,59 @@ class _Ring:
             if c < 0:
                 break
             off = c * chunk
+            self.mid = True
             cma.copy(self.peer_pid, dst + off, src + off, min(chunk, nbytes - off), False,
                      m.peer)
             add(self.hdone_addr, 1)
+            self.mid = False
             self.helped += 1
             self.copied = True
-        return (q[self.hdone_i] & 0xFFFFFFFF) >= nch
+        w = q[self.hdone_i]
+        return w >> 32 == gen and (w & 0xFFFFFFFF) >= nch
 
-    def help_copy(self, gen: int, peer: int) -> None:
-        """Sender: copy whatever chunks of message ``gen`` are left into the peer's buffer."""
+    def seal_help(self, bound: float = 1.0) -> None:
+        """Giving up on the open message (an error here, or the communicator failed): no
+        chunk can be taken any more, and — for up to ``bound`` seconds — the chunks the
+        sender already took are waited for, so that no write into the destination lands
+        after the caller has it back (a sender stopped mid-chunk past the bound is the
+        one case left: the communicator is failed then, and says so)."""
+        m = self.open_help
+        if m is None or m.help is None or shm_board.NATIVE is None:
+            return
+        gen = m.help[0]
+        self.open_help, m.help = None, None
+        taken = shm_board.NATIVE.seal(self.claim_addr, gen)
+        if taken <= 0:
+            return
+        mine = 1 if self.mid else 0       # a chunk of ours cut short is never counted
+        q, deadline = self.seg.q, time.monotonic() + bound
+        while time.monotonic() < deadline:
+            w = q[self.hdone_i]
+            if w >> 32 != gen or (w & 0xFFFFFFFF) + mine >= taken:
+                return
+            time.sleep(1e-4)
+
+    def help_copy(self, m: _Msg) -> None:
+        """Sender: copy chunks of ``m`` (at most 8, 4 MiB, per call, so the caller's wait
+        still checks its deadline) into the peer's buffer, if the peer offers them."""
         q = self.seg.q
-        gen &= 0xFFFFFFFF
+        gen = m.ack & 0xFFFFFFFF
         if q[self.claim_i] >> 32 != gen:
             return
-        nbytes, chunk = q[self.hlen_i], q[self.hchunk_i]
-        if not chunk:
-            return
+        # everything from our own message: the peer's words may already describe its
+        # next one (then the claim below fails: the generation differs)
+        nbytes, chunk = m.total, _HELP_CHUNK
         nch = -(-nbytes // chunk)
+        src = cma.address(m.data)
         claim, add = shm_board.NATIVE.claim, shm_board.NATIVE.fetch_add
-        while True:
+        for _ in range(8):
             c = claim(self.claim_addr, gen, nch)
             if c < 0:
                 return
-            # taken: the receiver waits for this chunk, so the words below are this message's
+            # taken: the receiver waits for this chunk, so its destination word is ours
             off = c * chunk
-            cma.copy(self.peer_pid, q[self.hsrc_i] + off, q[self.hdst_i] + off,
-                     min(chunk, nbytes - off), True, peer)
+            cma.copy(self.peer_pid, src + off, q[self.hdst_i] + off,
+                     min(chunk, nbytes - off), True, m.peer)
             add(self.hdone_addr, 1)
             self.helped += 1
 
@@ -543,6 +580,7 @@ class ShmTransport:
         self.seg: _Segment | None = None
         self.board: shm_board.Board | None = None
         self.cma_why = "not connected"
+        self.writev_why = "not probed"
         self.local_rank = -1
         self.endpoints: dict[int, ShmEndpoint] = {}
 
@@ -627,7 +665,7 @@ class ShmTransport:
         # cores it only shuffles the same copies around (measured: 4 ranks on 2 cores,
         # 16 MiB alltoall, no gain), so it is off there
         help_on = bool(helpmin) and int(config.get("GPURT_SHM_HELP")) > 0 and \
-            shm_board.NATIVE is not None and not oversubscribed(nlocal)
+            shm_board.native_enabled() and not oversubscribed(nlocal)
         for ep in self.endpoints.values():
             pid = self.seg.q[self.seg.pid_i(ep.local_peer)]
             for ring in ep.rx + ep.tx:
@@ -635,7 +673,7 @@ class ShmTransport:
             if not self.cma_why and threshold:
                 for ring in ep.tx:
                     ring.cma_min = threshold
-                    ring.can_help = help_on
+                    ring.can_help = help_on and not self.writev_why
                 for ring in ep.rx:
                     ring.help_min = helpmin if help_on else 0
         return dict(self.endpoints)
@@ -657,15 +695,35 @@ class ShmTransport:
                 if why:
                     why = f"local rank {me} (rank {rank}) cannot read local rank {k}: {why}"
         whys = [w for w in node.allgather(why) if w]
+        # the cooperative copy's sender writes (process_vm_writev): the same permission as
+        # reading, unless a seccomp filter allows one call and not the other — try it on
+        # ourselves (this rank then only never helps; nothing to agree on)
+        back = np.zeros_like(token)
+        try:
+            cma.copy(os.getpid(), cma.address(token), cma.address(back), token.nbytes, True)
+            self.writev_why = "" if back.tobytes() == token.tobytes() else \
+                "process_vm_writev wrote the wrong bytes"
+        except (TransportError, PeerFailure) as e:
+            self.writev_why = str(e)
         del token
         if whys:
             log.info("shm: single-copy (CMA) disabled: %s", whys[0])
         return whys[0] if whys else ""
 
     def publish_error(self, text: str) -> None:
-        """Tell the local peers why this rank is going down (read by their ``check``)."""
+        """Tell the local peers why this rank is going down (read by their ``check``), and
+        stop them writing into our receive buffers (cooperative single copy)."""
         if self.seg is not None and self.local_rank >= 0:
             self.seg.write_error(self.local_rank, text)
+        self._seal_helps()
+
+    def _seal_helps(self) -> None:
+        for ep in self.endpoints.values():
+            for ring in ep.rx:
+                try:
+                    ring.seal_help()
+                except Exception:  # noqa: BLE001 - failing already; best effort
+                    pass
 
     def _drain_single_copy(self, bound: float = 5.0) -> None:
         """A single-copy send's data is read by the peer from *our* memory after we have
@@ -690,6 +748,7 @@ class ShmTransport:
             time.sleep(1e-4)
 
     def close(self) -> None:
+        self._seal_helps()
         try:
             self._drain_single_copy()
         except Exception:  # noqa: BLE001 - closing must not fail

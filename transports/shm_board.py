@@ -62,8 +62,10 @@ def _load_native():
         from gpurt import _fastboard as fb
     except ImportError as e:
         return None, f"not built ({e}); the board runs in Python"
-    if tuple(fb.COLLS) != COLLS:
-        return None, "built from another version of gpurt (collective codes differ)"
+    if getattr(fb, "ABI", 0) != 3 or tuple(fb.COLLS) != COLLS:
+        return None, ("built from another version of gpurt (reinstall it: pip install -e . "
+                      "rebuilds the extension)")
+    fb.set_ndarray(np.ndarray)
     probe = np.arange(3, dtype=np.float64)
     if fb.data_address(probe) != probe.ctypes.data:
         return None, "this NumPy's array layout is not the one it was built for"
