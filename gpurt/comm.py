@@ -708,13 +708,9 @@ class Communicator:
             return None
         dtype = x.dtype
         n = x.size
-        key = (coll, dtype, n, op, root, algo)
-        fp = self._fastplans.get(key)
-        if fp is None:
-            fp = self._fastplans[key] = self._fastplan(coll, dtype, n, op, root, algo)
+        fp = self._fastplan_of(coll, dtype, n, op, root, algo)
         if not fp:
             return None
-        o, sig, meta, red, fargs, cplan = fp
         res = x
         if out is not None and out is not x:
             of = out.flags
@@ -746,10 +742,7 @@ class Communicator:
             if xs % p:
                 return _NO
             n = xs // p
-        key = (coll, dtype, n, op, root, algo)
-        fp = self._fastplans.get(key)
-        if fp is None:
-            fp = self._fastplans[key] = self._fastplan(coll, dtype, n, op, root, algo)
+        fp = self._fastplan_of(coll, dtype, n, op, root, algo)
         if not fp:
             return _NO
         mine = self.rank == root
@@ -822,6 +815,15 @@ class Communicator:
         if fl is not None:
             rec[5], rec[6] = time.time(), "done"
         return res
+
+    def _fastplan_of(self, coll: str, dtype: np.dtype, n: int, op: Any, root: int,
+                     algo: str | None):
+        """``_fastplan``, cached per (collective, dtype, count, op, root, algo)."""
+        key = (coll, dtype, n, op, root, algo)
+        fp = self._fastplans.get(key)
+        if fp is None:
+            fp = self._fastplans[key] = self._fastplan(coll, dtype, n, op, root, algo)
+        return fp
 
     def _fastplan(self, coll: str, dtype: np.dtype, n: int, op: Any, root: int,
                   algo: str | None = None):

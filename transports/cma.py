@@ -43,24 +43,7 @@ def address(arr: np.ndarray) -> int:
 
 def read(pid: int, remote: int, dst: np.ndarray, peer: int = -1) -> None:
     """Copy ``dst.nbytes`` bytes at ``remote`` in process ``pid`` into ``dst`` (contiguous)."""
-    if _readv is None:
-        raise TransportError("process_vm_readv is not available")
-    n = dst.nbytes
-    local = address(dst)
-    done = 0
-    liov, riov = _IOVec(), _IOVec()
-    while done < n:
-        liov.iov_base, liov.iov_len = local + done, n - done
-        riov.iov_base, riov.iov_len = remote + done, n - done
-        got = _readv(pid, ctypes.byref(liov), 1, ctypes.byref(riov), 1, 0)
-        if got <= 0:
-            e = ctypes.get_errno()
-            if e == errno.ESRCH:
-                raise PeerFailure(f"rank {peer} (pid {pid}) exited during a single-copy "
-                                  f"transfer", rank=peer)
-            raise TransportError(f"process_vm_readv from rank {peer} (pid {pid}) failed: "
-                                 f"{os.strerror(e)}")
-        done += got
+    copy(pid, address(dst), remote, dst.nbytes, False, peer)
 
 
 def copy(pid: int, local: int, remote: int, n: int, to_peer: bool, peer: int = -1) -> None:
