@@ -124,6 +124,7 @@ class Board:
             if native_enabled() else None
         self._roles: dict = {}      # (coll, root) -> (writes, need)
         self._views: dict = {}      # (k, b, off, nbytes, dtype) -> typed view of a buffer
+        self._plans: dict = {}      # (coll, sig, dtype, n, op, root) -> the extension's plan
 
     def publish_site(self, sid: int) -> None:
         """Write call site ``sid``'s text into my table (once; before a header names it)."""
@@ -174,6 +175,16 @@ class Board:
         """The extension's plan for one inline call (None when there is no extension)."""
         if self.fast is None:
             return None
+        key = (coll, sig, dtype, n, op, root)
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) > 4096:
+                self._plans.clear()
+            plan = self._plans[key] = self._new_plan(coll, sig, meta, dtype, n, op, root)
+        return plan
+
+    def _new_plan(self, coll: str, sig: int, meta: tuple, dtype: np.dtype, n: int,
+                  op: Op | None, root: int):
         if coll == "barrier" or (coll in ("broadcast", "scatter") and self.me != root):
             writes = 0
         elif coll in ("reduce_scatter", "alltoall", "scatter"):
