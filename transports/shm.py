@@ -571,9 +571,11 @@ class ShmTransport:
                    f"start ({scope})" if single else "single-copy (CMA) off (GPURT_SHM_CMA=0)")
         helpmin = int(config.get("GPURT_SHM_HELP"))
         if single and helpmin:
-            cma_txt += (f"; receives >= {max(helpmin, single)} B copied by both ends"
-                        if shm_board.NATIVE is not None else
-                        "; receiver-only copies (no gpurt._fastboard for the shared claim)")
+            cma_txt += (f"; receives >= {max(helpmin, single)} B copied by both ends "
+                        f"where every local rank has a CPU"
+                        if shm_board.native_enabled() else
+                        "; receiver-only copies (gpurt._fastboard, for the shared claim, is "
+                        "not built or GPURT_NATIVE=0)")
         return True, f"{d} has {free / 2**30:.1f} GiB free; {cma_txt}"
 
     def __init__(self) -> None:
@@ -664,8 +666,8 @@ class ShmTransport:
         # helping pays with a core to spare for the waiting sender; with more ranks than
         # cores it only shuffles the same copies around (measured: 4 ranks on 2 cores,
         # 16 MiB alltoall, no gain), so it is off there
-        help_on = bool(helpmin) and int(config.get("GPURT_SHM_HELP")) > 0 and \
-            shm_board.native_enabled() and not oversubscribed(nlocal)
+        help_on = int(config.get("GPURT_SHM_HELP")) > 0 and shm_board.native_enabled() \
+            and not oversubscribed(nlocal)
         for ep in self.endpoints.values():
             pid = self.seg.q[self.seg.pid_i(ep.local_peer)]
             for ring in ep.rx + ep.tx:
