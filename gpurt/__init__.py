@@ -17,9 +17,10 @@ from .errors import (CollectiveMismatchError, CollectiveTimeout, CommunicatorClo
                      PeerFailure, ResourceError, TransportError)
 from .executor import Request
 from .ops import AVG, BAND, BOR, BXOR, MAX, MIN, PROD, SUM, Op
+from .sharedmem import empty, is_shared, zeros
 
 __all__ = [
-    "__version__", "init", "Communicator", "Request", "Op",
+    "__version__", "init", "Communicator", "Request", "Op", "empty", "zeros", "is_shared",
     "SUM", "PROD", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR",
     "GpurtError", "CollectiveTimeout", "PeerFailure", "CollectiveMismatchError",
     "TransportError", "ResourceError", "CommunicatorClosed",

@@ -28,6 +28,12 @@
 #include <string.h>
 #include <sched.h>
 #include <time.h>
+#if defined(__x86_64__) && defined(__SSE2__)
+#include <emmintrin.h>
+#define HAVE_STREAM 1
+#else
+#define HAVE_STREAM 0
+#endif
 
 /* the order of shm_board.COLLS, checked by Python at import */
 enum { C_ALLREDUCE, C_REDUCE, C_BROADCAST, C_ALLGATHER, C_REDUCE_SCATTER, C_ALLTOALL,
@@ -41,7 +47,7 @@ enum { T_NONE = -1, T_I8, T_I16, T_I32, T_I64, T_U8, T_U16, T_U32, T_U64, T_F32,
 enum { DONE = 0, PUBLISHED = 1, NOTHING = 2, HANDBACK = 3 };
 
 #define HDR_SITE 8
-#define ABI 3                   /* bumped whenever Python's use of this module changes */
+#define ABI 4                   /* bumped whenever Python's use of this module changes */
 
 static PyTypeObject *ndarray_type;  /* numpy.ndarray, given by set_ndarray (run checks it) */
 
@@ -487,6 +493,60 @@ static PyObject *fetch_add(PyObject *mod, PyObject *const *args, Py_ssize_t narg
     return PyLong_FromUnsignedLongLong(__atomic_fetch_add(a, v, __ATOMIC_SEQ_CST));
 }
 
+/* ---- streaming copy --------------------------------------------------------------------
+ * stream_copy(dst, src, n): memcpy with non-temporal stores (x86-64 SSE2: MOVNTDQ), GIL
+ * released.  A large copy whose destination is not read again soon writes around the
+ * caches: no read-for-ownership of the destination lines and no eviction of the source,
+ * about 1.5x the speed of memcpy's cached stores here once source and destination
+ * outgrow the last-level cache (glibc switches to such stores only far above that).
+ * Elsewhere it is memcpy.  Overlapping ranges are the caller's error (Python checks). */
+static void copy_stream(char *dst, const char *src, size_t n) {
+#if HAVE_STREAM
+    size_t head = (size_t)(-(uintptr_t)dst) & 15;
+    if (head > n) head = n;
+    memcpy(dst, src, head);
+    dst += head; src += head; n -= head;
+    size_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
+        __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
+        __m128i d = _mm_loadu_si128((const __m128i *)(src + i + 48));
+        _mm_stream_si128((__m128i *)(dst + i), a);
+        _mm_stream_si128((__m128i *)(dst + i + 16), b);
+        _mm_stream_si128((__m128i *)(dst + i + 32), c);
+        _mm_stream_si128((__m128i *)(dst + i + 48), d);
+    }
+    _mm_sfence();       /* the streamed lines are visible before anything stored after */
+    memcpy(dst + i, src + i, n - i);
+#else
+    memcpy(dst, src, n);
+#endif
+}
+
+static PyObject *stream_copy(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "stream_copy(dst_address, src_address, nbytes)");
+        return NULL;
+    }
+    char *dst = (char *)PyLong_AsVoidPtr(args[0]);
+    if (!dst && PyErr_Occurred()) return NULL;
+    const char *src = (const char *)PyLong_AsVoidPtr(args[1]);
+    if (!src && PyErr_Occurred()) return NULL;
+    Py_ssize_t n = PyLong_AsSsize_t(args[2]);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    if (n < 0 || (n && (!dst || !src))) {
+        PyErr_SetString(PyExc_ValueError, "stream_copy: bad address or size");
+        return NULL;
+    }
+    if (n) {
+        Py_BEGIN_ALLOW_THREADS
+        copy_stream(dst, src, (size_t)n);
+        Py_END_ALLOW_THREADS
+    }
+    Py_RETURN_NONE;
+}
+
 static PyObject *data_address(PyObject *mod, PyObject *arr) {
     if (!ndarray_type || Py_TYPE(arr) != ndarray_type) {
         PyErr_SetString(PyExc_TypeError, "data_address: a numpy.ndarray (after set_ndarray)");
@@ -532,6 +592,8 @@ static PyMethodDef mod_methods[] = {
     {"fetch_add", (PyCFunction)(void (*)(void))fetch_add, METH_FASTCALL,
      "fetch_add(address, value)"},
     {"seal", (PyCFunction)(void (*)(void))seal, METH_FASTCALL, "seal(address, gen)"},
+    {"stream_copy", (PyCFunction)(void (*)(void))stream_copy, METH_FASTCALL,
+     "stream_copy(dst_address, src_address, nbytes): memcpy with non-temporal stores"},
     {"set_ndarray", set_ndarray, METH_O, "set_ndarray(numpy.ndarray): the only array type"},
     {NULL}
 };
@@ -554,6 +616,7 @@ PyMODINIT_FUNC PyInit__fastboard(void) {
         PyModule_AddObjectRef(m, "COLLS", colls) < 0 ||
         PyModule_AddObjectRef(m, "TYPES", types) < 0 ||
         PyModule_AddObjectRef(m, "OPS", ops) < 0 ||
+        PyModule_AddIntConstant(m, "STREAMING", HAVE_STREAM) < 0 ||
         PyModule_AddIntConstant(m, "ABI", ABI) < 0) {
         Py_XDECREF(colls); Py_XDECREF(types); Py_XDECREF(ops); Py_DECREF(m);
         return NULL;

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from . import callsite, config, devpath
+from . import callsite, config, devpath, sharedmem
 from .buffers import Buf, as_buf, check_writable, empty_like, overlaps, same
 from .errors import (CollectiveMismatchError, CollectiveTimeout, CommunicatorClosed,
                      GpurtError, ResourceError, relay_text,
@@ -361,6 +361,19 @@ class Communicator:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    # -- buffers -------------------------------------------------------------------
+    def empty(self, shape, dtype=np.float32) -> np.ndarray:
+        """A host array in node-shared memory (``gpurt.sharedmem``): the other ranks of
+        the node read it, and write into it, directly — a large message from or into it
+        costs one memcpy instead of ``process_vm_readv``/``writev`` (about three times
+        slower).  Allocate the buffers you reuse with it; any array still works anywhere.
+        Local to this rank (not collective); the array outlives the communicator."""
+        return sharedmem.empty(shape, dtype)
+
+    def zeros(self, shape, dtype=np.float32) -> np.ndarray:
+        """``empty``, zero-filled."""
+        return sharedmem.zeros(shape, dtype)
 
     # -- the funnel ----------------------------------------------------------------
     def _check_open(self) -> None:

@@ -28,6 +28,10 @@ def _bytes(s: str) -> int:
     return int(s)
 
 
+def _bytes_or_auto(s: str) -> int | str:
+    return "auto" if s.strip().lower() == "auto" else _bytes(s)
+
+
 def _flag(s: str) -> bool:
     """'0', 'false', 'no', 'off' (any case) are off; anything else is on."""
     return s.strip().lower() not in ("0", "false", "no", "off")
@@ -92,6 +96,16 @@ VARIABLES: tuple[Var, ...] = (
         "round and its reads (every collective but scatter, on NumPy arrays) and the "
         "cooperative single copy; 0 runs the board in Python and copies receiver-only. "
         "Set it alike on every rank (NaN payloads of float reductions may differ otherwise)."),
+    Var("GPURT_NT_COPY", "auto", _bytes_or_auto,
+        "Host copies of at least this many bytes (a local copy of a collective, a receive "
+        "from a peer's shared array, a helping sender's chunks of one) use non-temporal "
+        "stores (gpurt._fastboard, x86-64); auto: the last-level cache / (2 × ranks on the "
+        "node), at least 1M; 0 disables."),
+    Var("GPURT_SHM_SHARED", "1", _flag,
+        "shm: single-copy messages from an array of gpurt.empty/zeros (comm.empty) are read "
+        "through a mapping of the sender's shared memory (memcpy, and reductions in place), "
+        "and helping senders copy into such a destination the same way; 0 disables (they "
+        "then go as any other array)."),
     Var("GPURT_SHM_CMA", "128K", _bytes,
         "shm: messages of at least this many bytes are read by the receiver straight from "
         "the sender's memory (process_vm_readv, one copy instead of two) where the probe at "

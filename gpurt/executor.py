@@ -23,6 +23,7 @@ from typing import Callable
 
 import numpy as np
 
+from . import memcopy
 from .errors import CollectiveTimeout, CommunicatorClosed, GpurtError, PeerFailure, TransportError
 from .schedule import Copy, Recv, Schedule, Send, Slice
 from .wait import Backoff
@@ -115,7 +116,7 @@ class _Run:
                 if self.alias and src.off == dst.off and src.buf != dst.buf and \
                         src.buf != "tmp" and dst.buf != "tmp":
                     continue  # in place: in and out are the same memory
-                np.copyto(d, bufs[src.buf][src.off:src.off + src.n])
+                memcopy.copyto(d, bufs[src.buf][src.off:src.off + src.n])
             else:
                 acc = op.acc
                 self.red(d if acc is None else bufs[acc.buf][acc.off:acc.off + acc.n],

@@ -686,7 +686,8 @@ def measure_ceiling(comm, nbytes: int, reps: int = 3) -> dict:
             "together_s": together, "alone_s": alone}
 
 
-MEMORIES = ("host", "cupy", "torch", "standin")
+MEMORIES = ("host", "shared", "cupy", "torch", "standin")
+HOST_MEMORIES = ("host", "shared")
 
 
 class DeviceIO:
@@ -835,7 +836,7 @@ def _sweep(lib: _Lib, cfg: dict) -> dict | None:
     label = cfg.get("label", lib.name)
     t_start = time.time()
     memory = cfg.get("memory", "host")
-    io = DeviceIO(memory) if memory != "host" else None
+    io = DeviceIO(memory) if memory not in HOST_MEMORIES else None
     ceiling = None
     if cfg.get("ceiling_bytes"):
         ceiling = measure_ceiling(ctl, int(cfg["ceiling_bytes"])) if io is None else \
@@ -847,8 +848,15 @@ def _sweep(lib: _Lib, cfg: dict) -> dict | None:
                  f"GB/s alone")
     sizes = [int(s) for s in cfg["sizes"]]
     lays = [layout(coll, n, r, S, it, root) for S in sizes]
-    x = np.empty(max([l[1] for l in lays] + [0]), dtype)
-    y = np.empty(max([l[2] for l in lays] + [0]), dtype)
+    alloc = np.empty
+    if memory == "shared" and lib.name in ("gpurt", "nocheck"):
+        # gpurt's buffers from gpurt.empty (comm.empty); the baselines keep NumPy's,
+        # their best: they cannot use shared arrays, and NumPy's large allocations get
+        # transparent huge pages where memfd memory (shmem) usually does not
+        from gpurt import sharedmem
+        alloc = sharedmem.empty
+    x = alloc(max([l[1] for l in lays] + [0]), dtype)
+    y = alloc(max([l[2] for l in lays] + [0]), dtype)
     fill_input(x, r, dtype, op, n, max([l[0] for l in lays] + [0]))
     y.fill(sentinel(dtype))
     xd = yd = None
@@ -1149,7 +1157,9 @@ def format_table(rep: dict) -> str:
         + (f", root {cfg['root']}" if coll in ROOTED else "")
         + f", warmup {cfg['warmup']}, iters {cfg['iters']}, repeat {cfg['repeat']}"
         + (f", algo {cfg['algo']}" if cfg.get("algo") else "")
-        + (f", {cfg['memory']} device buffers" if cfg.get("memory", "host") != "host" else ""),
+        + ("" if cfg.get("memory", "host") == "host" else
+           ", gpurt's buffers from gpurt.empty (node-shared), the baselines' from NumPy"
+           if cfg["memory"] == "shared" else f", {cfg['memory']} device buffers"),
         f"# {m['hostname']}: {m['cpu']}, {m['cpus']} CPUs; {m.get('mpi_library') or ''}",
     ]
     if ceil.get("per_rank_Bps"):
@@ -1388,7 +1398,9 @@ class _SizeType(click.ParamType):
               show_default=True, help="Bytes np.copyto'd to measure the memory ceiling "
                                       "(0: skip).")
 @click.option("--memory", type=click.Choice(MEMORIES), default="host", show_default=True,
-              help="Where the buffers live: host (NumPy), cupy or torch (CUDA device "
+              help="Where the buffers live: host (NumPy), shared (gpurt's buffers from "
+                   "gpurt.empty — comm.empty — which local peers read directly; the "
+                   "baselines keep NumPy arrays, their fastest), cupy or torch (CUDA device "
                    "arrays; the ceiling is then a device-to-device copy), or standin "
                    "(gpurt's host-memory stand-in for a GPU: exercises the device path, "
                    "its numbers are not a GPU's).")
@@ -1431,7 +1443,7 @@ def bench_command(collective, nranks, minbytes, maxbytes, factor, warmup, iters,
                                "--baseline")
     if memory in ("cupy", "torch") and importlib.util.find_spec(memory) is None:
         raise click.UsageError(f"--memory {memory}: {memory} is not installed here")
-    if memory != "host" and set(baselines) - {"nocheck"}:
+    if memory not in HOST_MEMORIES and set(baselines) - {"nocheck"}:
         raise click.UsageError(f"--memory {memory}: the mpi and gloo baselines take host "
                                f"buffers only (the mpich wheel is not CUDA-aware)")
     if collective == "sendrecv" and algo:

@@ -213,6 +213,28 @@ def _native_board() -> dict:
                    "cooperative single copy"}
 
 
+def _host_memory() -> dict:
+    """Node-shared arrays (comm.empty) and streaming copies: available here, and how."""
+    from gpurt import config, memcopy
+
+    shared = hasattr(os, "memfd_create")
+    why = ("comm.empty/zeros (gpurt.empty): memfd arrays; single-copy messages from or into "
+           "them are memcpy through a mapping (/proc/<pid>/fd), probed between the ranks of "
+           "each node at start" if shared else "no memfd_create on this platform")
+    if shared and not config.get("GPURT_SHM_SHARED"):
+        why = "comm.empty/zeros allocate shared arrays; the shm transport treats them as any "\
+              "other array (GPURT_SHM_SHARED=0)"
+    nt = memcopy.streaming_why()
+    llc = memcopy.llc_bytes()
+    return {"shared_arrays": shared, "shared_why": why, "streaming": not nt,
+            "streaming_from": memcopy.threshold() if not nt else 0, "llc_bytes": llc,
+            "streaming_why": nt or (
+                f"host copies of >= {memcopy.threshold() / 2**20:g} MiB use non-temporal "
+                f"stores (GPURT_NT_COPY={config.get('GPURT_NT_COPY')}; last-level cache "
+                f"{llc / 2**20:g} MiB, shared by the ranks of a node: the threshold is "
+                f"divided by the local ranks once a communicator exists)")}
+
+
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 @click.option("--env", "show_env", is_flag=True, help="Also list every GPURT_* variable.")
@@ -237,6 +259,7 @@ def info(as_json: bool, show_env: bool) -> None:
         "simulate": _simulate(),
         "transports": _transports(),
         "native_board": _native_board(),
+        "host_memory": _host_memory(),
         "algorithms": _algorithms(),
     }
     if show_env:
@@ -275,6 +298,11 @@ def info(as_json: bool, show_env: bool) -> None:
         click.echo(f"  {t['name']:<9} {mark}  {t['why']}")
     nb = data["native_board"]
     click.echo(f"compiled board round: {'yes' if nb['in_use'] else 'no '}  {nb['why']}")
+    hm = data["host_memory"]
+    click.echo(f"shared arrays:        {'yes' if hm['shared_arrays'] else 'no '}  "
+               f"{hm['shared_why']}")
+    click.echo(f"streaming copies:     {'yes' if hm['streaming'] else 'no '}  "
+               f"{hm['streaming_why']}")
     click.echo("algorithms (GPURT_ALGO=collective:name):")
     for coll, names in data["algorithms"].items():
         click.echo(f"  {coll:<15} {', '.join(names)}")

@@ -45,7 +45,7 @@ from collections import deque
 
 import numpy as np
 
-from gpurt import config
+from gpurt import config, memcopy, sharedmem
 from gpurt.wait import oversubscribed
 from gpurt.errors import (CollectiveMismatchError, PeerFailure, ResourceError, TransportError,
                           relayed_rank)
@@ -60,7 +60,7 @@ log = logging.getLogger("gpurt.shm")
 PREFIX = "gpurt-"
 _MAGIC = 0x67707572745F7368  # "gpurt_sh"
 _HDR = 4096                  # segment header (at least): magic, pid and probe tables
-_CTRL = 128                  # ring control: head (+0), tail (+64)
+_CTRL = 192                  # ring control: head (+0), tail (+64), help words (+80..)
 _SLOT_HDR = 64
 _HELP_CHUNK = 512 << 10       # cooperative single copy: bytes per chunk
 _BOUNCE = 256 * 1024          # reductions of single-copy data go through this much cache
@@ -216,7 +216,7 @@ class _Msg:
     """One message in flight on a ring (either direction)."""
 
     __slots__ = ("peer", "data", "sink", "total", "tag", "sig", "off", "started", "done",
-                 "ring", "lane", "ack", "remote", "help")
+                 "ring", "lane", "ack", "remote", "src", "help")
 
     def __init__(self, ring, peer: int, lane: int, total: int, tag: int, sig: int,
                  data: np.ndarray | None = None, sink: Sink | None = None):
@@ -226,6 +226,7 @@ class _Msg:
         self.off, self.started, self.done = 0, False, False
         self.ack = 0        # sender, single copy: done once the peer acknowledges this many
         self.remote = 0     # receiver, single copy: the sender's address
+        self.src = None     # receiver, single copy from a peer's shared array: its bytes
         self.help = None    # receiver, cooperative single copy: (gen, chunks, chunk, bytes)
 
     def test(self) -> bool:
@@ -250,10 +251,13 @@ class _Ring:
         # control: head (+0, the sender's), tail and single-copy acks (+64, +72: the receiver's)
         self.head_i, self.tail_i, self.ack_i = base // 8, (base + 64) // 8, (base + 72) // 8
         # cooperative single copy (the receiver's line): claim word (generation << 32 |
-        # next chunk), chunks done (same form), destination, source, bytes, chunk size
+        # next chunk), chunks done (same form), destination, source, bytes, chunk size,
+        # and where the destination is a shared array (gpurt.sharedmem): its location
+        # word and offset (0, 0 if it is not one)
         self.claim_i, self.hdone_i = (base + 80) // 8, (base + 88) // 8
         self.hdst_i, self.hsrc_i = (base + 96) // 8, (base + 104) // 8
         self.hlen_i, self.hchunk_i = (base + 112) // 8, (base + 120) // 8
+        self.hdloc_i, self.hdoff_i = (base + 128) // 8, (base + 136) // 8
         addr = cma.address(seg.u8)
         self.claim_addr, self.hdone_addr = addr + base + 80, addr + base + 88
         self.help_min = 0    # receiver: plain single-copy receives of >= this many bytes are
@@ -271,6 +275,10 @@ class _Ring:
         self.sender = me_is_sender
         self.queue: deque[_Msg] = deque()
         self.cma_min = 0     # messages of at least this many bytes go single-copy (0: never)
+        self.map_min = 0     # ... and those from a shared array (gpurt.sharedmem), read
+                             # through a mapping of it (0: never)
+        self.writev = False  # sender: may write into the peer with process_vm_writev
+        self.maps: sharedmem.PeerMaps | None = None   # the peer's shared arrays mapped here
         self.acks = 0        # single-copy messages sent (sender) / completed (receiver)
         self.peer_pid = 0
         self.bounce: np.ndarray | None = None   # receiver: where reduced data lands first
@@ -287,10 +295,16 @@ class _Ring:
                         return moved
                 k = self.count % self.nslots
                 h = self.hdr_i[k]
-                if self.cma_min and m.total >= self.cma_min:
-                    # single copy: publish where the data is; the peer reads it and acks
+                loc = None
+                if self.map_min and m.total >= self.map_min:
+                    loc = sharedmem.lookup(cma.address(m.data), m.total)
+                if loc is not None or self.cma_min and m.total >= self.cma_min:
+                    # single copy: publish where the data is — an address for
+                    # process_vm_readv, and in a shared array its location, for a mapping
+                    # of it — the peer reads it and acks
                     q[h], q[h + 1], q[h + 2], q[h + 3], q[h + 4] = m.tag, m.sig, m.total, 0, 0
                     q[h + 5] = cma.address(m.data)
+                    q[h + 6], q[h + 7] = loc if loc is not None else (0, 0)
                     self.acks += 1
                     m.ack, m.off = self.acks, m.total
                 else:
@@ -339,6 +353,8 @@ class _Ring:
                 remote = q[h + 5]
                 if remote:
                     m.remote = remote   # single copy: read from the sender's memory below
+                    if q[h + 6] and self.maps is not None:   # ... or its shared array
+                        m.src = self.maps.view(q[h + 6], q[h + 7], total)
                 elif n:
                     m.sink(off, self.data[k][:n])
                 self.count += 1
@@ -356,22 +372,31 @@ class _Ring:
         """Single copy: read the rest of ``m`` from the sender's memory — straight into the
         destination for a plain receive (shared with the sender, chunk by chunk, when it is
         large: ``_help_read``), through a cache-sized bounce buffer for a reduction — then
-        acknowledge.  False while chunks the sender took are still being copied."""
+        acknowledge.  False while chunks the sender took are still being copied.  From a
+        sender's shared array (``m.src``) it is a memcpy out of a mapping of it, and a
+        reduction reads it in place."""
         dst = getattr(m.sink, "dst", None)
         if dst is not None:
             if m.help is None and self.help_min and not m.off and m.total >= self.help_min:
                 self._open_help(m, dst)
             if m.help is not None:
                 try:
-                    if not self._help_read(m):
+                    if not self._help_read(m, dst):
                         return False
                 except BaseException:
                     self.seal_help()
                     raise
                 self.open_help = None
+            elif m.src is not None:
+                memcopy.copyto(dst[m.off:m.total], m.src[m.off:m.total], m.total)
             else:
                 cma.read(self.peer_pid, m.remote + m.off, dst[m.off:m.total], m.peer)
             m.off = m.total
+        elif m.src is not None:
+            while m.off < m.total:          # cache-sized pieces: the reduction's operands
+                n = min(_BOUNCE, m.total - m.off)   # stay in cache as it writes
+                m.sink(m.off, m.src[m.off:m.off + n])
+                m.off += n
         else:
             if self.bounce is None:
                 self.bounce = np.empty(_BOUNCE, np.uint8)
@@ -383,7 +408,7 @@ class _Ring:
                 m.off += n
         self.acks += 1
         self.seg.q[self.ack_i] = self.acks
-        m.done, m.sink, m.remote, m.help = True, None, 0, None
+        m.done, m.sink, m.remote, m.help, m.src = True, None, 0, None, None
         return True
 
     # -- cooperative single copy -----------------------------------------------
@@ -408,16 +433,18 @@ class _Ring:
         q[self.hsrc_i] = m.remote
         q[self.hlen_i] = nbytes
         q[self.hchunk_i] = chunk
+        loc = sharedmem.lookup(q[self.hdst_i], nbytes) if self.maps is not None else None
+        q[self.hdloc_i], q[self.hdoff_i] = loc if loc is not None else (0, 0)
         q[self.hdone_i] = gen << 32
         _fence()
         q[self.claim_i] = gen << 32              # open: chunks can be taken
         m.help = (gen, -(-nbytes // chunk), chunk, nbytes)
         self.open_help = m
 
-    def _help_read(self, m: _Msg) -> bool:
+    def _help_read(self, m: _Msg, dstv: np.ndarray) -> bool:
         gen, nch, chunk, nbytes = m.help
         q = self.seg.q
-        dst, src = q[self.hdst_i], q[self.hsrc_i]
+        dst, src, srcv = q[self.hdst_i], q[self.hsrc_i], m.src
         claim, add = shm_board.NATIVE.claim, shm_board.NATIVE.fetch_add
         while True:
             c = claim(self.claim_addr, gen, nch)
@@ -425,8 +452,12 @@ class _Ring:
                 break
             off = c * chunk
             self.mid = True
-            cma.copy(self.peer_pid, dst + off, src + off, min(chunk, nbytes - off), False,
-                     m.peer)
+            if srcv is not None:
+                end = min(off + chunk, nbytes)
+                memcopy.copyto(dstv[off:end], srcv[off:end], nbytes)
+            else:
+                cma.copy(self.peer_pid, dst + off, src + off, min(chunk, nbytes - off), False,
+                         m.peer)
             add(self.hdone_addr, 1)
             self.mid = False
             self.helped += 1
@@ -461,22 +492,35 @@ class _Ring:
         still checks its deadline) into the peer's buffer, if the peer offers them."""
         q = self.seg.q
         gen = m.ack & 0xFFFFFFFF
-        if q[self.claim_i] >> 32 != gen:
+        w = q[self.claim_i]
+        if w >> 32 != gen or w & 0xFFFFFFFF == 0xFFFFFFFF:
             return
-        # everything from our own message: the peer's words may already describe its
-        # next one (then the claim below fails: the generation differs)
+        # open for our message: the words below are the receiver's for it (they change
+        # only after the claim word has moved on, and then the claims below fail)
         nbytes, chunk = m.total, _HELP_CHUNK
         nch = -(-nbytes // chunk)
+        dstv = None
+        if q[self.hdloc_i] and self.maps is not None:
+            try:        # its destination is a shared array: memcpy into a mapping of it
+                dstv = self.maps.view(q[self.hdloc_i], q[self.hdoff_i], nbytes)
+            except TransportError as e:
+                log.debug("shm: not helping rank %d: %s", m.peer, e)
+        if dstv is None and not self.writev:
+            return      # nothing claimed: the receiver copies every chunk itself
         src = cma.address(m.data)
         claim, add = shm_board.NATIVE.claim, shm_board.NATIVE.fetch_add
         for _ in range(8):
             c = claim(self.claim_addr, gen, nch)
             if c < 0:
                 return
-            # taken: the receiver waits for this chunk, so its destination word is ours
+            # taken: the receiver waits for this chunk, so its destination is ours
             off = c * chunk
-            cma.copy(self.peer_pid, src + off, q[self.hdst_i] + off,
-                     min(chunk, nbytes - off), True, m.peer)
+            end = min(off + chunk, nbytes)
+            if dstv is not None:
+                memcopy.copyto(dstv[off:end], m.data[off:end], nbytes)
+            else:
+                cma.copy(self.peer_pid, src + off, q[self.hdst_i] + off, end - off, True,
+                         m.peer)
             add(self.hdone_addr, 1)
             self.helped += 1
 
@@ -502,6 +546,7 @@ class ShmEndpoint:
         self.rx = [_Ring(seg, local_peer, me, lane, False) for lane in range(LANES)]
         self._pid = 0
         self._stopped_since: float | None = None
+        self.maps: sharedmem.PeerMaps | None = None     # the peer's shared arrays
 
     def send(self, src: np.ndarray, lane: int, tag: int, sig: int) -> _Msg:
         ring = self.tx[lane]
@@ -582,6 +627,7 @@ class ShmTransport:
         self.seg: _Segment | None = None
         self.board: shm_board.Board | None = None
         self.cma_why = "not connected"
+        self.map_why = "not connected"
         self.writev_why = "not probed"
         self.local_rank = -1
         self.endpoints: dict[int, ShmEndpoint] = {}
@@ -595,6 +641,7 @@ class ShmTransport:
         topo, node = comm.topo, comm.node_comm
         self.local_rank = node.Get_rank()
         nlocal = node.Get_size()
+        memcopy.set_local_ranks(nlocal)
         if nlocal == 1:
             return {}
         slot, k_coll, k_p2p, board = node.bcast(geometry(nlocal) if self.local_rank == 0
@@ -656,6 +703,8 @@ class ShmTransport:
         if self.local_rank == 0:
             self.seg.q[0] = _MAGIC
         self.cma_why = self._probe_cma(node, comm.rank)
+        self.map_why = self._probe_map(node, comm.rank) if config.get("GPURT_SHM_SHARED") \
+            else "off (GPURT_SHM_SHARED=0)"
         if board:
             self.board = shm_board.Board(self.seg.q, self.seg.u8, board_off, nlocal,
                                          self.local_rank, board)
@@ -668,17 +717,57 @@ class ShmTransport:
         # 16 MiB alltoall, no gain), so it is off there
         help_on = int(config.get("GPURT_SHM_HELP")) > 0 and shm_board.native_enabled() \
             and not oversubscribed(nlocal)
+        use_cma, use_map = threshold and not self.cma_why, threshold and not self.map_why
         for ep in self.endpoints.values():
             pid = self.seg.q[self.seg.pid_i(ep.local_peer)]
+            if use_map:
+                ep.maps = sharedmem.PeerMaps(pid, ep.peer, comm.rank)
             for ring in ep.rx + ep.tx:
                 ring.peer_pid = pid
-            if not self.cma_why and threshold:
-                for ring in ep.tx:
-                    ring.cma_min = threshold
-                    ring.can_help = help_on and not self.writev_why
-                for ring in ep.rx:
-                    ring.help_min = helpmin if help_on else 0
+                ring.maps = ep.maps
+            for ring in ep.tx:
+                ring.cma_min = threshold if use_cma else 0
+                ring.map_min = threshold if use_map else 0
+                ring.writev = bool(use_cma) and not self.writev_why
+                ring.can_help = help_on and (ring.writev or bool(use_map))
+            for ring in ep.rx:
+                ring.help_min = helpmin if help_on and (use_cma or use_map) else 0
         return dict(self.endpoints)
+
+    def _probe_map(self, node, rank: int) -> str:
+        """Can every local rank map every other's shared arrays (``gpurt.sharedmem``,
+        through /proc/<pid>/fd)?  '' if so (agreed by all), else the first reason it
+        cannot.  Collective on ``node``."""
+        me = self.local_rank
+        token = struct.pack("<QQ", os.getpid(), _MAGIC)
+        try:
+            mine = sharedmem.empty(len(token), np.uint8)
+            mine[:] = np.frombuffer(token, np.uint8)
+            loc = sharedmem.lookup(cma.address(mine), len(token))
+            why = ""
+        except (ResourceError, OSError) as e:
+            mine, loc, why = None, None, f"local rank {me} (rank {rank}): {e}"
+        infos = node.allgather((os.getpid(), loc, rank))
+        for k, (pid, ploc, prank) in enumerate(infos):
+            if k == me or why:
+                continue
+            if ploc is None:
+                why = f"rank {prank} could not allocate a shared array"
+                continue
+            maps = sharedmem.PeerMaps(pid, prank, rank)
+            try:
+                got = maps.view(ploc[0], ploc[1], len(token)).tobytes()
+                if got != struct.pack("<QQ", pid, _MAGIC):
+                    why = f"rank {rank} read the wrong bytes from rank {prank}'s shared array"
+            except TransportError as e:
+                why = str(e)
+            finally:
+                maps.close()
+        whys = [w for w in node.allgather(why) if w]
+        del mine
+        if whys:
+            log.info("shm: reading peers' shared arrays (gpurt.empty) disabled: %s", whys[0])
+        return whys[0] if whys else ""
 
     def _probe_cma(self, node, rank: int) -> str:
         """Can every local rank read every other's memory with process_vm_readv?  ''
@@ -696,6 +785,10 @@ class ShmTransport:
                 why = cma.probe(pid, q[seg.probe_i(k)], expect)
                 if why:
                     why = f"local rank {me} (rank {rank}) cannot read local rank {k}: {why}"
+        if os.environ.get("GPURT_TEST_FORBID_CMA") == "1":
+            # tests only: stands in for Yama ptrace_scope=1, which forbids process_vm_readv
+            # but not the /proc/<pid>/fd opens of shared arrays (not reproducible as root)
+            why = why or f"local rank {me} (rank {rank}): forbidden by GPURT_TEST_FORBID_CMA"
         whys = [w for w in node.allgather(why) if w]
         # the cooperative copy's sender writes (process_vm_writev): the same permission as
         # reading, unless a seccomp filter allows one call and not the other — try it on
@@ -757,6 +850,9 @@ class ShmTransport:
             pass
         for ep in self.endpoints.values():
             ep.tx = ep.rx = []
+            if ep.maps is not None:
+                ep.maps.close()
+                ep.maps = None
         self.endpoints = {}
         if self.board is not None:
             self.board.close()

@@ -1,0 +1,176 @@
+"""Node-shared arrays (``comm.empty`` / ``gpurt.empty``, gpurt/sharedmem.py) and the
+streaming copy (gpurt/memcopy.py): the allocator, the peers' mapping tables and their
+errors in one process; every collective on shared arrays in real processes
+(tests/shared_cases.py)."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import numpy as np
+import pytest
+
+import gpurt
+from conftest import run_mpi
+from gpurt import memcopy, sharedmem
+from gpurt.errors import TransportError
+
+
+# -- in one process --------------------------------------------------------------------
+
+def test_empty_zeros_shapes_and_dtypes():
+    for shape, dt in [(0, np.float32), (1, np.int8), (1000, np.float64), ((3, 5), np.int32),
+                      ((2, 3, 4), np.complex128), ((4097,), np.uint16)]:
+        a = gpurt.empty(shape, dt)
+        want = (shape,) if isinstance(shape, int) else shape
+        assert a.shape == want and a.dtype == np.dtype(dt)
+        assert a.flags.c_contiguous and a.flags.writeable and a.flags.aligned
+        z = gpurt.zeros(shape, dt)
+        assert not z.any()
+        if a.size:
+            a[...] = 7
+            assert (a == 7).all()
+            assert gpurt.is_shared(a) and gpurt.is_shared(a.reshape(-1)[1:])
+    assert not gpurt.is_shared(np.zeros(10))
+    assert not gpurt.is_shared([1, 2])
+
+
+def test_empty_bad_input():
+    with pytest.raises(TypeError, match="Python objects"):
+        gpurt.empty(3, object)
+    with pytest.raises(ValueError, match="negative dimension"):
+        gpurt.empty((2, -1))
+
+
+def test_lookup_ranges():
+    a = gpurt.empty(1000, np.float64)
+    base = a.ctypes.data
+    loc, off = sharedmem.lookup(base + 80, 800)
+    assert off == 80 and loc >> sharedmem.FD_BITS > 0
+    # past the end of the array's pages: not inside it
+    assert sharedmem.lookup(base + 4096 * 2 - 8, 4096) is None
+    assert sharedmem.lookup(np.zeros(8).ctypes.data, 64) is None
+
+
+def test_freed_array_closes_its_file_and_peers_drop_it():
+    """Freeing the last view closes the file descriptor and clears the live word; a
+    mapping table (here: of our own process) then drops it on sweep."""
+    gc.collect()
+    fds0 = len(os.listdir("/proc/self/fd"))
+    a = gpurt.empty(1 << 16, np.float32)
+    a[:] = 3
+    loc, off = sharedmem.lookup(a.ctypes.data, a.nbytes)
+    maps = sharedmem.PeerMaps(os.getpid(), 0, 0)
+    v = maps.view(loc, off, a.nbytes)
+    assert (v.view(np.float32) == 3).all()
+    v.view(np.float32)[:4] = 9          # writes through the mapping reach the array
+    assert (a[:4] == 9).all()
+    assert len(os.listdir("/proc/self/fd")) == fds0 + 1
+    view = a[10:20]
+    del a
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) == fds0 + 1   # a view keeps it alive
+    maps.sweep()
+    assert len(maps.maps) == 1
+    del view, v
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) == fds0
+    maps.sweep()
+    assert maps.maps == {}
+    maps.close()
+
+
+def test_peer_maps_errors_name_both_ranks():
+    a = gpurt.empty(100, np.float64)
+    loc, off = sharedmem.lookup(a.ctypes.data, a.nbytes)
+    serial, fd = loc >> sharedmem.FD_BITS, loc & ((1 << sharedmem.FD_BITS) - 1)
+    maps = sharedmem.PeerMaps(os.getpid(), 3, 1)
+    with pytest.raises(TransportError, match=r"rank 1: rank 3 announced bytes"):
+        maps.view(loc, off, 10 << 20)
+    with pytest.raises(TransportError, match=r"rank 1: .*not rank 3's live shared array"):
+        maps.view(((serial + 1000) << sharedmem.FD_BITS) | fd, 0, 8)
+    r, w = os.pipe()
+    try:
+        with pytest.raises(TransportError, match=r"rank 1: .*rank 3"):
+            maps.view((5 << sharedmem.FD_BITS) | r, 0, 8)
+    finally:
+        os.close(r)
+        os.close(w)
+    gone = sharedmem.PeerMaps(2 ** 22 + 12345, 4, 0)     # no such process
+    with pytest.raises(TransportError, match=r"rank 0: cannot open rank 4's shared array"):
+        gone.view(loc, 0, 8)
+    maps.close()
+
+
+@pytest.mark.parametrize("n", [0, 1, 15, 63, 64, 65, 4096 + 7, (3 << 20) + 5])
+@pytest.mark.parametrize("shift", [0, 1, 9])
+def test_stream_copy_exact(n, shift):
+    """The streaming copy gives the bytes of np.copyto at any length and alignment and
+    writes nothing around the destination."""
+    if memcopy.threshold() == 0:
+        pytest.skip(f"no streaming copy here: {memcopy.streaming_why()}")
+    rng = np.random.default_rng(n + shift)
+    src = rng.integers(0, 256, n + 16, dtype=np.uint8)[shift:shift + n]
+    buf = np.full(n + 32, 0xA5, np.uint8)
+    dst = buf[16 - shift // 2:16 - shift // 2 + n]
+    memcopy.copyto(dst, src, 1 << 40)       # the hint forces the streamed path
+    assert np.array_equal(dst, src)
+    assert (buf[:16 - shift // 2] == 0xA5).all() and (buf[16 - shift // 2 + n:] == 0xA5).all()
+
+
+def test_stream_copy_overlap_and_types_fall_back():
+    a = np.arange(1 << 20, dtype=np.uint8)
+    want = a[:-100].copy()
+    memcopy.copyto(a[100:], a[:-100], 1 << 40)      # overlapping: np.copyto's semantics
+    assert np.array_equal(a[100:], want)
+    f = np.zeros(1000, np.float32)
+    memcopy.copyto(f, np.arange(1000, dtype=np.float64), 1 << 40)   # a cast: np.copyto
+    assert f[999] == 999.0
+
+
+def test_threshold_rule(monkeypatch):
+    from gpurt import config
+    monkeypatch.setenv("GPURT_NT_COPY", "0")
+    config.reload()
+    memcopy._threshold.cache_clear()
+    try:
+        assert memcopy.threshold() == 0
+        monkeypatch.setenv("GPURT_NT_COPY", "auto")
+        config.reload()
+        memcopy._threshold.cache_clear()
+        if memcopy.streaming_why():
+            pytest.skip(memcopy.streaming_why())
+        llc = memcopy.llc_bytes() or (32 << 20)
+        assert memcopy.threshold() == max(1 << 20, llc // (2 * memcopy._local))
+    finally:
+        monkeypatch.delenv("GPURT_NT_COPY")
+        config.reload()
+        memcopy._threshold.cache_clear()
+
+
+# -- real processes ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+def test_shared_arrays_every_collective(n):
+    """Shared in/out, shared in / NumPy out and the reverse; 128 KiB - 8 .. 9 MiB; every
+    root; a view at an offset; 40 arrays allocated and freed (mappings dropped, no fd
+    left); the mapping path really taken."""
+    out = run_mpi(n, ["tests/shared_cases.py"], timeout=400).stdout
+    assert out.startswith("ok") and f"on {n} ranks" in out, out
+
+
+def test_shared_arrays_off():
+    """GPURT_SHM_SHARED=0: the same results, nothing mapped."""
+    out = run_mpi(2, ["tests/shared_cases.py"], env={"GPURT_SHM_SHARED": "0"}).stdout
+    assert out.startswith("ok"), out
+
+
+def test_shared_arrays_without_cma():
+    """Where process_vm_readv is forbidden (Yama ptrace_scope=1; simulated here — as root
+    it cannot be forbidden — by GPURT_TEST_FORBID_CMA): shared arrays still go single
+    copy through mappings, helped by the sender only into shared destinations; every
+    other message goes through the rings.  Streaming copies forced from 4 KiB."""
+    out = run_mpi(3, ["tests/shared_cases.py"],
+                  env={"GPURT_TEST_FORBID_CMA": "1", "GPURT_NT_COPY": "4K"}).stdout
+    assert out.startswith("ok"), out
