@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The measurements behind docs/performance.md (about 5 minutes on 2 cores).
+# The measurements behind docs/performance.md (about 10 minutes on 2 cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 B=${GPURT:-gpurt}
@@ -11,11 +11,16 @@ $B bench allreduce -n 4 -b 4 -e 64M -f 4 --baseline mpi --repeat 2 \
     --json "$out/allreduce4.json" | tee "$out/allreduce4.txt"
 for c in allgather reduce_scatter broadcast alltoall; do
   for n in 2 4; do
-    $B bench "$c" -n "$n" -b 16M -e 16M --baseline mpi --repeat 2 | tee "$out/$c$n.txt"
+    for mem in host shared; do      # shared: gpurt on comm.empty arrays, MPI on NumPy's
+      $B bench "$c" -n "$n" -b 16M -e 16M --baseline mpi --repeat 2 -i 20 --memory "$mem" \
+          | tee "$out/$c$n-$mem.txt"
+    done
   done
 done
 $B bench allreduce -n 2 -b 8 -e 256M -f 32 --baseline gloo | tee "$out/gloo2.txt"
 $B bench allreduce -n 2 -b 16M -e 256M -f 4 -c | tee "$out/ceiling2.txt"
+$B bench allreduce -n 2 -b 1M -e 256M -f 4 --baseline mpi --repeat 2 -i 10 -c --memory shared \
+    | tee "$out/ceiling2-shared.txt"
 # several nodes (root only: a virtual cluster of network namespaces)
 if [ "$(id -u)" = 0 ]; then
   python benchmarks/multinode.py --nodes 2 --ppn 2 --rate 1gbit --bytes 64M --iters 5 \
