@@ -106,10 +106,14 @@ VARIABLES: tuple[Var, ...] = (
         "through a mapping of the sender's shared memory (memcpy, and reductions in place), "
         "and helping senders copy into such a destination the same way; 0 disables (they "
         "then go as any other array)."),
-    Var("GPURT_SHM_CMA", "128K", _bytes,
+    Var("GPURT_SHM_CMA", "auto", _bytes_or_auto,
         "shm: messages of at least this many bytes are read by the receiver straight from "
         "the sender's memory (process_vm_readv, one copy instead of two) where the probe at "
-        "start allows it; 0 disables."),
+        "start allows it; auto: the last-level cache / (4 × local ranks), at least 128K "
+        "(smaller messages stay in cache through the rings' two copies, which is faster), "
+        "and 128K with more local ranks than CPUs; "
+        "0 disables.  Messages from comm.empty arrays go single-copy from 128K "
+        "(GPURT_SHM_SHARED)."),
     Var("GPURT_SHM_DIR", "/dev/shm", str, "shm: where segments are created (then unlinked)."),
     Var("GPURT_SOCKET_IFNAME", "", str,
         "tcp: the interface whose IPv4 address a rank advertises, as NCCL_SOCKET_IFNAME: "

@@ -74,14 +74,17 @@ def test_cooperative_copy(n):
     from gpurt.wait import oversubscribed
 
     _need_native()
-    out = run_mpi(n, ["tests/help_cases.py"]).stdout
+    # (single copy from 128 KiB, not the cache-derived default: the cases around 1 MiB
+    # must go single-copy)
+    out = run_mpi(n, ["tests/help_cases.py"], env={"GPURT_SHM_CMA": "128K"}).stdout
     mode = "off" if oversubscribed(n) else "on"
     assert out.startswith("ok") and f"cooperative copy {mode}" in out, out
 
 
 def test_cooperative_copy_off():
     """GPURT_SHM_HELP=0: the receiver copies everything (the same cases, exact)."""
-    out = run_mpi(2, ["tests/help_cases.py"], env={"GPURT_SHM_HELP": "0"}).stdout
+    out = run_mpi(2, ["tests/help_cases.py"],
+                  env={"GPURT_SHM_HELP": "0", "GPURT_SHM_CMA": "128K"}).stdout
     assert out.startswith("ok") and "cooperative copy off" in out, out
 
 
