@@ -87,8 +87,16 @@ def _data_bytes(nbytes: int) -> int:
     return max(_PAGE, -(-nbytes // _PAGE) * _PAGE)
 
 
-def _free(start: int, serial: int, fd: int, size: int) -> None:
-    """Finalizer of one arena's mapping: tell the peers (live word), forget, close."""
+def _free(start: int, serial: int, fd: int, size: int, owner: int) -> None:
+    """Finalizer of one arena's mapping: tell the peers (live word), forget, close.  In a
+    forked child (a data-loader worker, say) only its inherited descriptor is closed: the
+    array is still the parent's."""
+    if os.getpid() != owner:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+        return
     with _lock:
         i = bisect.bisect_left(_starts, start)
         if i < len(_starts) and _starts[i] == start and _arenas[i][2] == serial:
@@ -144,7 +152,7 @@ def empty(shape, dtype=np.float32) -> np.ndarray:
         i = bisect.bisect_left(_starts, start)
         _starts.insert(i, start)
         _arenas.insert(i, (start, start + size, serial, fd))
-    weakref.finalize(mm, _free, start, serial, fd, size)
+    weakref.finalize(mm, _free, start, serial, fd, size, os.getpid())
     return arr.reshape(shp)
 
 

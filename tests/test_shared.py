@@ -81,6 +81,37 @@ def test_freed_array_closes_its_file_and_peers_drop_it():
     maps.close()
 
 
+FORK_CHILD = """
+import gc, os, sys
+import numpy as np
+import gpurt
+from gpurt import sharedmem
+a = gpurt.empty(1000, np.float64)
+loc, off = sharedmem.lookup(a.ctypes.data, a.nbytes)
+pid = os.fork()
+if pid == 0:          # a data-loader worker, say: drops the array and exits normally,
+    del a             # so the finalizers run in the child
+    gc.collect()
+    sys.exit(0)
+_, status = os.waitpid(pid, 0)
+assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+maps = sharedmem.PeerMaps(os.getpid(), 0, 0)
+v = maps.view(loc, off, a.nbytes)      # raises if the live word was cleared
+print("ok", v.nbytes)
+"""
+
+
+def test_a_forked_child_does_not_free_the_parents_arrays():
+    """A forked child that exits normally runs the arrays' finalizers too: they must not
+    mark the parent's arrays freed for the peers."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", FORK_CHILD], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0 and proc.stdout.startswith("ok 8000"), proc.stdout + proc.stderr
+
+
 def test_peer_maps_errors_name_both_ranks():
     a = gpurt.empty(100, np.float64)
     loc, off = sharedmem.lookup(a.ctypes.data, a.nbytes)
