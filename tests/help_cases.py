@@ -22,21 +22,13 @@ import numpy as np
 from mpi4py import MPI
 
 import gpurt
+from casekit import Checks
 
 world = MPI.COMM_WORLD
 comm = gpurt.Communicator(world)
 r, p = comm.rank, comm.size
-bad: list[str] = []
-checks = 0
-
-
-def expect(what: str, got: np.ndarray, want: np.ndarray) -> None:
-    global checks
-    checks += 1
-    if got.shape != want.shape or not np.array_equal(got, want):
-        i = np.flatnonzero(got.reshape(-1) != want.reshape(-1))[:5] if got.shape == want.shape \
-            else "shape"
-        bad.append(f"rank {r}: {what}: wrong at {i}")
+chk = Checks(r)
+bad, expect = chk.bad, chk.expect
 
 
 def pattern(n: int, seed: int) -> np.ndarray:
@@ -105,7 +97,7 @@ if r == 0:
         for line in lines[:10]:
             print(line)
     nbad = sum(len(b) for b in failed)
-    print(("ok" if not nbad else f"FAILED {nbad} of") + f" {checks} checks on {p} ranks "
+    print(("ok" if not nbad else f"FAILED {nbad} of") + f" {chk.count} checks on {p} ranks "
           f"(cooperative copy {'on' if helping else 'off'}; chunks "
           f"written by senders / read by receivers per rank: {every})", flush=True)
 comm.close()

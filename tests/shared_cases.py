@@ -25,23 +25,15 @@ import numpy as np
 from mpi4py import MPI
 
 import gpurt
+from casekit import Checks
 from gpurt import sharedmem
 
 world = MPI.COMM_WORLD
 comm = gpurt.Communicator(world)
 r, p = comm.rank, comm.size
-bad: list[str] = []
-checks = 0
+chk = Checks(r)
+bad, expect = chk.bad, chk.expect
 off_expected = os.environ.get("GPURT_SHM_SHARED") == "0"
-
-
-def expect(what: str, got: np.ndarray, want: np.ndarray) -> None:
-    global checks
-    checks += 1
-    if got.shape != want.shape or not np.array_equal(got, want):
-        i = np.flatnonzero(got.reshape(-1) != want.reshape(-1))[:5] if got.shape == want.shape \
-            else f"shape {got.shape} != {want.shape}"
-        bad.append(f"rank {r}: {what}: wrong at {i}")
 
 
 def vals(n: int, k: int, seed: int) -> np.ndarray:
@@ -159,7 +151,7 @@ if shm is not None and comm.endpoints:
             if len(m.maps) > 3:     # the arrays still alive: none after the loop
                 bad.append(f"rank {r}: {len(m.maps)} mappings of rank {m.rank}'s arrays "
                            f"left after its arrays were freed")
-        checks += 1
+        chk.count += 1
 if sharedmem.is_shared(np.empty(4)):
     bad.append(f"rank {r}: a NumPy array counts as shared")
 
@@ -171,4 +163,4 @@ if r == 0:
     if flat:
         print("\n".join(flat[:40]))
         sys.exit(1)
-    print(f"ok {checks} checks on {p} ranks")
+    print(f"ok {chk.count} checks on {p} ranks")
