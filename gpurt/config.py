@@ -28,6 +28,9 @@ def _bytes(s: str) -> int:
     return int(s)
 
 
+parse_bytes = _bytes     # "256K", "1M", "32768K" -> bytes (also for sysfs cache sizes)
+
+
 def _bytes_or_auto(s: str) -> int | str:
     return "auto" if s.strip().lower() == "auto" else _bytes(s)
 

@@ -44,9 +44,8 @@ def llc_bytes() -> int:
                         continue
             except OSError:
                 continue
-            mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(txt[-1:], 1)
             try:
-                best = max(best, int(txt.rstrip("KMG")) * mult)
+                best = max(best, config.parse_bytes(txt))     # sysfs: "32768K"
             except ValueError:
                 continue
     except OSError:

@@ -315,15 +315,16 @@ class _Ring:
                         return moved
                 k = self.count % self.nslots
                 h = self.hdr_i[k]
-                loc = None
+                loc, addr = None, 0
                 if self.map_min and m.total >= self.map_min:
-                    loc = sharedmem.lookup(cma.address(m.data), m.total)
+                    addr = cma.address(m.data)
+                    loc = sharedmem.lookup(addr, m.total)
                 if loc is not None or self.cma_min and m.total >= self.cma_min:
                     # single copy: publish where the data is — an address for
                     # process_vm_readv, and in a shared array its location, for a mapping
                     # of it — the peer reads it and acks
                     q[h], q[h + 1], q[h + 2], q[h + 3], q[h + 4] = m.tag, m.sig, m.total, 0, 0
-                    q[h + 5] = cma.address(m.data)
+                    q[h + 5] = addr or cma.address(m.data)
                     q[h + 6], q[h + 7] = loc if loc is not None else (0, 0)
                     self.acks += 1
                     m.ack, m.off = self.acks, m.total
@@ -412,18 +413,16 @@ class _Ring:
             else:
                 cma.read(self.peer_pid, m.remote + m.off, dst[m.off:m.total], m.peer)
             m.off = m.total
-        elif m.src is not None:
-            while m.off < m.total:          # cache-sized pieces: the reduction's operands
-                n = min(_BOUNCE, m.total - m.off)   # stay in cache as it writes
-                m.sink(m.off, m.src[m.off:m.off + n])
-                m.off += n
-        else:
-            if self.bounce is None:
+        else:       # a reduction, in cache-sized pieces: read in place from a shared
+            if m.src is None and self.bounce is None:   # array, else through the bounce
                 self.bounce = np.empty(_BOUNCE, np.uint8)
             while m.off < m.total:
                 n = min(_BOUNCE, m.total - m.off)
-                chunk = self.bounce[:n]
-                cma.read(self.peer_pid, m.remote + m.off, chunk, m.peer)
+                if m.src is not None:
+                    chunk = m.src[m.off:m.off + n]
+                else:
+                    chunk = self.bounce[:n]
+                    cma.read(self.peer_pid, m.remote + m.off, chunk, m.peer)
                 m.sink(m.off, chunk)
                 m.off += n
         self.acks += 1
