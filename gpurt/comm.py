@@ -46,7 +46,7 @@ from .topology import Topology
 from .tuner import Native, Tuner, load_profile, oversubscribed, transport_cost
 from .wait import spin_seconds
 
-from gpurt.transports import shm_board  # noqa: E402  (after the core imports)
+from gpurt.transports import shm_board, shm_direct  # noqa: E402  (after the core imports)
 
 _LIVE: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
 _COMM_IDS = itertools.count()
@@ -122,6 +122,9 @@ class Communicator:
         self._seq = 0
         self._scratch = np.empty(0, np.uint8)
         self.board = None
+        self._direct: shm_direct.Access | None = None
+        # per collective, shm_direct from S bytes (0: never) for shared arrays, others
+        self._direct_min: dict[str, tuple[int, int]] = {}
         self._check = False
         self._netcheck = False
         self.flight: FlightRecorder | None = None
@@ -144,6 +147,7 @@ class Communicator:
             self.engine.on_poison = self._on_poison
             cost, levels, forced, profile, check = self._tuner_inputs()
             natives = self._natives()             # sets self.board on one-node communicators
+            self._direct = self._direct_setup() if self.board is not None else None
             self._check = bool(check) and self.board is not None
             # several nodes (or no board): agree through the endpoints instead
             self._netcheck = bool(check) and self.board is None and self.size > 1
@@ -220,6 +224,45 @@ class Communicator:
                        (lambda c: lambda p, S: shm_board.written_bytes(c, p, S) <= board.slot)(coll),
                        "one shared-memory round, the flag in the data")
                 for coll in shm_board.COLLS]
+
+    def _direct_setup(self) -> "shm_direct.Access | None":
+        """``shm_direct`` on this one-node communicator: its thresholds (decided on rank
+        0) and how this rank reaches the others' buffers — or None.  Collective."""
+        shm = self._shm()
+        conf = (config.get("GPURT_SHM_DIRECT"), config.get("GPURT_SHM_DIRECT_CMA")) \
+            if self.rank == 0 else None
+        got = self.mpi.allgather((conf, getattr(shm, "writev_why", "no shm")))
+        dmap = shm_direct.thresholds(got[0][0][0], shm_direct.AUTO_MAP)
+        dcma = shm_direct.thresholds(got[0][0][1], shm_direct.AUTO_CMA)
+        ranks = list(self.topo.local_ranks[self.node])
+        if shm is None or shm.seg is None or ranks != list(range(self.size)):
+            return None
+        can_map = any(dmap.values()) and not shm.map_why
+        can_cma = any(dcma.values()) and not shm.cma_why and not any(w for _, w in got)
+        if not (can_map or can_cma):
+            return None
+        seg = shm.seg
+        pids = [seg.q[seg.pid_i(k)] for k in range(self.size)]
+        maps = [shm.endpoints[k].maps if k != self.rank else None for k in ranks]
+        self._direct_min = {c: (dmap[c] if can_map else 0, dcma[c] if can_cma else 0)
+                            for c in shm_direct.COLLS}
+        return shm_direct.Access(self.rank, pids, maps, can_map, can_cma, ranks)
+
+    def _direct_wanted(self, coll: str, n: int, isz: int, algo: str | None) -> int:
+        """0: not shm_direct; 1: shm_direct if the buffers allow (else the tuner's plan);
+        2: forced (``algo='shm_direct'``).  The same on every rank for matching calls."""
+        if algo == shm_direct.NAME:
+            if self._direct is None or coll not in shm_direct.COLLS:
+                why = "not a one-node communicator with shared memory between its ranks" \
+                    if self._direct is None else f"not for {coll}"
+                raise ValueError(f"rank {self.rank}: {coll}: algo='shm_direct': {why}")
+            return 2
+        if self._direct is None or algo is not None or coll not in shm_direct.COLLS \
+                or coll in self._tuner_in[2]:
+            return 0
+        S = shm_direct.collective_bytes(coll, self.size, n, isz)
+        mins = [m for m in self._direct_min[coll] if m]
+        return 1 if mins and S >= min(mins) else 0
 
     @property
     def _fastpath(self) -> bool:
@@ -402,6 +445,10 @@ class Communicator:
         if stream is not None:
             raise ValueError(f"rank {self.rank}: {coll}: stream= is for device buffers; "
                              f"these are host memory")
+        direct = self._direct_wanted(coll, n, dtype.itemsize, algo)
+        if direct == 2:     # forced: where a buffer is out of reach, the cheapest schedule
+            algo = self.tuner.pick(coll, self.size, shm_direct.collective_bytes(
+                coll, self.size, n, dtype.itemsize), "node")
         if self.size == 1 and coll == "barrier":
             alg, sched = None, Schedule()
         else:
@@ -450,6 +497,10 @@ class Communicator:
 
                     return Chain(run, then)
 
+        if direct and sched is not None and sched.steps:
+            start = self._direct_start(coll, xb, ob, dtype, op, root, red, n, seq, sig, site,
+                                       self._schedule_start(sched, xb, ob, dtype, alias, red,
+                                                            seq, sig), direct == 2)
         name = alg.name if alg else "none"
         fl = self.flight
         rec = fl.start(seq, coll, (dtype.str, n, op, root if coll in _ROOTED else None), name,
@@ -468,6 +519,9 @@ class Communicator:
     def _enqueue(self, coll: str, seq: int, start, finish, name: str) -> Request:
         req = Request(self.engine, coll, seq, start, finish)
         req.algorithm = self.last_algorithm = name
+        box = getattr(start, "box", None)
+        if box is not None:
+            box.append(req)
         return self.engine.submit(req)
 
     # -- device buffers -----------------------------------------------------------------
@@ -577,6 +631,29 @@ class Communicator:
             return result
 
         return self._enqueue(coll, seq, start, finish, name)
+
+    def _direct_start(self, coll, xb, ob, dtype, op, root, red, n, seq, sig, site,
+                      data_start, forced: bool):
+        """The start of a call that may run by ``shm_direct`` (``data_start``: the tuner's
+        schedule, run where a buffer is out of reach)."""
+        meta = _board_meta(coll, dtype, n, op, root)
+        empty = np.empty(0, dtype)
+        # the least S for a call whose buffers are shared arrays / reached by CMA
+        mins = (1, 1) if forced else tuple(m or 1 << 62 for m in self._direct_min[coll])
+        box: list = []
+
+        def chosen(name: str) -> None:       # the request and last_algorithm say which ran
+            if name and box:
+                box[0].algorithm = self.last_algorithm = name
+
+        def start() -> shm_direct.DirectRun:
+            x = xb.array.view(dtype) if xb is not None else empty
+            o = ob.array.view(dtype) if ob is not None else empty
+            return shm_direct.DirectRun(self.board, self._direct, coll, seq, sig, meta, x, o,
+                                        root, red, n, site, data_start, mins, chosen)
+
+        start.box = box       # _enqueue puts the request here
+        return start
 
     def _schedule_start(self, sched, xb, ob, dtype, alias, red, seq, sig):
         empty = np.empty(0, dtype)

@@ -44,6 +44,8 @@ from gpurt.ops import DTYPES, Op
 CTRL = 64            # per rank: flag (+0), done (+8)
 HDR = 128            # per buffer: seq, sig, nbytes, coll, dtype, n, op, root, call site id
 _SITE = 8            # header word of the call site's id (gpurt.callsite)
+_EXTRA = 9           # header words 9..15: a protocol's own (shm_direct: buffer locations)
+EXTRA = HDR // 8 - _EXTRA
 SITES = 256          # per rank: call-site texts published (64 B each), by id
 _U8 = np.dtype(np.uint8)
 
@@ -207,18 +209,23 @@ class BoardRun:
     """One collective on the board; ``advance`` never blocks (the executor's protocol)."""
 
     __slots__ = ("board", "coll", "seq", "sig", "meta", "x", "out", "root", "red", "p",
-                 "r", "n", "nbytes", "phase", "need", "writes", "b", "check", "site", "cplan")
+                 "r", "n", "nbytes", "phase", "need", "writes", "b", "check", "site", "cplan",
+                 "extra", "got")
 
     def __init__(self, board: Board, coll: str, seq: int, sig: int, meta: tuple,
                  x: np.ndarray, out: np.ndarray, root: int, red: Callable | None, n: int,
-                 check: bool = False, publish_only: bool = False, site: int = 0):
+                 check: bool = False, publish_only: bool = False, site: int = 0,
+                 extra: tuple = ()):
         """``check=True``: only the headers go round (every rank waits for every other's
         and compares) — the agreement check run before a collective moves its data by
         another algorithm.  ``publish_only``: publish the header and wait for nobody (a
         rank announcing that it rejected its own call).  ``site``: the call site's id
-        (``gpurt.callsite``), shown in mismatch errors, never compared."""
+        (``gpurt.callsite``), shown in mismatch errors, never compared.  ``extra``: up to
+        ``EXTRA`` more words for the header (``shm_direct``'s buffer locations); once the
+        round is done, ``got[k]`` holds rank k's (its own where k is this rank)."""
         self.board, self.coll, self.seq, self.sig, self.meta = board, coll, seq, sig, meta
         self.site = site
+        self.extra, self.got = extra, None
         self.x, self.out, self.root, self.red, self.n = x, out, root, red, n
         self.p, self.r = board.nlocal, board.me
         self.b = seq & 1
@@ -273,6 +280,8 @@ class BoardRun:
             if sid not in bd.published:
                 bd.publish_site(sid)
             q[h + _SITE] = sid if sid < SITES else 0
+            for i, w in enumerate(self.extra):
+                q[h + _EXTRA + i] = w
             q[bd.ctrl[self.r]] = self.seq        # publish (x86 TSO: data is visible first)
             bd.last_use[self.b] = self.seq
             self.phase, moved = 1, True
@@ -296,6 +305,11 @@ class BoardRun:
                     self._mismatch(k, h)
             if not self.check:
                 self._read()
+            if self.extra:      # read before ``done``: the peers may then reuse the buffer
+                m = len(self.extra)
+                self.got = [self.extra if k == self.r else
+                            tuple(q[bd.hdr[k][self.b] + _EXTRA + i] for i in range(m))
+                            for k in range(self.p)]
             q[bd.ctrl[self.r] + 1] = seq
             self.phase, moved = 2, True
         return moved

@@ -1,0 +1,416 @@
+"""``shm_direct``: a large collective on one node as plain loads and stores into every
+rank's own buffers — each byte read once and written once.
+
+Why
+---
+A schedule over point-to-point messages moves more bytes than the collective needs: a
+2-rank Rabenseifner allreduce reads and writes 2.5·S per rank even when every message is
+single-copy, because the reduced half has to travel to the peer as a message before the
+peer copies it into place.  When a rank can address its peers' buffers directly, the
+minimum (docs/bench.md, "minimum traffic") is reachable: rank r reduces block r of every
+input and writes the result straight into block r of every output — 2·S per rank.
+
+Access to a peer's buffer
+-------------------------
+- an array from ``gpurt.empty``/``zeros`` (``comm.empty``) is mapped here through
+  ``/proc/<pid>/fd`` (``gpurt.sharedmem.PeerMaps``, cached): ordinary loads, stores and
+  NumPy reductions straight on the peer's memory;
+- any other host array is reached with CMA (``process_vm_readv``/``writev``), chunk by
+  chunk through a small scratch, where the node's probe allows it.
+
+Protocol (call number ``seq``; one node, every rank on the shm board)
+--------------------------------------------------------------------
+1. A header round on the board (``BoardRun(check=True)``): the agreement check — a
+   mismatch raises on every rank before any byte moves — whose headers also carry each
+   rank's buffer locations (shared-array file and offset, or address).
+2. Every rank decides from the same headers, hence identically, whether every buffer the
+   collective touches is reachable; if not, all ranks run the tuner's schedule instead.
+3. Each rank opens what it needs (mappings may fail: file descriptors, memory) and stores
+   ``ready = 2·seq + failed`` in its board control line; all wait for all, and any failure
+   sends every rank to the schedule.
+4. Each rank does its share (below), then stores ``finished = seq``; a rank returns only
+   when every rank has finished, since peers write into its output and read its input.
+
+Shares (p ranks, blocks of the element range split evenly on 4 KiB boundaries):
+
+| collective | rank r | reads / writes per rank |
+|---|---|---|
+| allreduce | reduces block r of every input, writes it into every output | S / S |
+| reduce | reduces block r of every input into the root's output | S / S/p |
+| reduce_scatter | reduces its block of every input into its output | S / S/p |
+| allgather | writes its input into every output | S/p / S |
+| alltoall | copies its block of every input into its output | S / S |
+| broadcast | copies block r of the root's buffer into every other output | S/p / (p−1)S/p |
+
+Reductions are done in rank order by the one rank that owns the block, so every rank holds
+the same bits.  Large transfers write with non-temporal stores (``gpurt.memcopy``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from gpurt import memcopy
+from gpurt.errors import TransportError
+
+from . import cma
+from .shm_board import BoardRun
+
+COLLS = ("allreduce", "reduce", "reduce_scatter", "allgather", "alltoall", "broadcast")
+NAME = "shm_direct"
+_K, _M = 1 << 10, 1 << 20
+# GPURT_SHM_DIRECT=auto: the least S (bytes) per collective where it beat the tuner's
+# schedule on comm.empty arrays here (A/B runs in docs/performance.md); alltoall is no
+# faster than the single-copy direct schedule, so only on request
+AUTO_MAP = {"allreduce": 1 * _M, "reduce": 256 * _K, "reduce_scatter": 1 * _M,
+            "allgather": 256 * _K, "broadcast": 4 * _M, "alltoall": 0}
+# GPURT_SHM_DIRECT_CMA=auto: through process_vm_readv/writev it pays for reduce_scatter
+# and large allgathers only
+AUTO_CMA = {"allreduce": 0, "reduce": 0, "reduce_scatter": 1 * _M, "allgather": 4 * _M,
+            "broadcast": 0, "alltoall": 0}
+
+
+def thresholds(setting, auto: dict) -> dict:
+    """Per collective, the least S for shm_direct from a GPURT_SHM_DIRECT* value (0: off)."""
+    if setting == "auto":
+        return dict(auto)
+    return {c: int(setting) for c in COLLS}
+HOME = True
+CHUNK = 512 << 10          # bytes per step of a share (stays in the core's L2)
+_ALIGN = 4096
+_READY, _FINISHED = 2, 3   # board control-line words (flag and done are 0 and 1)
+_U8 = np.dtype(np.uint8)
+
+# which ranks' "in"/"out" a collective touches: "all", "own" or "root"
+_NEEDS = {
+    "allreduce": ("all", "all"),
+    "reduce": ("all", "root"),
+    "reduce_scatter": ("all", "own"),
+    "allgather": ("own", "all"),
+    "alltoall": ("all", "own"),
+    "broadcast": ("none", "all"),       # in place: the root's "out" is its input
+}
+
+
+def collective_bytes(coll: str, p: int, n: int, isz: int) -> int:
+    """S, as nccl-tests counts it, of a call with count ``n``."""
+    if coll in ("allgather", "reduce_scatter", "alltoall"):
+        return p * n * isz
+    return n * isz
+
+
+def blocks(count: int, p: int, isz: int) -> list[tuple[int, int]]:
+    """``p`` element ranges covering ``count``, split on 4 KiB boundaries where possible."""
+    unit = max(1, _ALIGN // isz)
+    units = -(-count // unit)
+    out = []
+    for k in range(p):
+        lo, hi = units * k // p * unit, units * (k + 1) // p * unit
+        out.append((min(lo, count), min(hi, count)))
+    return out
+
+
+class Access:
+    """How this rank reaches the buffers of the one node's ranks (from the shm transport):
+    ``pids[k]``, ``maps[k]`` (``PeerMaps`` or None) by local rank."""
+
+    def __init__(self, me: int, pids: list[int], maps: list, can_map: bool, can_cma: bool,
+                 ranks: list[int]):
+        self.me, self.pids, self.maps = me, pids, maps
+        self.can_map, self.can_cma, self.ranks = can_map, can_cma, ranks
+        self._scratch = np.empty(0, np.uint8)
+
+    def scratch(self, nbytes: int) -> np.ndarray:
+        if self._scratch.nbytes < nbytes:
+            self._scratch = np.empty(nbytes, np.uint8)
+        return self._scratch[:nbytes]
+
+
+class _Buf:
+    """One rank's buffer as seen from here: a byte array (ours, or a peer's mapped), or a
+    CMA address in process ``pid``."""
+
+    __slots__ = ("arr", "pid", "addr", "peer")
+
+    def __init__(self, arr: np.ndarray | None, pid: int = 0, addr: int = 0, peer: int = -1):
+        self.arr, self.pid, self.addr, self.peer = arr, pid, addr, peer
+
+    def read(self, lo: int, nb: int, tmp: np.ndarray) -> np.ndarray:
+        """Bytes [lo, lo + nb): a view where it is addressable, else copied into ``tmp``."""
+        if self.arr is not None:
+            return self.arr[lo:lo + nb]
+        cma.copy(self.pid, cma.address(tmp), self.addr + lo, nb, False, self.peer)
+        return tmp[:nb]
+
+    def write(self, lo: int, src: np.ndarray, hint: int) -> None:
+        nb = src.nbytes
+        if self.arr is not None:
+            memcopy.copyto(self.arr[lo:lo + nb], src, hint)
+        else:
+            cma.copy(self.pid, cma.address(src), self.addr + lo, nb, True, self.peer)
+
+
+def _where(a: np.ndarray | None) -> tuple[int, int]:
+    """(location word, offset) of a shared array, (0, address) of any other, (0, 0)."""
+    if a is None or not a.nbytes:
+        return 0, 0
+    from gpurt import sharedmem
+    addr = cma.address(a)
+    loc = sharedmem.lookup(addr, a.nbytes)
+    return loc if loc is not None else (0, addr)
+
+
+class DirectRun:
+    """One collective by ``shm_direct``, with the tuner's schedule (``fallback``) where a
+    buffer is out of reach; ``advance`` never blocks (the executor's protocol)."""
+
+    __slots__ = ("board", "acc", "coll", "seq", "x", "out", "root", "red", "n", "isz",
+                 "hdr", "phase", "other", "fallback", "mins", "bufs", "on_choice", "p",
+                 "r")
+
+    def __init__(self, board, access: Access, coll: str, seq: int, sig: int, meta: tuple,
+                 x: np.ndarray, out: np.ndarray, root: int, red: Callable | None, n: int,
+                 site: int, fallback: Callable, mins: tuple[int, int],
+                 on_choice: Callable[[str], None] | None = None):
+        self.board, self.acc, self.coll, self.seq = board, access, coll, seq
+        self.x, self.out, self.root, self.red, self.n = x, out, root, red, n
+        self.isz = (out if out.nbytes else x).dtype.itemsize
+        self.p, self.r = board.nlocal, board.me
+        # the least S for a call whose buffers are shared arrays / reached by CMA
+        self.fallback, self.mins, self.on_choice = fallback, mins, on_choice
+        xl, xo = _where(x)
+        ol, oo = _where(out)
+        empty = np.empty(0, np.uint8)
+        self.hdr = BoardRun(board, coll, seq, sig, meta, empty, empty, root, None, n,
+                            check=True, site=site, extra=(seq, xl, xo, ol, oo))
+        self.phase, self.other, self.bufs = 0, None, None
+
+    @property
+    def done(self) -> bool:
+        return self.phase == 4 or (self.phase == 5 and (self.other is None or
+                                                        self.other.done))
+
+    def waiting_on(self) -> list[int]:
+        if self.phase == 0:
+            return self.hdr.waiting_on()
+        if self.phase == 5:
+            return self.other.waiting_on() if self.other is not None else []
+        q, ctrl = self.board.q, self.board.ctrl
+        if self.phase == 2:
+            return [k for k in range(self.p) if k != self.r and
+                    q[ctrl[k] + _READY] < 2 * self.seq]
+        return [k for k in range(self.p) if k != self.r and q[ctrl[k] + _FINISHED] < self.seq]
+
+    def _to_fallback(self) -> bool:
+        self.phase = 5
+        if self.on_choice is not None:
+            self.on_choice("")
+        self.other = self.fallback()
+        return True if self.other is None else (self.other.advance() or True)
+
+    def advance(self) -> bool:
+        if self.phase == 5:
+            return self.other.advance() if self.other is not None else False
+        moved = False
+        if self.phase == 0:
+            moved = self.hdr.advance()
+            if not self.hdr.done:
+                return moved
+            if not self._reachable():
+                return self._to_fallback()
+            q, ctrl = self.board.q, self.board.ctrl
+            failed = 0
+            try:
+                self.bufs = self._open()
+            except TransportError:
+                failed = 1        # (a mapping we could not make): everyone takes the schedule
+            q[ctrl[self.r] + _READY] = 2 * self.seq + failed
+            self.phase, moved = 2, True
+        if self.phase == 2:
+            q, ctrl, seq = self.board.q, self.board.ctrl, self.seq
+            bad = False
+            for k in range(self.p):
+                if k != self.r:
+                    v = q[ctrl[k] + _READY]
+                    if v < 2 * seq:
+                        return moved
+                    bad |= v == 2 * seq + 1
+            if bad or q[ctrl[self.r] + _READY] & 1:
+                self.bufs = None
+                return self._to_fallback()
+            if self.on_choice is not None:
+                self.on_choice(NAME)
+            _SHARES[self.coll](self)
+            q[ctrl[self.r] + _FINISHED] = seq
+            self.phase, moved = 3, True
+        if self.phase == 3:
+            q, ctrl, seq = self.board.q, self.board.ctrl, self.seq
+            for k in range(self.p):
+                if k != self.r and q[ctrl[k] + _FINISHED] < seq:
+                    return moved
+            self.bufs = None
+            self.phase, moved = 4, True
+        return moved
+
+    # -- the decision -----------------------------------------------------------------
+    def _roles(self, k: int) -> tuple[bool, bool]:
+        """(is rank k's "in", is its "out" touched by other ranks) in this collective —
+        the same answer on every rank."""
+        def used(who: str) -> bool:
+            return who == "all" or (who == "root" and k == self.root)
+        wi, wo = _NEEDS[self.coll]
+        return used(wi), used(wo)
+
+    def _reachable(self) -> bool:
+        """From the headers alone (the same on every rank): does every rank mark this call
+        as direct, and is every buffer that some rank must reach from another reachable?"""
+        got, acc = self.hdr.got, self.acc
+        S = collective_bytes(self.coll, self.p, self.n, self.isz)
+        for k in range(self.p):
+            words = got[k]
+            if words[0] != self.seq:
+                return False
+            ti, to = self._roles(k)
+            for touched, loc, off in ((ti, words[1], words[2]), (to, words[3], words[4])):
+                if not touched:
+                    continue
+                if loc:
+                    if not (acc.can_map and S >= self.mins[0]):
+                        return False
+                elif not (off and acc.can_cma and S >= self.mins[1]):
+                    return False
+        return True
+
+    def _open(self) -> dict:
+        """Every buffer this rank's share touches, by (rank, role)."""
+        got, acc, me = self.hdr.got, self.acc, self.r
+        bufs = {(me, "in"): self.x.reshape(-1).view(_U8) if self.x.nbytes else None,
+                (me, "out"): self.out.reshape(-1).view(_U8) if self.out.nbytes else None}
+        for k in range(self.p):
+            if k == me:
+                continue
+            ti, to = self._roles(k)
+            words = got[k]
+            for touched, role, loc, off in ((ti, "in", words[1], words[2]),
+                                            (to, "out", words[3], words[4])):
+                if not touched:
+                    continue
+                nb = self._nbytes(role, k)
+                if loc:
+                    bufs[(k, role)] = _Buf(acc.maps[k].view(loc, off, nb))
+                else:
+                    bufs[(k, role)] = _Buf(None, acc.pids[k], off, acc.ranks[k])
+        for key in ((me, "in"), (me, "out")):
+            if bufs[key] is not None:
+                bufs[key] = _Buf(bufs[key])
+        return bufs
+
+    def _nbytes(self, role: str, k: int) -> int:
+        c, n, isz, p = self.coll, self.n, self.isz, self.p
+        if role == "in":
+            return (p * n if c in ("reduce_scatter", "alltoall") else n) * isz
+        return (p * n if c in ("allgather", "alltoall") else n) * isz
+
+
+# -- the shares -----------------------------------------------------------------------
+def _chunks(lo: int, hi: int, step: int):
+    while lo < hi:
+        yield lo, min(hi, lo + step)
+        lo += step
+
+
+def _reduce_block(d: DirectRun, src_off: int, lo: int, hi: int, targets, hint: int,
+                  home: bool = False) -> None:
+    """Reduce elements [lo, hi) (+ ``src_off`` in every input) of all ranks' inputs in rank
+    order, and write the result at [lo, hi) of each of ``targets`` (bufs).  ``home``: the
+    first target is this rank's own output, which the reduction may use as its
+    accumulator (not when it is an input still to be read)."""
+    isz, p, dt = d.isz, d.p, (d.out if d.out.nbytes else d.x).dtype
+    step = max(1, CHUNK // isz)
+    sc = d.acc.scratch(2 * CHUNK)
+    acc_u8, tmp = sc[:CHUNK], sc[CHUNK:]
+    red, bufs = d.red, d.bufs
+    t = memcopy.threshold()
+    # below the streaming threshold the result is reduced straight into our output (its
+    # lines then stay in the cache for the copies to the peers); above it, into a
+    # scratch that stays in the cache, and every output is written with streaming stores
+    if home and HOME and (not t or hint < t) and \
+            (d.r < 2 or not np.may_share_memory(d.x, d.out)):
+        own, targets = targets[0].arr, targets[1:]
+    else:
+        own = None
+    for a, b in _chunks(lo, hi, step):
+        nb = (b - a) * isz
+        so = (src_off + a) * isz
+        dst = acc_u8[:nb] if own is None else own[a * isz:a * isz + nb]
+        acc = dst.view(dt)
+        # CMA inputs come through the scratch: input 0 into tmp, input 1 into the
+        # accumulator itself (the ufunc reads it before it writes)
+        first = bufs[(0, "in")].read(so, nb, tmp).view(dt)
+        if p == 1:
+            np.copyto(acc, first)
+        else:
+            red(first, bufs[(1, "in")].read(so, nb, acc_u8).view(dt), acc)
+            for k in range(2, p):
+                red(acc, bufs[(k, "in")].read(so, nb, tmp).view(dt), acc)
+        for tg in targets:
+            tg.write(a * isz, dst, hint)
+
+
+def _allreduce(d: DirectRun) -> None:
+    lo, hi = blocks(d.n, d.p, d.isz)[d.r]
+    others = [d.bufs[(k, "out")] for k in range(d.p) if k != d.r]
+    _reduce_block(d, 0, lo, hi, [d.bufs[(d.r, "out")]] + others, d.n * d.isz, True)
+
+
+def _reduce(d: DirectRun) -> None:
+    lo, hi = blocks(d.n, d.p, d.isz)[d.r]
+    _reduce_block(d, 0, lo, hi, [d.bufs[(d.root, "out")]], d.n * d.isz)
+
+
+def _reduce_scatter(d: DirectRun) -> None:
+    n = d.n
+    _reduce_block(d, d.r * n, 0, n, [d.bufs[(d.r, "out")]], d.p * n * d.isz, True)
+
+
+def _allgather(d: DirectRun) -> None:
+    nb, hint = d.n * d.isz, d.p * d.n * d.isz
+    mine = d.x.reshape(-1).view(_U8)
+    base = d.r * nb
+    for a, b in _chunks(0, nb, CHUNK):
+        src = mine[a:b]
+        for k in range(d.p):
+            d.bufs[(k, "out")].write(base + a, src, hint)
+
+
+def _alltoall(d: DirectRun) -> None:
+    nb, hint = d.n * d.isz, d.p * d.n * d.isz
+    out = d.bufs[(d.r, "out")]
+    tmp = d.acc.scratch(CHUNK)
+    for k in range(d.p):
+        src = d.bufs[(k, "in")]
+        if src.arr is None:         # CMA: straight into our output, one copy
+            cma.copy(src.pid, cma.address(out.arr) + k * nb, src.addr + d.r * nb, nb,
+                     False, src.peer)
+            continue
+        for a, b in _chunks(0, nb, CHUNK):
+            out.write(k * nb + a, src.read(d.r * nb + a, b - a, tmp), hint)
+
+
+def _broadcast(d: DirectRun) -> None:
+    lo, hi = blocks(d.n, d.p, d.isz)[d.r]
+    isz, hint = d.isz, d.n * d.isz
+    src = d.bufs[(d.root, "out")]
+    targets = [d.bufs[(k, "out")] for k in range(d.p) if k != d.root]
+    tmp = d.acc.scratch(CHUNK)
+    for a, b in _chunks(lo * isz, hi * isz, CHUNK):
+        data = src.read(a, b - a, tmp)
+        for t in targets:
+            if t is not src:
+                t.write(a, data, hint)
+
+
+_SHARES = {"allreduce": _allreduce, "reduce": _reduce, "reduce_scatter": _reduce_scatter,
+           "allgather": _allgather, "alltoall": _alltoall, "broadcast": _broadcast}
