@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from . import callsite, config, devpath, sharedmem
+from . import callsite, config, devpath, flight, sharedmem
 from .buffers import Buf, as_buf, check_writable, empty_like, overlaps, same
 from .errors import (CollectiveMismatchError, CollectiveTimeout, CommunicatorClosed,
                      GpurtError, ResourceError, relay_text,
@@ -250,13 +250,15 @@ class Communicator:
 
     def _direct_wanted(self, coll: str, n: int, isz: int, algo: str | None) -> int:
         """0: not shm_direct; 1: shm_direct if the buffers allow (else the tuner's plan);
-        2: forced (``algo='shm_direct'``).  The same on every rank for matching calls."""
+        2: forced (``algo='shm_direct'``); 3: forced where it cannot run.  The same on
+        every rank for matching calls."""
         if algo == shm_direct.NAME:
-            if self._direct is None or coll not in shm_direct.COLLS:
-                why = "not a one-node communicator with shared memory between its ranks" \
-                    if self._direct is None else f"not for {coll}"
-                raise ValueError(f"rank {self.rank}: {coll}: algo='shm_direct': {why}")
-            return 2
+            if coll not in shm_direct.COLLS:
+                raise ValueError(f"rank {self.rank}: {coll}: algo='shm_direct' is for "
+                                 f"{', '.join(shm_direct.COLLS)}")
+            # where it cannot run at all (one rank, several nodes, GPURT_SHM_DIRECT*=0),
+            # like a call whose buffers are out of reach: the cheapest schedule
+            return 2 if self._direct is not None else 3
         if self._direct is None or algo is not None or coll not in shm_direct.COLLS \
                 or coll in self._tuner_in[2]:
             return 0
@@ -446,9 +448,10 @@ class Communicator:
             raise ValueError(f"rank {self.rank}: {coll}: stream= is for device buffers; "
                              f"these are host memory")
         direct = self._direct_wanted(coll, n, dtype.itemsize, algo)
-        if direct == 2:     # forced: where a buffer is out of reach, the cheapest schedule
+        if direct >= 2:     # forced: where a buffer is out of reach, the cheapest schedule
             algo = self.tuner.pick(coll, self.size, shm_direct.collective_bytes(
                 coll, self.size, n, dtype.itemsize), "node")
+            direct = 2 if direct == 2 else 0
         if self.size == 1 and coll == "barrier":
             alg, sched = None, Schedule()
         else:
@@ -506,6 +509,8 @@ class Communicator:
         rec = fl.start(seq, coll, (dtype.str, n, op, root if coll in _ROOTED else None), name,
                        site) \
             if fl is not None else None
+        if direct:
+            getattr(start, "box", {})["rec"] = rec
 
         def finish() -> Any:
             if op is Op.AVG and ob is not None and (not finish_root_only or self.rank == root):
@@ -521,7 +526,7 @@ class Communicator:
         req.algorithm = self.last_algorithm = name
         box = getattr(start, "box", None)
         if box is not None:
-            box.append(req)
+            box["req"] = req
         return self.engine.submit(req)
 
     # -- device buffers -----------------------------------------------------------------
@@ -640,11 +645,13 @@ class Communicator:
         empty = np.empty(0, dtype)
         # the least S for a call whose buffers are shared arrays / reached by CMA
         mins = (1, 1) if forced else tuple(m or 1 << 62 for m in self._direct_min[coll])
-        box: list = []
+        box: dict = {}        # the request and its flight record, once they exist
 
-        def chosen(name: str) -> None:       # the request and last_algorithm say which ran
-            if name and box:
-                box[0].algorithm = self.last_algorithm = name
+        def chosen(name: str) -> None:       # they and last_algorithm say which ran
+            if name and "req" in box:
+                box["req"].algorithm = self.last_algorithm = name
+                if box.get("rec") is not None:
+                    box["rec"][flight.ALGO] = name
 
         def start() -> shm_direct.DirectRun:
             x = xb.array.view(dtype) if xb is not None else empty

@@ -121,6 +121,10 @@ class Access:
         self.me, self.pids, self.maps = me, pids, maps
         self.can_map, self.can_cma, self.ranks = can_map, can_cma, ranks
         self._scratch = np.empty(0, np.uint8)
+        # tests only: this rank fails to open its peers' buffers (stands in for a mapping
+        # that cannot be made: no file descriptor or address space left)
+        import os
+        self.fail_open = os.environ.get("GPURT_TEST_DIRECT_OPEN_FAIL") == str(me)
 
     def scratch(self, nbytes: int) -> np.ndarray:
         if self._scratch.nbytes < nbytes:
@@ -152,14 +156,15 @@ class _Buf:
             cma.copy(self.pid, cma.address(src), self.addr + lo, nb, True, self.peer)
 
 
-def _where(a: np.ndarray | None) -> tuple[int, int]:
-    """(location word, offset) of a shared array, (0, address) of any other, (0, 0)."""
+def _where(a: np.ndarray | None) -> tuple[int, int, int]:
+    """(location word, offset, address): (0, 0, address) for an array that is not in a
+    shared one, zeros for none."""
     if a is None or not a.nbytes:
-        return 0, 0
+        return 0, 0, 0
     from gpurt import sharedmem
     addr = cma.address(a)
     loc = sharedmem.lookup(addr, a.nbytes)
-    return loc if loc is not None else (0, addr)
+    return (loc[0], loc[1], addr) if loc is not None else (0, 0, addr)
 
 
 class DirectRun:
@@ -180,11 +185,9 @@ class DirectRun:
         self.p, self.r = board.nlocal, board.me
         # the least S for a call whose buffers are shared arrays / reached by CMA
         self.fallback, self.mins, self.on_choice = fallback, mins, on_choice
-        xl, xo = _where(x)
-        ol, oo = _where(out)
         empty = np.empty(0, np.uint8)
         self.hdr = BoardRun(board, coll, seq, sig, meta, empty, empty, root, None, n,
-                            check=True, site=site, extra=(seq, xl, xo, ol, oo))
+                            check=True, site=site, extra=(seq,) + _where(x) + _where(out))
         self.phase, self.other, self.bufs = 0, None, None
 
     @property
@@ -266,26 +269,35 @@ class DirectRun:
     def _reachable(self) -> bool:
         """From the headers alone (the same on every rank): does every rank mark this call
         as direct, and is every buffer that some rank must reach from another reachable?"""
-        got, acc = self.hdr.got, self.acc
+        got = self.hdr.got
         S = collective_bytes(self.coll, self.p, self.n, self.isz)
         for k in range(self.p):
             words = got[k]
             if words[0] != self.seq:
                 return False
             ti, to = self._roles(k)
-            for touched, loc, off in ((ti, words[1], words[2]), (to, words[3], words[4])):
-                if not touched:
-                    continue
-                if loc:
-                    if not (acc.can_map and S >= self.mins[0]):
-                        return False
-                elif not (off and acc.can_cma and S >= self.mins[1]):
+            for touched, w in ((ti, 1), (to, 4)):
+                if touched and self._how(words[w:w + 3], S) is None:
                     return False
         return True
+
+    def _how(self, where: tuple, S: int) -> str | None:
+        """How a buffer at ``where`` (location, offset, address) is reached: "map", "cma"
+        or None (from facts every rank shares)."""
+        loc, _off, addr = where
+        acc = self.acc
+        if loc and acc.can_map and S >= self.mins[0]:
+            return "map"
+        if addr and acc.can_cma and S >= self.mins[1]:
+            return "cma"
+        return None
 
     def _open(self) -> dict:
         """Every buffer this rank's share touches, by (rank, role)."""
         got, acc, me = self.hdr.got, self.acc, self.r
+        if acc.fail_open:
+            raise TransportError(f"rank {acc.ranks[me]}: GPURT_TEST_DIRECT_OPEN_FAIL")
+        S = collective_bytes(self.coll, self.p, self.n, self.isz)
         bufs = {(me, "in"): self.x.reshape(-1).view(_U8) if self.x.nbytes else None,
                 (me, "out"): self.out.reshape(-1).view(_U8) if self.out.nbytes else None}
         for k in range(self.p):
@@ -293,21 +305,20 @@ class DirectRun:
                 continue
             ti, to = self._roles(k)
             words = got[k]
-            for touched, role, loc, off in ((ti, "in", words[1], words[2]),
-                                            (to, "out", words[3], words[4])):
+            for touched, role, w in ((ti, "in", 1), (to, "out", 4)):
                 if not touched:
                     continue
-                nb = self._nbytes(role, k)
-                if loc:
-                    bufs[(k, role)] = _Buf(acc.maps[k].view(loc, off, nb))
+                loc, off, addr = words[w:w + 3]
+                if self._how((loc, off, addr), S) == "map":
+                    bufs[(k, role)] = _Buf(acc.maps[k].view(loc, off, self._nbytes(role)))
                 else:
-                    bufs[(k, role)] = _Buf(None, acc.pids[k], off, acc.ranks[k])
+                    bufs[(k, role)] = _Buf(None, acc.pids[k], addr, acc.ranks[k])
         for key in ((me, "in"), (me, "out")):
             if bufs[key] is not None:
                 bufs[key] = _Buf(bufs[key])
         return bufs
 
-    def _nbytes(self, role: str, k: int) -> int:
+    def _nbytes(self, role: str) -> int:
         c, n, isz, p = self.coll, self.n, self.isz, self.p
         if role == "in":
             return (p * n if c in ("reduce_scatter", "alltoall") else n) * isz

@@ -1,0 +1,175 @@
+"""Run under ``mpiexec -n N`` with an argument ``shared``, ``numpy`` or ``mixed``:
+collectives by ``shm_direct`` (transports/shm_direct.py) — every rank loads and stores
+straight into its peers' buffers — with exact data in every case.
+
+* ``shared``: every buffer from ``comm.empty`` (peers' arrays mapped); ``numpy``: NumPy
+  arrays (peers reached with process_vm_readv/writev, when GPURT_SHM_DIRECT_CMA allows);
+  ``mixed``: rank 0's buffers shared, the others' NumPy.
+* every collective shm_direct runs, forced with ``algo="shm_direct"``: dtypes, ops (SUM,
+  MAX, PROD, AVG), counts from 1 (blocks left empty) to 1 Mi + 13, every root, in place;
+* which path ran (``last_algorithm``) — shm_direct where every buffer is reachable, the
+  tuner's schedule otherwise — is the same on every rank and the one expected
+  (``DIRECT_EXPECT=yes|no``);
+* in ``shared`` mode with the default thresholds: a 2 MiB allreduce is chosen as
+  shm_direct, a 64 KiB one is not;
+* last, a call with different counts on one rank: CollectiveMismatchError on every rank.
+
+Prints ``ok ... on N ranks`` on rank 0; exits non-zero on a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+from mpi4py import MPI
+
+import gpurt
+from casekit import Checks
+from gpurt import CollectiveMismatchError, Op
+
+world = MPI.COMM_WORLD
+comm = gpurt.Communicator(world)
+r, p = comm.rank, comm.size
+chk = Checks(r)
+bad, expect = chk.bad, chk.expect
+mode = sys.argv[1]
+want_direct = os.environ.get("DIRECT_EXPECT", "yes") == "yes" and world.size > 1
+
+
+def alloc(n: int, dtype) -> np.ndarray:
+    if mode == "shared" or (mode == "mixed" and r == 0):
+        return comm.empty(n, dtype)
+    return np.empty(n, dtype)
+
+
+def vals(n: int, k: int, seed: int, dtype) -> np.ndarray:
+    """Rank k's data: small integers (exact in every dtype, sums and products too)."""
+    v = (np.arange(n, dtype=np.int64) * 7 + k * 13 + seed * 5) % 3 + 1
+    return v.astype(dtype)
+
+
+def ref(op: Op, arrays: list[np.ndarray]) -> np.ndarray:
+    acc = arrays[0].copy()
+    for a in arrays[1:]:
+        if op in (Op.SUM, Op.AVG):
+            acc = acc + a
+        elif op is Op.MAX:
+            acc = np.maximum(acc, a)
+        elif op is Op.PROD:
+            acc = acc * a
+    if op is Op.AVG:
+        acc = acc / p
+    return acc.astype(arrays[0].dtype)
+
+
+paths: list[str] = []
+
+
+def ran(what: str) -> None:
+    """Record which path ran; it must be the expected one."""
+    alg = comm.last_algorithm
+    paths.append(alg)
+    chk.count += 1
+    if (alg == "shm_direct") != want_direct:
+        bad.append(f"rank {r}: {what} ran {alg}, expected "
+                   f"{'shm_direct' if want_direct else 'the schedule'}")
+
+
+D = "shm_direct"
+cases = [(np.float64, Op.SUM), (np.float32, Op.MAX), (np.int32, Op.PROD), (np.float64, Op.AVG),
+         (np.int64, Op.SUM), (np.float16, Op.SUM), (np.complex64, Op.SUM)]
+counts = [1, 1000, 262147, (1 << 20) + 13]
+for seed, n in enumerate(counts):
+    for dt, op in cases if n < (1 << 20) else cases[:2]:
+        dt = np.dtype(dt)
+        tag = f"{dt.name} {op.name} n={n}"
+        ins = [vals(n, k, seed, dt) for k in range(p)]
+        want = ref(op, ins)
+        x, y = alloc(n, dt), alloc(n, dt)
+        x[:] = ins[r]
+        comm.allreduce(x, y, op, algo=D)
+        expect(f"allreduce {tag}", y, want)
+        ran(f"allreduce {tag}")
+        comm.allreduce(x, op=op, algo=D)               # in place
+        expect(f"allreduce in place {tag}", x, want)
+        for root in range(p):
+            x[:] = ins[r]
+            y[:] = 0
+            comm.reduce(x, y, op, root=root, algo=D)
+            if r == root:
+                expect(f"reduce root={root} {tag}", y, want)
+            ran(f"reduce {tag}")
+            x[:] = ins[r]
+            comm.reduce(x, None, op, root=root, algo=D)   # in place at the root
+            if r == root:
+                expect(f"reduce in place root={root} {tag}", x, want)
+            x[:] = ins[r]
+            comm.broadcast(x, root=root, algo=D)
+            expect(f"broadcast root={root} {tag}", x, ins[root])
+            ran(f"broadcast {tag}")
+        m = n * p
+        big = [vals(m, k, seed, dt) for k in range(p)]
+        xb, ob = alloc(m, dt), alloc(n, dt)
+        xb[:] = big[r]
+        comm.reduce_scatter(xb, ob, op, algo=D)
+        expect(f"reduce_scatter {tag}", ob, ref(op, big)[r * n:(r + 1) * n])
+        ran(f"reduce_scatter {tag}")
+        ga = alloc(m, dt)
+        xg = alloc(n, dt)
+        xg[:] = ins[r]
+        comm.allgather(xg, ga, algo=D)
+        expect(f"allgather {tag}", ga, np.concatenate(ins))
+        ran(f"allgather {tag}")
+        ta = alloc(m, dt)
+        comm.alltoall(xb, ta, algo=D)
+        expect(f"alltoall {tag}", ta, np.concatenate([big[k][r * n:(r + 1) * n]
+                                                      for k in range(p)]))
+        ran(f"alltoall {tag}")
+        del x, y, xb, ob, ga, xg, ta
+
+# the same path on every rank, call by call
+every = world.allgather(paths)
+if any(e != paths for e in every):
+    bad.append(f"rank {r}: the ranks took different paths for the same calls")
+
+if mode == "shared" and want_direct and os.environ.get("GPURT_SHM_DIRECT", "auto") == "auto" \
+        and os.environ.get("GPURT_SHM_SHARED", "1") != "0":
+    a = comm.empty(1 << 19, np.float32)       # 2 MiB
+    a[:] = r + 1
+    comm.allreduce(a)
+    expect("auto 2 MiB allreduce", a, np.full(1 << 19, p * (p + 1) // 2, np.float32))
+    if comm.last_algorithm != D:
+        bad.append(f"rank {r}: a 2 MiB allreduce on shared arrays ran {comm.last_algorithm}")
+    s = comm.empty(1 << 14, np.float32)       # 64 KiB
+    s[:] = 1
+    comm.allreduce(s)
+    if comm.last_algorithm == D:
+        bad.append(f"rank {r}: a 64 KiB allreduce ran shm_direct")
+    del a, s
+
+# a different count on the last rank: every rank raises, naming both calls, and nothing
+# was written
+n = 1 << 18
+x = alloc(n + (4 if r == p - 1 else 0), np.float32)
+x[:] = 7
+try:
+    comm.allreduce(x, algo=D, timeout=30)
+    if p > 1:
+        bad.append(f"rank {r}: mismatched counts were not detected")
+except CollectiveMismatchError as e:
+    chk.count += 1
+    if "count=262144" not in str(e) or "count=262148" not in str(e):
+        bad.append(f"rank {r}: the mismatch error does not show both counts: {e}")
+    if not np.all(x == 7):
+        bad.append(f"rank {r}: a mismatched call wrote its buffer")
+
+allbad = world.gather(bad, root=0)
+comm.close()
+if r == 0:
+    flat = [b for bs in allbad for b in bs]
+    if flat:
+        print("\n".join(flat[:40]))
+        sys.exit(1)
+    print(f"ok {chk.count} checks on {p} ranks ({mode})")

@@ -1,0 +1,73 @@
+"""``shm_direct`` (transports/shm_direct.py): large one-node collectives as loads and
+stores straight into every rank's buffers.  The block split and thresholds in one
+process; every collective, dtype, op, root and buffer kind in real processes
+(tests/direct_cases.py), with the path that ran checked on every rank."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import run_mpi
+from gpurt.transports import shm_direct
+
+
+# -- in one process --------------------------------------------------------------------
+
+@pytest.mark.parametrize("count", [0, 1, 5, 1023, 1024, 1025, 4097, 1 << 20, (1 << 20) + 13])
+@pytest.mark.parametrize("p", [1, 2, 3, 5, 7])
+@pytest.mark.parametrize("isz", [1, 2, 4, 8, 16])
+def test_blocks_cover_the_range_on_page_boundaries(count, p, isz):
+    bl = shm_direct.blocks(count, p, isz)
+    assert len(bl) == p and bl[0][0] == 0 and bl[-1][1] == count
+    for (a, b), (c, _d) in zip(bl, bl[1:]):
+        assert a <= b == c
+    for a, _b in bl:
+        assert a == count or (a * isz) % 4096 == 0
+    if count >= 4096 * p:                 # every rank gets a share of a large call
+        assert all(b > a for a, b in bl)
+
+
+def test_thresholds():
+    auto = shm_direct.thresholds("auto", shm_direct.AUTO_MAP)
+    assert auto == shm_direct.AUTO_MAP and auto["alltoall"] == 0
+    assert set(auto) == set(shm_direct.COLLS)
+    assert shm_direct.thresholds(0, shm_direct.AUTO_MAP) == {c: 0 for c in shm_direct.COLLS}
+    assert shm_direct.thresholds(1 << 20, shm_direct.AUTO_CMA)["alltoall"] == 1 << 20
+
+
+def test_collective_bytes():
+    assert shm_direct.collective_bytes("allreduce", 4, 10, 8) == 80
+    assert shm_direct.collective_bytes("allgather", 4, 10, 8) == 320
+    assert shm_direct.collective_bytes("reduce_scatter", 4, 10, 8) == 320
+
+
+# -- real processes ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+def test_direct_on_shared_arrays(n):
+    """comm.empty buffers: every collective by shm_direct (forced), exact; the default
+    thresholds choose it for a 2 MiB allreduce and not for 64 KiB; a mismatch raises on
+    every rank before anything is written."""
+    out = run_mpi(n, ["tests/direct_cases.py", "shared"], timeout=400).stdout
+    assert out.startswith("ok") and f"on {n} ranks" in out, out
+
+
+@pytest.mark.parametrize("n,mode,env,direct", [
+    (3, "numpy", {}, True),                                    # CMA (readv/writev)
+    (2, "mixed", {}, True),                                    # mapped and CMA in one call
+    (3, "numpy", {"GPURT_SHM_DIRECT_CMA": "0"}, False),        # NumPy buffers out of reach
+    (3, "mixed", {"GPURT_SHM_DIRECT_CMA": "0"}, False),        # one rank's out of reach
+    (3, "shared", {"GPURT_SHM_SHARED": "0"}, True),            # shared arrays by address
+    (2, "shared", {"GPURT_TEST_FORBID_CMA": "1"}, True),       # mappings need no CMA
+    (3, "numpy", {"GPURT_TEST_FORBID_CMA": "1"}, False),       # ... NumPy arrays do
+    (3, "shared", {"GPURT_TEST_DIRECT_OPEN_FAIL": "1"}, False),  # one rank cannot open
+    (2, "shared", {"GPURT_SHM_DIRECT": "0", "GPURT_SHM_DIRECT_CMA": "0"}, False),  # off
+])
+def test_direct_reach_and_fallback(n, mode, env, direct):
+    """Which buffers shm_direct can reach decides, identically on every rank, whether it
+    runs or every rank takes the tuner's schedule — exact results either way.
+    GPURT_TEST_FORBID_CMA stands in for Yama's ptrace_scope=1 (not reproducible as root);
+    GPURT_TEST_DIRECT_OPEN_FAIL for a mapping that cannot be made on one rank."""
+    env = dict(env, DIRECT_EXPECT="yes" if direct else "no")
+    out = run_mpi(n, ["tests/direct_cases.py", mode], env=env, timeout=400).stdout
+    assert out.startswith("ok") and f"on {n} ranks" in out, out
