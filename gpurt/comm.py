@@ -252,6 +252,8 @@ class Communicator:
         """0: not shm_direct; 1: shm_direct if the buffers allow (else the tuner's plan);
         2: forced (``algo='shm_direct'``); 3: forced where it cannot run.  The same on
         every rank for matching calls."""
+        if algo is None and self._tuner_in[2].get(coll) == shm_direct.NAME:
+            algo = shm_direct.NAME      # GPURT_ALGO=coll:shm_direct
         if algo == shm_direct.NAME:
             if coll not in shm_direct.COLLS:
                 raise ValueError(f"rank {self.rank}: {coll}: algo='shm_direct' is for "
@@ -929,6 +931,8 @@ class Communicator:
         Cached per (collective, dtype, count, op, root): the choice depends on nothing else."""
         if dtype not in _SUPPORTED_DTYPES or (op is not None and (op, dtype) not in _FAST_OPS):
             return False
+        if algo is None and self._tuner_in[2].get(coll) == shm_direct.NAME:
+            return False        # GPURT_ALGO=coll:shm_direct
         try:
             if self.tuner.choose(coll, n, dtype.itemsize, algo).name != "shm_board":
                 return False

@@ -107,7 +107,8 @@ _stream = False      # not looked up yet
 
 
 def _addr(a: np.ndarray) -> int:
-    return a.__array_interface__["data"][0]
+    from gpurt.transports import cma
+    return cma.address(a)
 
 
 def copyto(dst: np.ndarray, src: np.ndarray, nbytes_hint: int = 0) -> None:

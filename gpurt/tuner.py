@@ -46,7 +46,9 @@ DEFAULT_COSTS: dict[str, Cost] = {
 
 # protocols that transports provide only on some communicators (GPURT_ALGO may name them
 # everywhere; where they are not available the tuner chooses)
-NATIVE_NAMES = frozenset({"shm_board"})
+# protocols of the transports rather than schedules: shm_direct is decided per call by
+# the communicator (gpurt/comm.py), from the buffers every rank publishes
+NATIVE_NAMES = frozenset({"shm_board", "shm_direct"})
 
 
 @dataclass(frozen=True)

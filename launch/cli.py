@@ -226,7 +226,22 @@ def _host_memory() -> dict:
               "other array (GPURT_SHM_SHARED=0)"
     nt = memcopy.streaming_why()
     llc = memcopy.llc_bytes()
-    return {"shared_arrays": shared, "shared_why": why, "streaming": not nt,
+    from gpurt.transports import shm_direct
+
+    def mib(th: dict) -> str:
+        on = [f"{c} from {v / 2**20:g} MiB" for c, v in th.items() if v]
+        return ", ".join(on) if on else "off"
+
+    dmap = shm_direct.thresholds(config.get("GPURT_SHM_DIRECT"), shm_direct.AUTO_MAP)
+    dcma = shm_direct.thresholds(config.get("GPURT_SHM_DIRECT_CMA"), shm_direct.AUTO_CMA)
+    direct = shared and any(dmap.values()) or any(dcma.values())
+    direct_why = (f"one-node collectives as loads and stores into every rank's buffers; "
+                  f"comm.empty arrays: {mib(dmap)} (GPURT_SHM_DIRECT); other arrays, "
+                  f"through process_vm_readv/writev: {mib(dcma)} (GPURT_SHM_DIRECT_CMA); "
+                  f"algo='shm_direct' forces it") if direct else \
+        "off (GPURT_SHM_DIRECT=0 and GPURT_SHM_DIRECT_CMA=0)"
+    return {"direct": direct, "direct_why": direct_why,
+            "shared_arrays": shared, "shared_why": why, "streaming": not nt,
             "streaming_from": memcopy.threshold() if not nt else 0, "llc_bytes": llc,
             "streaming_why": nt or (
                 f"host copies of >= {memcopy.threshold() / 2**20:g} MiB use non-temporal "
@@ -303,11 +318,15 @@ def info(as_json: bool, show_env: bool) -> None:
                f"{hm['shared_why']}")
     click.echo(f"streaming copies:     {'yes' if hm['streaming'] else 'no '}  "
                f"{hm['streaming_why']}")
+    click.echo(f"direct (shm_direct):  {'yes' if hm['direct'] else 'no '}  "
+               f"{hm['direct_why']}")
     click.echo("algorithms (GPURT_ALGO=collective:name):")
     for coll, names in data["algorithms"].items():
         click.echo(f"  {coll:<15} {', '.join(names)}")
     click.echo("  (and shm_board for every collective: a one-round protocol of the shm "
                "transport, on communicators within one node, for data up to GPURT_SHM_BOARD;")
+    click.echo("   shm_direct for allreduce, reduce, reduce_scatter, allgather, alltoall, "
+               "broadcast on one node: see 'direct' above;")
     click.echo("   hierarchical for allreduce, reduce_scatter, allgather, broadcast, reduce on "
                "communicators spanning nodes: stages on node/rail subgroups, pipelined)")
     if show_env:

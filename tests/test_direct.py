@@ -71,3 +71,29 @@ def test_direct_reach_and_fallback(n, mode, env, direct):
     env = dict(env, DIRECT_EXPECT="yes" if direct else "no")
     out = run_mpi(n, ["tests/direct_cases.py", mode], env=env, timeout=400).stdout
     assert out.startswith("ok") and f"on {n} ranks" in out, out
+
+
+_ENV_FORCED = """
+import numpy as np, gpurt
+c = gpurt.init()
+got = []
+for n in (1000, 300000):                      # board-sized and large, NumPy buffers
+    x = np.arange(n, dtype=np.float64) + c.rank
+    c.allreduce(x)
+    ok = np.array_equal(x, (np.arange(n) * c.size + c.size * (c.size - 1) // 2))
+    got.append((c.last_algorithm, bool(ok)))
+y = np.ones(64)
+c.allgather(y)                                # not forced: the tuner's choice
+got.append((c.last_algorithm, True))
+print(c.rank, got)
+"""
+
+
+def test_direct_forced_by_gpurt_algo():
+    """GPURT_ALGO=allreduce:shm_direct forces it at every size (the board's inline path
+    steps aside); other collectives keep the tuner's choice."""
+    out = run_mpi(3, ["-c", _ENV_FORCED], env={"GPURT_ALGO": "allreduce:shm_direct"}).stdout
+    lines = sorted(out.strip().splitlines())
+    assert len(lines) == 3, out
+    for line in lines:
+        assert "[('shm_direct', True), ('shm_direct', True), ('shm_board', True)]" in line, out

@@ -37,7 +37,14 @@ except (OSError, AttributeError):  # pragma: no cover - not Linux/glibc
     _readv = _writev = None
 
 
+_fast_address = None    # gpurt._fastboard.data_address, once shm_board has loaded it
+
+
 def address(arr: np.ndarray) -> int:
+    """The address of ``arr``'s first byte (0.1 µs through the extension for a plain
+    ndarray; ``__array_interface__`` builds a dict: ~3 µs)."""
+    if _fast_address is not None and type(arr) is np.ndarray:
+        return _fast_address(arr)
     return arr.__array_interface__["data"][0]
 
 

@@ -75,6 +75,9 @@ def _load_native():
 
 
 NATIVE, NATIVE_WHY = _load_native()
+if NATIVE is not None:
+    from . import cma as _cma
+    _cma._fast_address = NATIVE.data_address
 # element types and ops by the extension's codes (it has kernels for these)
 _NTYPES = {np.dtype(t): i for i, t in enumerate(NATIVE.TYPES)} if NATIVE else {}
 _NOPS = {Op(o): i for i, o in enumerate(NATIVE.OPS) if o} if NATIVE else {}

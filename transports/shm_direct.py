@@ -52,7 +52,7 @@ from typing import Callable
 
 import numpy as np
 
-from gpurt import memcopy
+from gpurt import memcopy, sharedmem
 from gpurt.errors import TransportError
 
 from . import cma
@@ -161,7 +161,6 @@ def _where(a: np.ndarray | None) -> tuple[int, int, int]:
     shared one, zeros for none."""
     if a is None or not a.nbytes:
         return 0, 0, 0
-    from gpurt import sharedmem
     addr = cma.address(a)
     loc = sharedmem.lookup(addr, a.nbytes)
     return (loc[0], loc[1], addr) if loc is not None else (0, 0, addr)
