@@ -265,8 +265,21 @@ class Communicator:
                 or coll in self._tuner_in[2]:
             return 0
         S = shm_direct.collective_bytes(coll, self.size, n, isz)
+        measured = self.tuner.profile_winner(coll, S)
+        if measured is not None:        # GPURT_PROFILE decides where it measured
+            return 1 if measured == shm_direct.NAME else 0
         mins = [m for m in self._direct_min[coll] if m]
         return 1 if mins and S >= min(mins) else 0
+
+    def direct_choice(self, coll: str, nbytes: int) -> bool:
+        """Would a call of ``coll`` with S = ``nbytes`` try ``shm_direct`` (taken when
+        every rank's buffers are reachable)?  For ``gpurt tune`` and ``explain``."""
+        if coll not in shm_direct.COLLS or self._direct is None:
+            return False
+        isz = 4
+        n = nbytes // isz // (self.size if coll in ("allgather", "reduce_scatter",
+                                                     "alltoall") else 1)
+        return self._direct_wanted(coll, n, isz, None) == 1
 
     @property
     def _fastpath(self) -> bool:

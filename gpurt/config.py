@@ -118,17 +118,14 @@ VARIABLES: tuple[Var, ...] = (
         "0 disables.  Messages from comm.empty arrays go single-copy from 128K "
         "(GPURT_SHM_SHARED)."),
     Var("GPURT_SHM_DIRECT", "auto", _bytes_or_auto,
-        "shm: on a one-node communicator, a collective of at least this many bytes (S as "
-        "nccl-tests counts it) whose buffers are all comm.empty arrays runs as loads and "
-        "stores straight into the peers' buffers (shm_direct: each byte read and written "
-        "once); auto: per collective where it measured faster (allgather and reduce from "
-        "256K, allreduce and reduce_scatter from 1M, broadcast from 4M, alltoall only with "
-        "algo='shm_direct'); 0 disables."),
+        "shm: on a one-node communicator, allreduce, reduce, reduce_scatter, allgather, "
+        "alltoall and broadcast of at least this many bytes (S as nccl-tests counts it) "
+        "whose buffers are all comm.empty arrays run as loads and stores straight into "
+        "the peers' buffers (shm_direct: each byte read and written once); auto: 1M, "
+        "broadcast 4M (where it measured faster than the schedules); 0 disables."),
     Var("GPURT_SHM_DIRECT_CMA", "auto", _bytes_or_auto,
         "shm: the same where some buffer is an ordinary array, reached with "
-        "process_vm_readv/writev where the probe allows it; auto: reduce_scatter from 1M "
-        "and allgather from 4M (elsewhere the schedules measured as fast or faster); "
-        "0 disables."),
+        "process_vm_readv/writev where the probe allows it; auto: 1M; 0 disables."),
     Var("GPURT_SHM_DIR", "/dev/shm", str, "shm: where segments are created (then unlinked)."),
     Var("GPURT_SOCKET_IFNAME", "", str,
         "tcp: the interface whose IPv4 address a rank advertises, as NCCL_SOCKET_IFNAME: "

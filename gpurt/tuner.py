@@ -200,6 +200,15 @@ class Tuner:
             return measured
         return self.candidates(coll, S)[0][1]
 
+    def profile_winner(self, coll: str, S: int) -> str | None:
+        """The name the profile measured fastest at the size nearest to S (log scale), or
+        None where it has nothing for ``coll``."""
+        rows = self.profile.get(coll) if self.profile else None
+        if not rows:
+            return None
+        return min(rows, key=lambda row: abs(math.log2(max(row[0], 1)) -
+                                             math.log2(max(S, 1))))[1]
+
     def _measured(self, coll: str, S: int) -> "Algorithm | Native | None":
         """The profile's winner at the measured size nearest to S (log scale), if the
         profile covers ``coll`` and that algorithm can take S here."""

@@ -68,6 +68,10 @@ def _call(comm, coll: str, x, y, algo: str):
     raise ValueError(f"gpurt tune does not time {coll}")
 
 
+DIRECT = "shm_direct"
+DIRECT_COLLS = ("allreduce", "reduce", "reduce_scatter", "allgather", "alltoall", "broadcast")
+
+
 def worker(cfg: dict) -> dict | None:
     """Runs on every rank; rank 0 returns the profile."""
     import gpurt
@@ -90,6 +94,11 @@ def worker(cfg: dict) -> dict | None:
                                                    "scatter", "alltoall") else n * dtype.itemsize)
             cands = comm.candidates(coll, Sreal)
             model = next(c["algorithm"] for c in cands if c["chosen"])
+            # shm_direct (one node): decided per call from the buffers, beside the tuner
+            if getattr(comm, "_direct", None) is not None and coll in DIRECT_COLLS:
+                cands = cands + [{"algorithm": DIRECT, "chosen": False}]
+                if comm.direct_choice(coll, Sreal):
+                    model = DIRECT
             times = {}
             for c in cands:
                 name = c["algorithm"]

@@ -149,6 +149,13 @@ if mode == "shared" and want_direct and os.environ.get("GPURT_SHM_DIRECT", "auto
         bad.append(f"rank {r}: a 64 KiB allreduce ran shm_direct")
     del a, s
 
+if mode == "numpy" and want_direct and os.environ.get("GPURT_SHM_DIRECT_CMA", "auto") == "auto":
+    a = np.full(1 << 19, r + 1, np.float32)     # 2 MiB, through process_vm_readv/writev
+    comm.allreduce(a)
+    expect("auto 2 MiB allreduce (NumPy)", a, np.full(1 << 19, p * (p + 1) // 2, np.float32))
+    if comm.last_algorithm != D:
+        bad.append(f"rank {r}: a 2 MiB allreduce on NumPy arrays ran {comm.last_algorithm}")
+
 # a different count on the last rank: every rank raises, naming both calls, and nothing
 # was written
 n = 1 << 18

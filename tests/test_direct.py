@@ -29,7 +29,7 @@ def test_blocks_cover_the_range_on_page_boundaries(count, p, isz):
 
 def test_thresholds():
     auto = shm_direct.thresholds("auto", shm_direct.AUTO_MAP)
-    assert auto == shm_direct.AUTO_MAP and auto["alltoall"] == 0
+    assert auto == shm_direct.AUTO_MAP and auto["broadcast"] == 4 << 20
     assert set(auto) == set(shm_direct.COLLS)
     assert shm_direct.thresholds(0, shm_direct.AUTO_MAP) == {c: 0 for c in shm_direct.COLLS}
     assert shm_direct.thresholds(1 << 20, shm_direct.AUTO_CMA)["alltoall"] == 1 << 20

@@ -61,15 +61,14 @@ from .shm_board import BoardRun
 COLLS = ("allreduce", "reduce", "reduce_scatter", "allgather", "alltoall", "broadcast")
 NAME = "shm_direct"
 _K, _M = 1 << 10, 1 << 20
-# GPURT_SHM_DIRECT=auto: the least S (bytes) per collective where it beat the tuner's
-# schedule on comm.empty arrays here (A/B runs in docs/performance.md); alltoall is no
-# faster than the single-copy direct schedule, so only on request
-AUTO_MAP = {"allreduce": 1 * _M, "reduce": 256 * _K, "reduce_scatter": 1 * _M,
-            "allgather": 256 * _K, "broadcast": 4 * _M, "alltoall": 0}
-# GPURT_SHM_DIRECT_CMA=auto: through process_vm_readv/writev it pays for reduce_scatter
-# and large allgathers only
-AUTO_CMA = {"allreduce": 0, "reduce": 0, "reduce_scatter": 1 * _M, "allgather": 4 * _M,
-            "broadcast": 0, "alltoall": 0}
+# GPURT_SHM_DIRECT=auto / GPURT_SHM_DIRECT_CMA=auto: the least S (bytes) per collective
+# from which it beat the tuner's schedule here, on comm.empty arrays / on NumPy arrays
+# (A/B runs at 1, 4 and 16 MiB with 2 and 4 ranks, docs/performance.md; smaller sizes
+# were not measured against the schedules, so they keep them)
+AUTO_MAP = {"allreduce": 1 * _M, "reduce": 1 * _M, "reduce_scatter": 1 * _M,
+            "allgather": 1 * _M, "alltoall": 1 * _M, "broadcast": 4 * _M}
+AUTO_CMA = {"allreduce": 1 * _M, "reduce": 1 * _M, "reduce_scatter": 1 * _M,
+            "allgather": 1 * _M, "alltoall": 1 * _M, "broadcast": 1 * _M}
 
 
 def thresholds(setting, auto: dict) -> dict:
@@ -285,8 +284,8 @@ class DirectRun:
         or None (from facts every rank shares)."""
         loc, _off, addr = where
         acc = self.acc
-        if loc and acc.can_map and S >= self.mins[0]:
-            return "map"
+        if loc and acc.can_map:       # a shared array: mapped, or the schedule
+            return "map" if S >= self.mins[0] else None
         if addr and acc.can_cma and S >= self.mins[1]:
             return "cma"
         return None
