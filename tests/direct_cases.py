@@ -47,6 +47,8 @@ def alloc(n: int, dtype) -> np.ndarray:
 def vals(n: int, k: int, seed: int, dtype) -> np.ndarray:
     """Rank k's data: small integers (exact in every dtype, sums and products too)."""
     v = (np.arange(n, dtype=np.int64) * 7 + k * 13 + seed * 5) % 3 + 1
+    if np.dtype(dtype) == np.bool_:
+        return v == 2
     return v.astype(dtype)
 
 
@@ -59,6 +61,10 @@ def ref(op: Op, arrays: list[np.ndarray]) -> np.ndarray:
             acc = np.maximum(acc, a)
         elif op is Op.PROD:
             acc = acc * a
+        elif op is Op.BXOR:
+            acc = acc ^ a
+        elif op is Op.BOR:
+            acc = acc | a
     if op is Op.AVG:
         acc = acc / p
     return acc.astype(arrays[0].dtype)
@@ -79,7 +85,13 @@ def ran(what: str) -> None:
 
 D = "shm_direct"
 cases = [(np.float64, Op.SUM), (np.float32, Op.MAX), (np.int32, Op.PROD), (np.float64, Op.AVG),
-         (np.int64, Op.SUM), (np.float16, Op.SUM), (np.complex64, Op.SUM)]
+         (np.int64, Op.SUM), (np.float16, Op.SUM), (np.complex64, Op.SUM), (np.uint8, Op.BXOR),
+         (np.bool_, Op.BOR)]
+try:
+    import ml_dtypes
+    cases.append((ml_dtypes.bfloat16, Op.SUM))
+except ImportError:
+    pass
 counts = [1, 1000, 262147, (1 << 20) + 13]
 for seed, n in enumerate(counts):
     for dt, op in cases if n < (1 << 20) else cases[:2]:
