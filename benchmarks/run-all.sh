@@ -21,6 +21,15 @@ $B bench allreduce -n 2 -b 8 -e 256M -f 32 --baseline gloo | tee "$out/gloo2.txt
 $B bench allreduce -n 2 -b 16M -e 256M -f 4 -c | tee "$out/ceiling2.txt"
 $B bench allreduce -n 2 -b 1M -e 256M -f 4 --baseline mpi --repeat 2 -i 10 -c --memory shared \
     | tee "$out/ceiling2-shared.txt"
+$B bench allreduce -n 4 -b 256K -e 64M -f 4 --baseline mpi --repeat 2 --memory shared \
+    | tee "$out/allreduce4-shared.txt"
+# shm_direct against the tuner's schedules, alternating in one launch (its thresholds)
+for n in 2 4; do
+  for c in allreduce reduce reduce_scatter allgather alltoall broadcast; do
+    mpiexec -n "$n" python benchmarks/direct_ab.py "$c" 1M,4M,16M shared,numpy \
+        | tee "$out/direct-$c$n.txt"
+  done
+done
 # several nodes (root only: a virtual cluster of network namespaces)
 if [ "$(id -u)" = 0 ]; then
   python benchmarks/multinode.py --nodes 2 --ppn 2 --rate 1gbit --bytes 64M --iters 5 \

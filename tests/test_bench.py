@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import ROOT, mpiexec
+from conftest import ROOT, mpiexec, run_mpi
 
 from gpurt.launch import bench as B
 
@@ -313,3 +313,15 @@ def test_device_memory_refuses_host_only_baselines():
     proc = run_bench(["allreduce", "-n", "2", "--memory", "standin", "--baseline", "mpi"],
                      check=False)
     assert proc.returncode != 0 and "host buffers only" in proc.stderr, proc.stderr
+
+
+def test_direct_ab_script_runs():
+    """benchmarks/direct_ab.py (how shm_direct's thresholds were chosen) runs and times
+    both variants, each taking the path it names."""
+    out = run_mpi(2, ["benchmarks/direct_ab.py", "reduce_scatter", "1M", "shared,numpy",
+                      "--rounds", "1"]).stdout
+    lines = [ln for ln in out.splitlines() if ln.startswith("reduce_scatter 2 ranks")]
+    assert len(lines) == 4, out
+    for ln in lines:
+        want = "ran shm_direct" if " shm_direct " in ln else "ran "
+        assert want in ln and ("shm_direct" in ln.split("ran ")[1]) == (" shm_direct " in ln), ln
