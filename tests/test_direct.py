@@ -97,3 +97,62 @@ def test_direct_forced_by_gpurt_algo():
     assert len(lines) == 3, out
     for line in lines:
         assert "[('shm_direct', True), ('shm_direct', True), ('shm_board', True)]" in line, out
+
+
+_DIES_MID_SHARE = """
+import numpy as np, gpurt, os, sys, threading, time
+mode, outdir = sys.argv[1], sys.argv[2]
+c = gpurt.init()
+def report(text):   # one file per rank: the launcher interleaves stdout
+    with open(os.path.join(outdir, f"rank{c.rank}"), "w") as f:
+        f.write(text)
+n = 16 << 20                         # 64 MiB of float32: each share takes milliseconds
+x = c.empty(n, np.float32) if mode == "shared" else np.empty(n, np.float32)
+x[:] = 1
+c.allreduce(x)
+assert c.last_algorithm == "shm_direct", c.last_algorithm
+if c.rank == 2:
+    def die():
+        with open(os.path.join(outdir, "killed"), "w") as f:
+            f.write(repr(time.time()))
+        os._exit(3)     # at once, from this thread: mid-share (hydra would kill the
+                        # survivors for a death by signal, even without auto clean-up)
+    threading.Timer(0.3, die).start()
+try:
+    for i in range(100000):
+        c.allreduce(x, timeout=30)
+    report("no error")
+except gpurt.PeerFailure as e:
+    report(f"PeerFailure rank={e.rank} at {time.time()!r}: {e}")
+# stay until the other survivor has reported (our exit would be its failure), then go
+# without MPI_Finalize (it would wait for the dead rank)
+other = os.path.join(outdir, f"rank{1 - c.rank}")
+deadline = time.monotonic() + 20
+while not os.path.exists(other) and time.monotonic() < deadline:
+    time.sleep(0.05)
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("mode", ["shared", "numpy"])
+def test_a_rank_dying_mid_share_is_a_peer_failure(mode, tmp_path):
+    """One rank dies at once (``os._exit`` from a timer thread, so mid-share) while the
+    others loop over 64 MiB shm_direct allreduces whose shares read and write its memory
+    (mapped, or through process_vm_readv/writev): every survivor raises
+    PeerFailure(rank=2) within a second, and nothing is left in /dev/shm."""
+    from conftest import gpurt_shm_files, mpiexec
+    import subprocess
+    import sys
+
+    before = set(gpurt_shm_files())
+    proc = subprocess.run([mpiexec(), "-disable-auto-cleanup", "-n", "3", sys.executable, "-c",
+                           _DIES_MID_SHARE, mode, str(tmp_path)], capture_output=True,
+                          text=True, timeout=120)
+    got = {f.name: f.read_text() for f in tmp_path.iterdir()}
+    killed = float(got.get("killed", "nan"))
+    for r in (0, 1):
+        line = got.get(f"rank{r}", "")
+        assert line.startswith("PeerFailure rank=2 "), (got, proc.stdout, proc.stderr[-3000:])
+        at = float(line.split(" at ")[1].split(":")[0])
+        assert 0 <= at - killed < 1.0, (at - killed, line)
+    assert set(gpurt_shm_files()) - before == set()
