@@ -1289,8 +1289,15 @@ class Communicator:
 
     def explain(self, collective: str, nbytes: int) -> str:
         """The tuner's candidates for ``collective`` at ``nbytes`` (S as nccl-tests counts
-        it), their predicted times and the choice, as a table."""
-        return self.tuner.explain(collective, int(nbytes))
+        it), their predicted times and the choice, as a table — and, on one node, whether
+        the call first tries ``shm_direct`` (taken when every rank's buffers are
+        reachable; the table's choice is then the fallback)."""
+        text = self.tuner.explain(collective, int(nbytes))
+        if self.direct_choice(collective, int(nbytes)):
+            text += (f"\n{shm_direct.NAME}: tried first (S >= its threshold on this one-node "
+                     f"communicator; GPURT_SHM_DIRECT*), the choice above where a rank's "
+                     f"buffers are out of reach")
+        return text
 
     def candidates(self, collective: str, nbytes: int) -> list[dict]:
         """The same as ``explain`` as data: ``[{"algorithm", "predicted_s", "chosen"}]``,
