@@ -1,8 +1,10 @@
 """Exact-result bookkeeping shared by the scripts that tests run under ``mpiexec``
-(``tests/help_cases.py``, ``tests/shared_cases.py``): each rank collects what was wrong;
-rank 0 prints the verdict."""
+(``tests/help_cases.py``, ``tests/shared_cases.py``, ``tests/direct_cases.py``): each rank
+collects what was wrong; rank 0 prints the verdict."""
 
 from __future__ import annotations
+
+import sys
 
 import numpy as np
 
@@ -21,3 +23,30 @@ class Checks:
             i = np.flatnonzero(got.reshape(-1) != want.reshape(-1))[:5] \
                 if got.shape == want.shape else f"shape {got.shape} != {want.shape}"
             self.bad.append(f"rank {self.rank}: {what}: wrong at {i}")
+
+
+def start():
+    """(world, a gpurt communicator over it, rank, size, Checks) for a case script."""
+    from mpi4py import MPI
+
+    import gpurt
+
+    world = MPI.COMM_WORLD
+    comm = gpurt.Communicator(world)
+    return world, comm, comm.rank, comm.size, Checks(comm.rank)
+
+
+def verdict(world, comm, chk: Checks, note: str = "") -> None:
+    """Gather every rank's failures; rank 0 prints them, or ``ok N checks on P ranks``
+    (+ ``note``); close the communicator; exit 1 on any failure."""
+    failed = world.allgather(chk.bad)
+    if world.Get_rank() == 0:
+        for lines in failed:
+            for line in lines[:10]:
+                print(line)
+        nbad = sum(len(b) for b in failed)
+        print(("ok" if not nbad else f"FAILED {nbad} of") +
+              f" {chk.count} checks on {world.Get_size()} ranks" + (f" {note}" if note else ""),
+              flush=True)
+    comm.close()
+    sys.exit(1 if any(failed) else 0)

@@ -23,16 +23,11 @@ import os
 import sys
 
 import numpy as np
-from mpi4py import MPI
 
-import gpurt
-from casekit import Checks
+import casekit
 from gpurt import CollectiveMismatchError, Op
 
-world = MPI.COMM_WORLD
-comm = gpurt.Communicator(world)
-r, p = comm.rank, comm.size
-chk = Checks(r)
+world, comm, r, p, chk = casekit.start()
 bad, expect = chk.bad, chk.expect
 mode = sys.argv[1]
 want_direct = os.environ.get("DIRECT_EXPECT", "yes") == "yes" and world.size > 1
@@ -184,11 +179,4 @@ except CollectiveMismatchError as e:
     if not np.all(x == 7):
         bad.append(f"rank {r}: a mismatched call wrote its buffer")
 
-allbad = world.gather(bad, root=0)
-comm.close()
-if r == 0:
-    flat = [b for bs in allbad for b in bs]
-    if flat:
-        print("\n".join(flat[:40]))
-        sys.exit(1)
-    print(f"ok {chk.count} checks on {p} ranks ({mode})")
+casekit.verdict(world, comm, chk, f"({mode})")

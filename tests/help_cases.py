@@ -15,19 +15,13 @@ Prints ``ok ... on N ranks`` on rank 0; exits non-zero on a failure.
 
 from __future__ import annotations
 
-import sys
 import time
 
 import numpy as np
-from mpi4py import MPI
 
-import gpurt
-from casekit import Checks
+import casekit
 
-world = MPI.COMM_WORLD
-comm = gpurt.Communicator(world)
-r, p = comm.rank, comm.size
-chk = Checks(r)
+world, comm, r, p, chk = casekit.start()
 bad, expect = chk.bad, chk.expect
 
 
@@ -91,14 +85,5 @@ if r == 0 and helping:
     if sum(rd for _, rd in every) == 0:
         bad.append(f"no receiver ever copied a chunk: {every}")
 
-failed = world.allgather(bad)
-if r == 0:
-    for lines in failed:
-        for line in lines[:10]:
-            print(line)
-    nbad = sum(len(b) for b in failed)
-    print(("ok" if not nbad else f"FAILED {nbad} of") + f" {chk.count} checks on {p} ranks "
-          f"(cooperative copy {'on' if helping else 'off'}; chunks "
-          f"written by senders / read by receivers per rank: {every})", flush=True)
-comm.close()
-sys.exit(1 if any(failed) else 0)
+casekit.verdict(world, comm, chk, f"(cooperative copy {'on' if helping else 'off'}; chunks "
+                f"written by senders / read by receivers per rank: {every})")

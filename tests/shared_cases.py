@@ -19,19 +19,13 @@ from __future__ import annotations
 
 import gc
 import os
-import sys
 
 import numpy as np
-from mpi4py import MPI
 
-import gpurt
-from casekit import Checks
+import casekit
 from gpurt import sharedmem
 
-world = MPI.COMM_WORLD
-comm = gpurt.Communicator(world)
-r, p = comm.rank, comm.size
-chk = Checks(r)
+world, comm, r, p, chk = casekit.start()
 bad, expect = chk.bad, chk.expect
 off_expected = os.environ.get("GPURT_SHM_SHARED") == "0"
 
@@ -156,11 +150,4 @@ if sharedmem.is_shared(np.empty(4)):
     bad.append(f"rank {r}: a NumPy array counts as shared")
 
 comm.barrier()
-allbad = world.gather(bad, root=0)
-comm.close()
-if r == 0:
-    flat = [b for bs in allbad for b in bs]
-    if flat:
-        print("\n".join(flat[:40]))
-        sys.exit(1)
-    print(f"ok {chk.count} checks on {p} ranks")
+casekit.verdict(world, comm, chk)
