@@ -246,7 +246,7 @@ class Communicator:
         maps = [shm.endpoints[k].maps if k != self.rank else None for k in ranks]
         self._direct_min = {c: (dmap[c] if can_map else 0, dcma[c] if can_cma else 0)
                             for c in shm_direct.COLLS}
-        return shm_direct.Access(self.rank, pids, maps, can_map, can_cma, ranks)
+        return shm_direct.Access(self.rank, pids, maps, can_map, can_cma, ranks, seg)
 
     def _direct_wanted(self, coll: str, n: int, isz: int, algo: str | None) -> int:
         """0: not shm_direct; 1: shm_direct if the buffers allow (else the tuner's plan);
@@ -267,7 +267,7 @@ class Communicator:
         S = shm_direct.collective_bytes(coll, self.size, n, isz)
         measured = self.tuner.profile_winner(coll, S)
         if measured is not None:        # GPURT_PROFILE decides where it measured
-            return 1 if measured == shm_direct.NAME else 0
+            return 2 if measured == shm_direct.NAME else 0
         mins = [m for m in self._direct_min[coll] if m]
         return 1 if mins and S >= min(mins) else 0
 
@@ -279,7 +279,7 @@ class Communicator:
         isz = 4
         n = nbytes // isz // (self.size if coll in ("allgather", "reduce_scatter",
                                                      "alltoall") else 1)
-        return self._direct_wanted(coll, n, isz, None) == 1
+        return self._direct_wanted(coll, n, isz, None) in (1, 2)
 
     @property
     def _fastpath(self) -> bool:
@@ -318,7 +318,12 @@ class Communicator:
                     cost = Cost(cost.alpha, cost.beta * busiest, cost.gamma)
                 profile = load_profile(str(config.get("GPURT_PROFILE")), self.size,
                                        self.nnodes)
-                inputs = (cost, levels, dict(config.get("GPURT_ALGO")), profile,
+                forced = dict(config.get("GPURT_ALGO"))
+                for coll, name in forced.items():
+                    if name == shm_direct.NAME and coll not in shm_direct.COLLS:
+                        raise ValueError(f"GPURT_ALGO={coll}:{name}: shm_direct is for "
+                                         f"{', '.join(shm_direct.COLLS)}")
+                inputs = (cost, levels, forced, profile,
                           bool(config.get("GPURT_CHECK")))
             except ValueError as e:
                 err = str(e)
@@ -400,6 +405,18 @@ class Communicator:
                     publish(text)
                 except Exception:  # noqa: BLE001 - never mask the failure itself
                     pass
+        self._direct_drain()
+
+    def _direct_drain(self) -> None:
+        """Peers of a shm_direct call in flight load from and store into this rank's
+        buffers until their shares end: wait for that (bounded) before the caller gets
+        the buffers back — after a failure (they stop at the error just published) or a
+        close."""
+        if self._direct is not None:
+            try:
+                self._direct.drain()
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                pass
 
     def _check_peers(self, peers: list[int]) -> None:
         for p in peers:
@@ -672,7 +689,7 @@ class Communicator:
             x = xb.array.view(dtype) if xb is not None else empty
             o = ob.array.view(dtype) if ob is not None else empty
             return shm_direct.DirectRun(self.board, self._direct, coll, seq, sig, meta, x, o,
-                                        root, red, n, site, data_start, mins, chosen)
+                                        root, red, n, site, data_start, mins, chosen, forced)
 
         start.box = box       # _enqueue puts the request here
         return start
@@ -944,8 +961,10 @@ class Communicator:
         Cached per (collective, dtype, count, op, root): the choice depends on nothing else."""
         if dtype not in _SUPPORTED_DTYPES or (op is not None and (op, dtype) not in _FAST_OPS):
             return False
-        if algo is None and self._tuner_in[2].get(coll) == shm_direct.NAME:
-            return False        # GPURT_ALGO=coll:shm_direct
+        if algo is None and shm_direct.NAME in (
+                self._tuner_in[2].get(coll), self.tuner.profile_winner(
+                    coll, shm_direct.collective_bytes(coll, self.size, n, dtype.itemsize))):
+            return False        # GPURT_ALGO=coll:shm_direct, or the profile's winner
         try:
             if self.tuner.choose(coll, n, dtype.itemsize, algo).name != "shm_board":
                 return False
@@ -1322,6 +1341,8 @@ class Communicator:
         self._release()
 
     def _release(self) -> None:
+        if getattr(self, "_direct", None) is not None:
+            self._direct_drain()
         ipc = getattr(self, "dev_ipc", None)
         if ipc is not None:
             ipc.close()

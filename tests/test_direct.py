@@ -156,3 +156,118 @@ def test_a_rank_dying_mid_share_is_a_peer_failure(mode, tmp_path):
         at = float(line.split(" at ")[1].split(":")[0])
         assert 0 <= at - killed < 1.0, (at - killed, line)
     assert set(gpurt_shm_files()) - before == set()
+
+
+_ABANDONED = """
+import os, sys, time
+import numpy as np, gpurt
+from gpurt.transports import shm_direct
+mode = sys.argv[1]
+c = gpurt.init()
+r = c.rank
+x = c.empty(1 << 20, np.float32) if mode == "shared" else np.empty(1 << 20, np.float32)
+x[:] = 1
+c.allreduce(x, algo="shm_direct")
+x[:] = 1
+if r == 1:             # a slow rank (descheduled, oversubscribed): its share starts late
+    share = shm_direct._SHARES["allreduce"]
+    shm_direct._SHARES["allreduce"] = lambda d: (time.sleep(2.0), share(d))
+try:
+    c.allreduce(x, algo="shm_direct", timeout=0.5 if r == 0 else 20)
+    out = f"ok {np.unique(x)}"
+except gpurt.GpurtError as e:
+    out = type(e).__name__
+    if r == 0:         # the call failed: the buffer is the caller's again, untouched
+        x[:] = -1
+        time.sleep(2.5)
+        out += f" rewritten={int(np.count_nonzero(x != -1))}"
+every = c.mpi.gather(f"rank {r}: {out}", 0)
+if r == 0:
+    print("\\n".join(every), flush=True)
+c.mpi.Barrier()
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("mode", ["shared", "numpy"])
+def test_a_rank_that_gives_up_gets_its_buffers_back_untouched(mode):
+    """Rank 0 times out while rank 1's share has not started: rank 0's error is published
+    before its caller gets the buffers back, and its call waits (bounded) until the peers
+    have stopped, so no peer writes into them afterwards; no rank reports success (the
+    peers raise PeerFailure instead of finishing on data that may have changed)."""
+    out = run_mpi(3, ["-c", _ABANDONED, mode], timeout=120).stdout
+    lines = sorted(ln for ln in out.splitlines() if ln.startswith("rank "))
+    assert lines == ["rank 0: CollectiveTimeout rewritten=0", "rank 1: PeerFailure",
+                     "rank 2: PeerFailure"], out
+
+
+_HITS_ONLY = """
+import gc, numpy as np, gpurt
+c = gpurt.init()
+def mapped_mib():
+    tot = 0
+    for line in open("/proc/self/maps"):
+        if "gpurt-array" in line or "memfd:" in line:
+            a, b = (int(v, 16) for v in line.split()[0].split("-"))
+            tot += b - a
+    return tot >> 20
+small = c.empty(1 << 18, np.float32)
+big = c.empty(16 << 20, np.float32)       # 64 MiB
+big[:] = 1
+c.allreduce(big)
+del big
+gc.collect()
+c.mpi.Barrier()
+for _ in range(20):                       # every call hits the peers' mapping tables
+    c.allreduce(small, algo="shm_direct")
+got = c.mpi.gather(mapped_mib(), 0)
+if c.rank == 0:
+    print("mapped MiB", got, flush=True)
+"""
+
+
+def test_freed_peer_arrays_are_unmapped_in_a_loop_of_cache_hits():
+    out = run_mpi(3, ["-c", _HITS_ONLY]).stdout
+    mib = eval(out.split("mapped MiB")[1])
+    assert len(mib) == 3 and max(mib) < 16, out        # not 2 x 64 MiB of freed arrays
+
+
+def test_shm_direct_forced_for_a_collective_it_does_not_run_is_an_error_at_creation():
+    code = "import gpurt\ngpurt.init()\n"
+    res = run_mpi(2, ["-c", code], env={"GPURT_ALGO": "gather:shm_direct"}, check=False)
+    assert res.returncode != 0 and res.stderr.count("shm_direct is for allreduce") == 2, \
+        res.stderr[-2000:]
+
+
+_MIXED_FORCE = """
+import numpy as np, gpurt
+c = gpurt.init()
+x = c.empty(1 << 19, np.float32)           # 2 MiB broadcast: below its 4 MiB threshold
+x[:] = c.rank + 5
+c.broadcast(x, root=0, algo="shm_direct" if c.rank == 0 else None, timeout=20)
+every = c.mpi.gather((c.last_algorithm, bool(np.all(x == 5))), 0)
+if c.rank == 0:
+    print("ran", every, flush=True)
+"""
+
+
+def test_one_rank_forcing_shm_direct_takes_every_rank_along():
+    """algo='shm_direct' on one rank only: the forced flag travels in the header, so every
+    rank ignores the thresholds and the call runs direct everywhere (not a hang)."""
+    out = run_mpi(2, ["-c", _MIXED_FORCE]).stdout
+    assert "ran " + str([("shm_direct", True)] * 2) in out, out
+
+
+def test_a_profile_that_measured_shm_direct_fastest_is_followed(tmp_path):
+    prof = {"version": 1, "nranks": 2, "nnodes": 1,
+            "entries": {"allreduce": [[262144, "shm_direct", {}], [524288, "ring", {}]]}}
+    f = tmp_path / "p.json"
+    f.write_text(__import__("json").dumps(prof))
+    code = ("import numpy as np, gpurt\nc = gpurt.init()\nran = []\n"
+            "for n in (1 << 16, 1 << 17):\n"
+            "    x = np.ones(n, np.float32)\n    c.allreduce(x)\n"
+            "    ran.append((c.last_algorithm, bool(np.all(x == 2))))\n"
+            "every = c.mpi.gather(ran, 0)\n"
+            "if c.rank == 0: print('ran', every, flush=True)\n")
+    out = run_mpi(2, ["-c", code], env={"GPURT_PROFILE": str(f)}).stdout
+    assert "ran " + str([[("shm_direct", True), ("ring", True)]] * 2) in out, out

@@ -52,11 +52,26 @@ from typing import Callable
 
 import numpy as np
 
+import logging
+import os
+import time
+
 from gpurt import memcopy, sharedmem
-from gpurt.errors import TransportError
+from gpurt.errors import PeerFailure, TransportError, relayed_rank
 
 from . import cma
 from .shm_board import BoardRun
+
+log = logging.getLogger("gpurt.shm_direct")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except OSError:
+        return False
+
 
 COLLS = ("allreduce", "reduce", "reduce_scatter", "allgather", "alltoall", "broadcast")
 NAME = "shm_direct"
@@ -116,19 +131,59 @@ class Access:
     ``pids[k]``, ``maps[k]`` (``PeerMaps`` or None) by local rank."""
 
     def __init__(self, me: int, pids: list[int], maps: list, can_map: bool, can_cma: bool,
-                 ranks: list[int]):
+                 ranks: list[int], seg=None):
         self.me, self.pids, self.maps = me, pids, maps
         self.can_map, self.can_cma, self.ranks = can_map, can_cma, ranks
         self._scratch = np.empty(0, np.uint8)
+        # the segment's error records (a rank going down writes one before its caller gets
+        # its buffers back): a share stops as soon as a peer's is set
+        self.seg = seg
+        self.err_i = [seg.err_off(k) // 8 for k in range(len(pids))] if seg is not None \
+            else []
+        self.active: "DirectRun | None" = None     # the call between READY and the end
         # tests only: this rank fails to open its peers' buffers (stands in for a mapping
         # that cannot be made: no file descriptor or address space left)
-        import os
         self.fail_open = os.environ.get("GPURT_TEST_DIRECT_OPEN_FAIL") == str(me)
 
     def scratch(self, nbytes: int) -> np.ndarray:
         if self._scratch.nbytes < nbytes:
             self._scratch = np.empty(nbytes, np.uint8)
         return self._scratch[:nbytes]
+
+    def stop_if_failed(self) -> None:
+        """PeerFailure if a peer has published an error (it is going down, and may already
+        have its buffers back): no more loads or stores into its memory."""
+        seg = self.seg
+        if seg is None:
+            return
+        q = seg.q
+        for k, i in enumerate(self.err_i):
+            if k != self.me and q[i]:
+                raise PeerFailure(f"rank {self.ranks[self.me]}: rank {self.ranks[k]} failed "
+                                  f"during shm_direct: {seg.read_error(k)}",
+                                  rank=relayed_rank(seg.read_error(k), self.ranks[k]))
+
+    def drain(self, bound: float = 5.0) -> None:
+        """This rank is going down (its error is published) in the middle of a call:
+        before its caller gets the buffers back, wait — boundedly — until every live peer
+        has finished its share or stopped (published its own error), since peers load
+        from and store into this rank's buffers until then."""
+        run, self.active = self.active, None
+        if run is None or run.phase not in (2, 3) or self.seg is None:
+            return
+        q, ctrl, seq = run.board.q, run.board.ctrl, run.seq
+        deadline = time.monotonic() + bound
+        while True:
+            late = [k for k in range(run.p) if k != run.r and q[ctrl[k] + _FINISHED] < seq
+                    and not q[self.err_i[k]] and _alive(self.pids[k])]
+            if not late:
+                return
+            if time.monotonic() > deadline:
+                log.warning("shm_direct: rank(s) %s still in call #%d after %g s; their loads "
+                            "and stores into this rank's buffers may still come",
+                            [self.ranks[k] for k in late], seq, bound)
+                return
+            time.sleep(1e-4)
 
 
 class _Buf:
@@ -176,7 +231,7 @@ class DirectRun:
     def __init__(self, board, access: Access, coll: str, seq: int, sig: int, meta: tuple,
                  x: np.ndarray, out: np.ndarray, root: int, red: Callable | None, n: int,
                  site: int, fallback: Callable, mins: tuple[int, int],
-                 on_choice: Callable[[str], None] | None = None):
+                 on_choice: Callable[[str], None] | None = None, forced: bool = False):
         self.board, self.acc, self.coll, self.seq = board, access, coll, seq
         self.x, self.out, self.root, self.red, self.n = x, out, root, red, n
         self.isz = (out if out.nbytes else x).dtype.itemsize
@@ -185,7 +240,8 @@ class DirectRun:
         self.fallback, self.mins, self.on_choice = fallback, mins, on_choice
         empty = np.empty(0, np.uint8)
         self.hdr = BoardRun(board, coll, seq, sig, meta, empty, empty, root, None, n,
-                            check=True, site=site, extra=(seq,) + _where(x) + _where(out))
+                            check=True, site=site,
+                            extra=(2 * seq + forced,) + _where(x) + _where(out))
         self.phase, self.other, self.bufs = 0, None, None
 
     @property
@@ -227,6 +283,7 @@ class DirectRun:
                 self.bufs = self._open()
             except TransportError:
                 failed = 1        # (a mapping we could not make): everyone takes the schedule
+            self.acc.active = self
             q[ctrl[self.r] + _READY] = 2 * self.seq + failed
             self.phase, moved = 2, True
         if self.phase == 2:
@@ -239,11 +296,14 @@ class DirectRun:
                         return moved
                     bad |= v == 2 * seq + 1
             if bad or q[ctrl[self.r] + _READY] & 1:
-                self.bufs = None
+                self.bufs, self.acc.active = None, None
                 return self._to_fallback()
             if self.on_choice is not None:
                 self.on_choice(NAME)
-            _SHARES[self.coll](self)
+            _SHARES[self.coll](self)      # (checks the peers' error words between pieces)
+            # a peer that went down before this point may have had its buffers back while
+            # we read them: no success on top of that
+            self.acc.stop_if_failed()
             q[ctrl[self.r] + _FINISHED] = seq
             self.phase, moved = 3, True
         if self.phase == 3:
@@ -251,7 +311,7 @@ class DirectRun:
             for k in range(self.p):
                 if k != self.r and q[ctrl[k] + _FINISHED] < seq:
                     return moved
-            self.bufs = None
+            self.bufs, self.acc.active = None, None
             self.phase, moved = 4, True
         return moved
 
@@ -269,9 +329,13 @@ class DirectRun:
         as direct, and is every buffer that some rank must reach from another reachable?"""
         got = self.hdr.got
         S = collective_bytes(self.coll, self.p, self.n, self.isz)
+        # a rank that forced shm_direct (algo=, GPURT_ALGO, a profile) ignores the
+        # thresholds: then every rank does (decided from the headers, so identically)
+        if any(w[0] >> 1 == self.seq and w[0] & 1 for w in got):
+            self.mins = (1, 1)
         for k in range(self.p):
             words = got[k]
-            if words[0] != self.seq:
+            if words[0] >> 1 != self.seq:
                 return False
             ti, to = self._roles(k)
             for touched, w in ((ti, 1), (to, 4)):
@@ -295,6 +359,9 @@ class DirectRun:
         got, acc, me = self.hdr.got, self.acc, self.r
         if acc.fail_open:
             raise TransportError(f"rank {acc.ranks[me]}: GPURT_TEST_DIRECT_OPEN_FAIL")
+        for m in acc.maps:          # drop the mappings of arrays the peers have freed (a
+            if m is not None:       # loop of calls that all hit the cache never misses)
+                m.sweep()
         S = collective_bytes(self.coll, self.p, self.n, self.isz)
         bufs = {(me, "in"): self.x.reshape(-1).view(_U8) if self.x.nbytes else None,
                 (me, "out"): self.out.reshape(-1).view(_U8) if self.out.nbytes else None}
@@ -324,8 +391,10 @@ class DirectRun:
 
 
 # -- the shares -----------------------------------------------------------------------
-def _chunks(lo: int, hi: int, step: int):
+def _chunks(lo: int, hi: int, step: int, acc: Access):
+    """[lo, hi) in pieces of ``step``; before each, stop if a peer has gone down."""
     while lo < hi:
+        acc.stop_if_failed()
         yield lo, min(hi, lo + step)
         lo += step
 
@@ -350,7 +419,7 @@ def _reduce_block(d: DirectRun, src_off: int, lo: int, hi: int, targets, hint: i
         own, targets = targets[0].arr, targets[1:]
     else:
         own = None
-    for a, b in _chunks(lo, hi, step):
+    for a, b in _chunks(lo, hi, step, d.acc):
         nb = (b - a) * isz
         so = (src_off + a) * isz
         dst = acc_u8[:nb] if own is None else own[a * isz:a * isz + nb]
@@ -388,7 +457,7 @@ def _allgather(d: DirectRun) -> None:
     nb, hint = d.n * d.isz, d.p * d.n * d.isz
     mine = d.x.reshape(-1).view(_U8)
     base = d.r * nb
-    for a, b in _chunks(0, nb, CHUNK):
+    for a, b in _chunks(0, nb, CHUNK, d.acc):
         src = mine[a:b]
         for k in range(d.p):
             d.bufs[(k, "out")].write(base + a, src, hint)
@@ -401,10 +470,11 @@ def _alltoall(d: DirectRun) -> None:
     for k in range(d.p):
         src = d.bufs[(k, "in")]
         if src.arr is None:         # CMA: straight into our output, one copy
+            d.acc.stop_if_failed()
             cma.copy(src.pid, cma.address(out.arr) + k * nb, src.addr + d.r * nb, nb,
                      False, src.peer)
             continue
-        for a, b in _chunks(0, nb, CHUNK):
+        for a, b in _chunks(0, nb, CHUNK, d.acc):
             out.write(k * nb + a, src.read(d.r * nb + a, b - a, tmp), hint)
 
 
@@ -414,7 +484,7 @@ def _broadcast(d: DirectRun) -> None:
     src = d.bufs[(d.root, "out")]
     targets = [d.bufs[(k, "out")] for k in range(d.p) if k != d.root]
     tmp = d.acc.scratch(CHUNK)
-    for a, b in _chunks(lo * isz, hi * isz, CHUNK):
+    for a, b in _chunks(lo * isz, hi * isz, CHUNK, d.acc):
         data = src.read(a, b - a, tmp)
         for t in targets:
             if t is not src:
