@@ -1341,8 +1341,7 @@ class Communicator:
         self._release()
 
     def _release(self) -> None:
-        if getattr(self, "_direct", None) is not None:
-            self._direct_drain()
+        self._direct_drain()
         ipc = getattr(self, "dev_ipc", None)
         if ipc is not None:
             ipc.close()

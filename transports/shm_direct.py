@@ -58,19 +58,13 @@ import time
 
 from gpurt import memcopy, sharedmem
 from gpurt.errors import PeerFailure, TransportError, relayed_rank
+from gpurt.tuner import collective_bytes  # noqa: F401 - S as nccl-tests counts it (also for comm)
 
 from . import cma
+from .shm import _pid_alive
 from .shm_board import BoardRun
 
 log = logging.getLogger("gpurt.shm_direct")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
-    except OSError:
-        return False
 
 
 COLLS = ("allreduce", "reduce", "reduce_scatter", "allgather", "alltoall", "broadcast")
@@ -91,7 +85,6 @@ def thresholds(setting, auto: dict) -> dict:
     if setting == "auto":
         return dict(auto)
     return {c: int(setting) for c in COLLS}
-HOME = True
 CHUNK = 512 << 10          # bytes per step of a share (stays in the core's L2)
 _ALIGN = 4096
 _READY, _FINISHED = 2, 3   # board control-line words (flag and done are 0 and 1)
@@ -106,13 +99,6 @@ _NEEDS = {
     "alltoall": ("all", "own"),
     "broadcast": ("none", "all"),       # in place: the root's "out" is its input
 }
-
-
-def collective_bytes(coll: str, p: int, n: int, isz: int) -> int:
-    """S, as nccl-tests counts it, of a call with count ``n``."""
-    if coll in ("allgather", "reduce_scatter", "alltoall"):
-        return p * n * isz
-    return n * isz
 
 
 def blocks(count: int, p: int, isz: int) -> list[tuple[int, int]]:
@@ -175,7 +161,7 @@ class Access:
         deadline = time.monotonic() + bound
         while True:
             late = [k for k in range(run.p) if k != run.r and q[ctrl[k] + _FINISHED] < seq
-                    and not q[self.err_i[k]] and _alive(self.pids[k])]
+                    and not q[self.err_i[k]] and _pid_alive(self.pids[k])]
             if not late:
                 return
             if time.monotonic() > deadline:
@@ -414,7 +400,7 @@ def _reduce_block(d: DirectRun, src_off: int, lo: int, hi: int, targets, hint: i
     # below the streaming threshold the result is reduced straight into our output (its
     # lines then stay in the cache for the copies to the peers); above it, into a
     # scratch that stays in the cache, and every output is written with streaming stores
-    if home and HOME and (not t or hint < t) and \
+    if home and (not t or hint < t) and \
             (d.r < 2 or not np.may_share_memory(d.x, d.out)):
         own, targets = targets[0].arr, targets[1:]
     else:
