@@ -53,7 +53,10 @@ def _boot(mode: str, nodes: int) -> dict[str, tuple[int, str]]:
         pytest.skip(why)
     harness.ensure_image()
     harness.stage()
-    rc, out = harness.run(f"bash tests/rdma/guest_suite.sh {mode}", nodes=nodes, timeout=900)
+    # the command's own limit (the boot has its own, harness.BOOT_TIMEOUT, and is retried
+    # once); each section inside is stopped after SECTION_TIMEOUT (600 s)
+    rc, out = harness.run(f"bash tests/rdma/guest_suite.sh {mode}", nodes=nodes, timeout=1500,
+                          env={"SECTION_TIMEOUT": "600"})
     sections = {}
     for m in re.finditer(r"^=== BEGIN (\S+)\n(.*?)^=== END \1 rc=(\d+) seconds=(\d+)$", out,
                          re.S | re.M):
@@ -176,3 +179,57 @@ def test_two_guests_transport_cases_over_verbs_only(two_guests):
     res = _json_line(out, "VERBS_CASES")
     assert rc == 0 and res["failures"] == [], out[-4000:]
     assert res["ranks"] == 4
+
+
+def test_section_runner_stops_a_hung_section_and_goes_on():
+    """guest_suite.sh's section runner, on the host (no guest): a section that outlives
+    SECTION_TIMEOUT — a command or a shell function, each with a child process — ends with
+    rc=124 and a line saying so, nothing of it is left running, and the next sections
+    still run (so one hung section in the guests fails alone, with its output)."""
+    import subprocess
+    import time
+    t0 = time.monotonic()
+    p = subprocess.run(["bash", str(HERE / "rdma" / "guest_suite.sh"), "selftest"],
+                       capture_output=True, text=True, timeout=120, start_new_session=True,
+                       env=dict(os.environ, SECTION_TIMEOUT="2"))
+    took = time.monotonic() - t0
+    out = p.stdout + p.stderr
+    assert p.returncode == 0 and "=== DONE" in out, out
+    for name in ("slow_cmd", "slow_fn"):
+        assert re.search(rf"^=== END {name} rc=124 seconds=[23]$", out, re.M), out
+        assert f"section {name} did not end in 2 s: stopped" in out, out
+    assert "=== END quick rc=0" in out, out
+    assert took < 30, took
+    left = subprocess.run(["pgrep", "-f", "sleep 300"], capture_output=True, text=True)
+    assert left.stdout.strip() == "", left.stdout
+
+
+def test_harness_boot_that_does_not_come_up_is_retried_then_reported():
+    """A boot whose guests do not start the command in time (here: a 3 s limit, far below
+    a TCG boot) is stopped with a diagnosis of each guest (markers, console, qemu log),
+    booted again once, then reported as rc 125 — never a silent wait for the whole run's
+    timeout — and nothing of either boot is left (qemu, run folders, sockets)."""
+    import subprocess
+    import tempfile
+    import time
+    why = _unavailable()
+    if why:
+        if REQUIRED:
+            pytest.fail(f"GPURT_RDMA_VM=required but {why}")
+        pytest.skip(why)
+    harness.ensure_image()
+    harness.stage()
+    t0 = time.monotonic()
+    rc, out = harness.run("echo never", nodes=2, timeout=60, boot_timeout=3)
+    took = time.monotonic() - t0
+    assert rc == 125, out
+    assert out.count("did not start the command within the boot's 3 s") == 2, out
+    assert "boot 1 failed" in out and "node1: runner" in out and "never" not in out, out
+    assert harness.LAST_RUN.get("boots") == 2, harness.LAST_RUN
+    assert took < 60, took
+    mine = list(Path(tempfile.gettempdir()).glob(f"gpurt-rxe-{os.getpid()}-*"))
+    assert mine == [], mine
+    assert not list((harness.ROOT / ".rxe" / "runs").glob(f"{os.getpid()}-*"))
+    q = subprocess.run(["pgrep", "-f", f"gpurt-rxe-{os.getpid()}-"], capture_output=True,
+                       text=True)
+    assert q.stdout.strip() == "", q.stdout

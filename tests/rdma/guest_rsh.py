@@ -69,8 +69,21 @@ def is_local(host: str) -> bool:
     return False
 
 
+class Unreachable(Exception):
+    """The agent could not be reached or did not complete the handshake."""
+
+
 def connect(host: str, request: bytes, retry_s: float = CONNECT_RETRY_S) -> socket.socket:
-    """An authenticated connection to HOST's agent with ``request`` (a frame) sent."""
+    """An authenticated connection to HOST's agent with ``request`` (a frame) sent; exits
+    255 (as ssh does) if there is none within ``retry_s``."""
+    try:
+        return try_connect(host, request, retry_s)
+    except Unreachable as exc:
+        fail(str(exc))
+
+
+def try_connect(host: str, request: bytes, retry_s: float) -> socket.socket:
+    """connect(), raising Unreachable instead of exiting."""
     path = os.environ.get("RXE_AGENT_TOKEN_FILE")
     if not path:
         fail("RXE_AGENT_TOKEN_FILE is not set (not inside a harness run?)")
@@ -87,7 +100,7 @@ def connect(host: str, request: bytes, retry_s: float = CONNECT_RETRY_S) -> sock
         except OSError as exc:
             if exc.errno not in RETRYABLE and not isinstance(exc, socket.timeout) \
                     or time.monotonic() > deadline:
-                fail(f"cannot connect to the agent on {host}:{port}: {exc}")
+                raise Unreachable(f"cannot connect to the agent on {host}:{port}: {exc}") from None
             time.sleep(0.2)
     try:
         sock.settimeout(15)
@@ -102,7 +115,8 @@ def connect(host: str, request: bytes, retry_s: float = CONNECT_RETRY_S) -> sock
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     except (OSError, ConnectionError) as exc:
-        fail(f"handshake with {host}:{port} failed: {exc}")
+        sock.close()
+        raise Unreachable(f"handshake with {host}:{port} failed: {exc}") from None
     return sock
 
 
@@ -111,12 +125,25 @@ def frame(kind: bytes, payload: bytes = b"") -> bytes:
 
 
 def simple(host: str, kind: bytes, retry_s: float = CONNECT_RETRY_S) -> int:
-    sock = connect(host, frame(kind), retry_s)
-    try:
-        k, data = recv_frame(sock)
-    except (OSError, ConnectionError) as exc:
-        fail(f"{host}: {exc}")
-    return struct.unpack(">i", data)[0] if k == b"X" else 255
+    """One request without a command (P: ping, Q: quit) and its status.  Every step is
+    bounded: a connection, handshake or reply that fails or stalls (a guest link that stops
+    passing packets leaves a TCP connection hanging for many minutes) is retried until
+    ``retry_s`` has passed, then this exits 255."""
+    deadline = time.monotonic() + retry_s
+    while True:
+        left = max(0.0, deadline - time.monotonic())
+        try:
+            sock = try_connect(host, frame(kind), left)
+            try:
+                sock.settimeout(max(1.0, min(15.0, deadline - time.monotonic())))
+                k, data = recv_frame(sock)
+            finally:
+                sock.close()
+            return struct.unpack(">i", data)[0] if k == b"X" else 255
+        except (Unreachable, OSError, ConnectionError, struct.error) as exc:
+            if time.monotonic() >= deadline:
+                fail(f"{host}: {exc}")
+            time.sleep(0.5)
 
 
 def remote(host: str, command: str, forward_stdin: bool) -> int:

@@ -5,20 +5,27 @@
 #     === BEGIN name
 #     ...its output...
 #     === END name rc=N seconds=S
-# and tests/test_verbs.py asserts on them.
+# and tests/test_verbs.py asserts on them.  A section that runs past $SECTION_TIMEOUT s
+# (default 600) is stopped (SIGTERM to its whole process group, which reaches node1's ranks
+# through the rsh; SIGKILL 20 s later) and ends with rc=124, so one hung section fails on its
+# own, with its output, and the others still run.
 #
 #   guest_suite.sh one   # one guest: 2 and 3 ranks, every peer over verbs
 #   guest_suite.sh two   # two guests = two nodes, 2 ranks each: verbs between, shm inside
 set -u
 mode=${1:?one or two}
 export PYTHONUNBUFFERED=1 GPURT_TIMEOUT=240
+SECTION_TIMEOUT=${SECTION_TIMEOUT:-600}
 
 section() {  # section NAME COMMAND...
     local name=$1; shift
     local t0=$SECONDS
     echo "=== BEGIN $name"
-    "$@" 2>&1
+    # (a shell function runs in a child bash that has it: GNU timeout signals a process group)
+    [ "$(type -t "$1")" = function ] && set -- bash -c '"$@"' section-fn "$@"
+    timeout -k 20 "$SECTION_TIMEOUT" "$@" 2>&1
     local rc=$?
+    [ $rc = 124 ] && echo "guest_suite: section $name did not end in $SECTION_TIMEOUT s: stopped"
     echo "=== END $name rc=$rc seconds=$((SECONDS - t0))"
 }
 
@@ -30,6 +37,7 @@ failures() {  # failures CASE NRANKS: a rank fails mid-stream; every survivor re
     echo "mpiexec rc=$?"
     cat "$dir"/rank[0-9]* 2>/dev/null
 }
+export -f failures
 
 case $mode in
 one)
@@ -63,7 +71,17 @@ two)
         -ppn 2 python3 tests/device_cases.py endpoints=cuda_ipc,verbs+gdr streams reuse alloc \
         order errors
     ;;
+selftest)
+    # the section runner itself (no guest needed; tests/test_verbs.py runs it on the host):
+    # a command and a shell function that outlive SECTION_TIMEOUT, each with a child, then
+    # one that ends in time
+    slow_fn() { sleep 300 & wait; }
+    export -f slow_fn
+    section slow_cmd bash -c 'sleep 300 & wait'
+    section slow_fn slow_fn
+    section quick true
+    ;;
 *)
-    echo "usage: guest_suite.sh one|two" >&2; exit 2;;
+    echo "usage: guest_suite.sh one|two|selftest" >&2; exit 2;;
 esac
 echo "=== DONE"

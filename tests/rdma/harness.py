@@ -463,18 +463,63 @@ def _write(path: Path, text: str, mode: int = 0o644) -> None:
     path.chmod(mode)
 
 
+#: How long the guests get to boot (and, with two, for node1's agent to answer) before the
+#: harness gives up on that boot, says why, and boots them again (once).  No project code has
+#: run by then: a guest that never came up is the emulator's failure, not the command's.
+BOOT_TIMEOUT = float(os.environ.get("RXE_BOOT_TIMEOUT", "240"))
+BOOT_TRIES = int(os.environ.get("RXE_BOOT_TRIES", "2"))
+
+
+def _tail(path: Path, lines: int) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError as exc:
+        return f"({exc.strerror or exc})"
+    got = text.rstrip("\n").splitlines()[-lines:]
+    return "\n".join(got) if got else "(empty)"
+
+
+def _diagnose(guests: list[_Guest], host_tmp: Path, t0: float) -> str:
+    """What each guest got to, for a boot or run that did not end: its markers (guest
+    uptime when node*.sh began, when node1's agent answered), whether qemu is alive, and the
+    tails of its console and qemu logs.  Read before the guests are stopped (rxe_vm.sh
+    removes its run directory when it ends)."""
+    parts = [f"[rxe harness] diagnosis at {time.monotonic() - t0:.0f} s:"]
+    for i, g in enumerate(guests):
+        run = host_tmp / f"vm{i}"
+        marks = []
+        for name in ("up", "started"):
+            p = run / "ctrl" / name
+            if p.exists():
+                marks.append(f"{name} (guest uptime {_tail(p, 1).split()[0]} s)")
+        alive = "running" if g.proc.poll() is None else f"exited rc={g.proc.returncode}"
+        first = "none" if g.first_output is None else f"{g.first_output - t0:.0f} s"
+        parts.append(f"  {g.name}: runner {alive}; markers: {', '.join(marks) or 'none'}; "
+                     f"first output: {first}")
+        parts.append(f"  {g.name} console (last lines):\n"
+                     + "\n".join("    " + ln for ln in _tail(run / "console.log", 25).splitlines()))
+        parts.append(f"  {g.name} qemu log: {_tail(run / 'qemu.log', 5)}")
+    return "\n".join(parts) + "\n"
+
+
 def run(command: str, nodes: int = 1, timeout: float = 600, env: dict | None = None, *,
-        root: str | os.PathLike | None = None, stream=None) -> tuple[int, str]:
+        root: str | os.PathLike | None = None, stream=None,
+        boot_timeout: float | None = None) -> tuple[int, str]:
     """Boot ``nodes`` (1 or 2) guests sharing ``root`` (default: this project) at /mnt/host and
     run ``command`` (bash) on node 0 in /mnt/host with ``guest_env(nodes)`` + ``env``.
 
     Returns (exit status, output): the command's status (124: timeout, 125: VM failure) and
     node 0's stdout+stderr, followed by node 1's lines prefixed ``[node1]`` if it printed
     anything.  With ``stream`` (a text file), node 0's output is also written there live.
-    The whole run takes at most ``timeout`` s (plus a few s to stop the guests); no qemu, run
-    directory or socket outlives it, also on an exception or KeyboardInterrupt.  The image
-    must be built (ensure_image(), called here, builds it outside that budget) and ``root``
-    staged (stage())."""
+
+    Time limits: the guests get ``boot_timeout`` s (default ``BOOT_TIMEOUT``, 240) to boot
+    and, with two, for node1's agent to answer; a boot that does not get there is stopped,
+    its diagnosis (markers, console, qemu log) goes into the output, and the guests boot
+    again, ``BOOT_TRIES`` (2) boots in all.  The command then gets ``timeout`` s; on a
+    timeout the output ends with the same diagnosis.  No qemu, run directory or socket
+    outlives run(), also on an exception or KeyboardInterrupt.  The image must be built
+    (ensure_image(), called here, builds it outside these limits) and ``root`` staged
+    (stage())."""
     if nodes not in (1, 2):
         raise ValueError("nodes must be 1 or 2")
     root = Path(root or ROOT).resolve()
@@ -482,12 +527,40 @@ def run(command: str, nodes: int = 1, timeout: float = 600, env: dict | None = N
         raise RuntimeError(f"{root / SITE_REL} is not staged: call stage({str(root)!r}) first")
     ensure_image()
     _reap_stale(root)
-    t0 = time.monotonic()
+    boot_timeout = BOOT_TIMEOUT if boot_timeout is None else float(boot_timeout)
     LAST_RUN.clear()
+    t0 = time.monotonic()
+    earlier = ""                                  # the diagnoses of boots that failed
+    for attempt in range(1, max(1, BOOT_TRIES) + 1):
+        rc, out, final = _run_once(command, nodes, timeout, env, root, stream, boot_timeout,
+                                   t0, last=attempt >= max(1, BOOT_TRIES))
+        LAST_RUN["boots"] = attempt
+        if final:
+            return rc, earlier + out
+        msg = (f"[rxe harness] boot {attempt} failed: the guests did not come up "
+               f"(rc {rc})\n")
+        earlier += msg + out
+        if stream is not None:
+            with contextlib.suppress(Exception):
+                stream.write(msg)
+                stream.flush()
+    return rc, earlier
+
+
+def _marker(host_tmp: Path, i: int, name: str) -> bool:
+    return (host_tmp / f"vm{i}" / "ctrl" / name).exists()
+
+
+def _run_once(command: str, nodes: int, timeout: float, env: dict | None, root: Path, stream,
+              boot_timeout: float, t0: float, last: bool) -> tuple[int, str, bool]:
+    """One boot of the guests: (rc, output, final).  ``final`` is False when node 0 never
+    started the command (the guests did not come up, or node1's agent did not answer) and
+    ``last`` is False: the caller boots again."""
     rid = f"{os.getpid()}-{secrets.token_hex(4)}"
     shared = root / ".rxe" / "runs" / rid        # seen by the guests at /mnt/host/.rxe/runs/ID
     host_tmp = Path(tempfile.mkdtemp(prefix=f"gpurt-rxe-{os.getpid()}-"))  # qemu runs, sockets
     guests: list[_Guest] = []
+    tb = time.monotonic()
     try:
         shared.mkdir(parents=True, mode=0o700)
         gshared = f"{GUEST_ROOT}/.rxe/runs/{rid}"
@@ -497,19 +570,25 @@ def run(command: str, nodes: int = 1, timeout: float = 600, env: dict | None = N
         genv.update({k: str(v) for k, v in (env or {}).items()})
         exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in genv.items())
         rsh = f"python3 {GUEST_ROOT}/tests/rdma/guest_rsh.py"
+        # markers in the run's control folder (9p, uncached): the host polls them
+        up = "cut -d' ' -f1 /proc/uptime > /mnt/ctrl/up\n"
+        started = "cut -d' ' -f1 /proc/uptime > /mnt/ctrl/started\n"
         _write(shared / "cmd.sh", command + "\n")
-        node0 = [exports, f"cd {GUEST_ROOT}\n"]
+        node0 = [up, exports, f"cd {GUEST_ROOT}\n"]
         if nodes == 2:
-            node0.append(f"{rsh} --wait {NODE_IPS[1]} {max(30, int(timeout / 2))} || "
+            wait_s = max(10, int(boot_timeout - (time.monotonic() - tb) - 5))
+            node0.append(f"{rsh} --wait {NODE_IPS[1]} {wait_s} || "
                          f"{{ echo 'rxe harness: the agent on node1 does not answer' >&2; exit 125; }}\n")
+        node0.append(started)
         node0.append(f"bash {gshared}/cmd.sh\nrc=$?\n")
         if nodes == 2:
             node0.append(f"{rsh} --quit {NODE_IPS[1]} >/dev/null 2>&1\n")
         node0.append("exit $rc\n")
         _write(shared / "node0.sh", "".join(node0))
-        _write(shared / "node1.sh", exports + f"cd {GUEST_ROOT}\n"
+        _write(shared / "node1.sh", up + exports + f"cd {GUEST_ROOT}\n"
                f"exec python3 {GUEST_ROOT}/tests/rdma/guest_agent.py --host {NODE_IPS[1]} "
-               f"--port {AGENT_PORT} --token-file {gshared}/token --max-seconds {int(timeout) + 30}\n")
+               f"--port {AGENT_PORT} --token-file {gshared}/token "
+               f"--max-seconds {int(timeout + boot_timeout) + 30}\n")
 
         base = dict(os.environ)
         for k in list(base):
@@ -518,7 +597,7 @@ def run(command: str, nodes: int = 1, timeout: float = 600, env: dict | None = N
                                                      "RXE_VM_EXTRA_PKGS"):
                 del base[k]
         hosts = ",".join(f"{ip}={n}" for ip, n in zip(NODE_IPS, NODE_NAMES))
-        vm_timeout = str(int(timeout) + 20)    # rxe_vm.sh's own limit: a safety net only
+        vm_timeout = str(int(timeout + boot_timeout) + 20)   # rxe_vm.sh's own limit: a safety net
         for i in range(nodes):
             e = dict(base, RXE_VM_HOSTNAME=NODE_NAMES[i], RXE_VM_RUN_DIR=str(host_tmp / f"vm{i}"))
             if nodes == 2:
@@ -529,16 +608,43 @@ def run(command: str, nodes: int = 1, timeout: float = 600, env: dict | None = N
             argv = ["bash", str(RXE_VM), "-s", str(root), "-t", vm_timeout, "--",
                     f"bash {gshared}/node{i}.sh"]
             guests.append(_Guest(NODE_NAMES[i], argv, e, stream if i == 0 else None))
-        LAST_RUN["started"] = time.monotonic() - t0
+        LAST_RUN.setdefault("started", time.monotonic() - t0)
 
-        deadline = t0 + timeout
+        # boot: until node 0 starts the command (its "started" marker), it exits, or the
+        # boot's time is up
+        boot_deadline = tb + boot_timeout
+        while not _marker(host_tmp, 0, "started") and guests[0].proc.poll() is None \
+                and time.monotonic() < boot_deadline:
+            time.sleep(0.25)
+        booted = _marker(host_tmp, 0, "started")
+        if booted:
+            LAST_RUN["command_started"] = time.monotonic() - t0
+        elif guests[0].proc.poll() is None or guests[0].proc.returncode == 125:
+            # never came up, or node1's agent never answered: say what each guest got to
+            diag = _diagnose(guests, host_tmp, t0)
+            if guests[0].proc.poll() is None:
+                diag = (f"[rxe harness] node0 did not start the command within the boot's "
+                        f"{boot_timeout:.0f} s\n") + diag
+            guests[0].chunks.append(diag)
+            if stream is not None:
+                with contextlib.suppress(Exception):
+                    stream.write(diag)
+                    stream.flush()
+            _stop_all(guests)
+            out = _outputs(guests, nodes, stream)
+            return 125, out, last
+        # (node 0 ended before the marker with another status: the command's own result,
+        #  e.g. an exports line that failed; reported as it is)
+
+        deadline = time.monotonic() + timeout
         rc = None
         try:
             guests[0].proc.wait(max(0.0, deadline - time.monotonic()))
             rc = guests[0].proc.returncode
         except subprocess.TimeoutExpired:
             rc = 124
-            msg = f"\n[rxe harness] TIMEOUT: node0's command did not end in {timeout:.0f} s\n"
+            msg = (f"\n[rxe harness] TIMEOUT: node0's command did not end in {timeout:.0f} s\n"
+                   + _diagnose(guests, host_tmp, t0))
             guests[0].chunks.append(msg)
             if stream is not None:
                 with contextlib.suppress(Exception):
@@ -550,27 +656,33 @@ def run(command: str, nodes: int = 1, timeout: float = 600, env: dict | None = N
                 guests[1].proc.wait(min(15.0, max(2.0, deadline - time.monotonic())))
             LAST_RUN["node1_end"] = time.monotonic() - t0
         _stop_all(guests)
-        out = guests[0].output()
-        if nodes == 2:
-            other = guests[1].output().rstrip("\n")
-            if other:
-                tail = "".join(f"[node1] {line}\n" for line in other.splitlines())
-                out += tail
-                if stream is not None:
-                    with contextlib.suppress(Exception):
-                        stream.write(tail)
-                        stream.flush()
+        out = _outputs(guests, nodes, stream)
         for i, g in enumerate(guests):
             if g.first_output is not None:
                 LAST_RUN[f"node{i}_first_output"] = g.first_output - t0
         LAST_RUN["total"] = time.monotonic() - t0
-        return rc, out
+        return rc, out, True
     finally:
         _stop_all(guests, grace=5)               # (again) exceptions, KeyboardInterrupt
         shutil.rmtree(host_tmp, ignore_errors=True)
         shutil.rmtree(shared, ignore_errors=True)
         with contextlib.suppress(OSError):
             shared.parent.rmdir()                # .rxe/runs, if no other run is using it
+
+
+def _outputs(guests: list[_Guest], nodes: int, stream) -> str:
+    """node 0's output, then node 1's lines prefixed ``[node1] ``."""
+    out = guests[0].output()
+    if nodes == 2:
+        other = guests[1].output().rstrip("\n")
+        if other:
+            tail = "".join(f"[node1] {line}\n" for line in other.splitlines())
+            out += tail
+            if stream is not None:
+                with contextlib.suppress(Exception):
+                    stream.write(tail)
+                    stream.flush()
+    return out
 
 
 # -- benchmarks ----------------------------------------------------------------------------------
@@ -626,7 +738,8 @@ def main(argv: list[str] | None = None) -> int:
                 stream=sys.stdout)
     if args.timing:
         print(f"[rxe harness] image check/build {t_img:.1f} s, stage {t_stage:.1f} s, run "
-              + ", ".join(f"{k} {v:.1f} s" for k, v in LAST_RUN.items()), file=sys.stderr)
+              + ", ".join(f"{k} {v}" if k == "boots" else f"{k} {v:.1f} s"
+                         for k, v in LAST_RUN.items()), file=sys.stderr)
     return rc
 
 
