@@ -41,7 +41,7 @@ from .flight import FlightRecorder
 from .ops import DTYPES, Op, as_op, check_op, host_finalize, reducer
 from .schedule import Recv, Schedule, Send, Slice
 from .algorithms import REGISTRY, Cost
-from .hier import Shape
+from .hier import HIER, Shape
 from .topology import Topology
 from .tuner import Native, Tuner, load_profile, oversubscribed, transport_cost
 from .wait import spin_seconds
@@ -155,6 +155,7 @@ class Communicator:
                                natives, self.nnodes, forced, profile,
                                shape=Shape.of(self.topo.local_ranks), levels=levels)
             self._tuner_in = (cost, levels, forced, profile, check)
+            _learn_algorithm_names()
             devpath.setup(self)      # device backend, device endpoints (collective)
         except BaseException:
             self._release()
@@ -368,6 +369,8 @@ class Communicator:
         rows = every.reshape(self.size, -1)
         nm = 2 + len(meta)
         bad = []
+        mine = shm_board.describe(meta)
+        algo = False            # name the algorithms where a call differs in nothing else
         for k in range(self.size):
             s, g = int(rows[k][0]), int(rows[k][1])
             where = callsite.at(rows[k][nm:])
@@ -379,12 +382,14 @@ class Communicator:
                 bad.append(f"rank {k} rejected its own {what} call{where} as invalid input "
                            f"(its ValueError/TypeError says why)")
             elif g != sig & _M64:
-                bad.append(f"rank {k} called "
-                           f"{shm_board.describe(tuple(int(v) for v in rows[k][2:nm]))}{where}")
+                theirs, text = tuple(int(v) for v in rows[k][2:nm]), ""
+                if shm_board.describe(theirs) == mine:
+                    algo, text = True, shm_board.describe(theirs, True)
+                bad.append(f"rank {k} called {text or shm_board.describe(theirs)}{where}")
         if bad:
             more = f" (and {len(bad) - 4} more ranks)" if len(bad) > 4 else ""
             raise CollectiveMismatchError(
-                f"call #{seq}: rank {self.rank} called {shm_board.describe(meta)}"
+                f"call #{seq}: rank {self.rank} called {shm_board.describe(meta, algo)}"
                 f"{callsite.at(callsite.words(site))}, but " + "; ".join(bad[:4]) + more)
 
     def _on_poison(self, exc: BaseException) -> None:
@@ -480,27 +485,41 @@ class Communicator:
             raise ValueError(f"rank {self.rank}: {coll}: stream= is for device buffers; "
                              f"these are host memory")
         direct = self._direct_wanted(coll, n, dtype.itemsize, algo)
-        if direct >= 2:     # forced: where a buffer is out of reach, the cheapest schedule
-            algo = self.tuner.pick(coll, self.size, shm_direct.collective_bytes(
+        if direct:
+            # where a buffer is out of reach: the cheapest schedule, the same whether this
+            # rank forced shm_direct or the thresholds chose it (a forcing rank takes the
+            # others along)
+            fallback = self.tuner.pick(coll, self.size, shm_direct.collective_bytes(
                 coll, self.size, n, dtype.itemsize), "node")
-            direct = 2 if direct == 2 else 0
+            if direct >= 2:
+                algo = fallback
+                direct = 2 if direct == 2 else 0
         if self.size == 1 and coll == "barrier":
             alg, sched = None, Schedule()
         else:
             try:
                 alg, sched = self.tuner.plan(coll, n, dtype.itemsize, root, algo)
+                if direct == 1 and sched is not None and sched.steps and \
+                        alg.name != fallback:
+                    alg, sched = self.tuner.plan(coll, n, dtype.itemsize, root, fallback)
             except ValueError as e:   # a bad algo=: nothing has happened yet
                 raise ValueError(_prefix(self.rank, e)) from None
+        direct = direct if sched is not None and sched.steps else 0
+        # what the ranks agree on includes the algorithm: ranks given different algo= (or
+        # one of them shm_direct) disagree before any byte moves, instead of waiting for
+        # messages that never come, or reading a board slot that holds no data
+        tag = "none" if alg is None else \
+            f"{shm_direct.NAME}/{alg.name}" if direct else alg.name
         self._seq += 1                # from here on the call is part of the sequence
         seq = self._seq
-        sig = _signature(coll, dtype.str, n, op, root)
+        sig = _signature(coll, dtype.str, n, op, root, tag)
         site = callsite.site()
         alias = xb is not None and ob is not None and same(xb, ob)
         red = reducer(op) if op is not None else None
         empty = np.empty(0, dtype)
 
+        meta = _board_meta(coll, dtype, n, op, root, tag)
         if sched is None:  # a native protocol: the shm board
-            meta = _board_meta(coll, dtype, n, op, root)
 
             def start() -> shm_board.BoardRun:
                 xa = xb.array.view(dtype) if xb is not None else empty
@@ -511,7 +530,6 @@ class Communicator:
             start = self._schedule_start(sched, xb, ob, dtype, alias, red, seq, sig)
             if self._check and sched.steps:
                 # agree first: every rank compares every rank's call before any byte moves
-                meta = _board_meta(coll, dtype, n, op, root)
                 data_start = start
                 empty8 = _EMPTY_U8
 
@@ -520,7 +538,6 @@ class Communicator:
                                                root, None, n, check=True, site=site)
                     return Chain(check, data_start)
             elif self._netcheck and sched.steps:
-                meta = _board_meta(coll, dtype, n, op, root)
                 data_start = start
 
                 def start() -> Chain:  # noqa: F811 - the checked variant, over the network
@@ -532,8 +549,9 @@ class Communicator:
 
                     return Chain(run, then)
 
-        if direct and sched is not None and sched.steps:
-            start = self._direct_start(coll, xb, ob, dtype, op, root, red, n, seq, sig, site,
+        if direct:
+            start = self._direct_start(coll, xb, ob, dtype, op, root, red, n, seq, sig, meta,
+                                       site,
                                        self._schedule_start(sched, xb, ob, dtype, alias, red,
                                                             seq, sig), direct == 2)
         name = alg.name if alg else "none"
@@ -614,10 +632,10 @@ class Communicator:
             raise ValueError(_prefix(self.rank, e)) from None
         self._seq += 1
         seq = self._seq
-        sig = _signature(coll, dtype.str + "@device", n, op, root)
+        sig = _signature(coll, dtype.str + "@device", n, op, root, alg.name)
         site = callsite.site()
         alias = xb is not None and ob is not None and same(xb, ob)
-        meta = shm_board.meta_of(coll, dtype, n, op, root, device=True)
+        meta = shm_board.meta_of(coll, dtype, n, op, root, device=True, alg=alg.name)
         ctx = devpath.DevCtx(be, st, dtype, op)
 
         def data_start() -> _Run | None:
@@ -669,11 +687,10 @@ class Communicator:
 
         return self._enqueue(coll, seq, start, finish, name)
 
-    def _direct_start(self, coll, xb, ob, dtype, op, root, red, n, seq, sig, site,
+    def _direct_start(self, coll, xb, ob, dtype, op, root, red, n, seq, sig, meta, site,
                       data_start, forced: bool):
         """The start of a call that may run by ``shm_direct`` (``data_start``: the tuner's
         schedule, run where a buffer is out of reach)."""
-        meta = _board_meta(coll, dtype, n, op, root)
         empty = np.empty(0, dtype)
         # the least S for a call whose buffers are shared arrays / reached by CMA
         mins = (1, 1) if forced else tuple(m or 1 << 62 for m in self._direct_min[coll])
@@ -973,7 +990,8 @@ class Communicator:
         if len(self._fastplans) > 4096:
             self._fastplans.clear()
         o = _FAST_OPS[(op, dtype)] if op is not None else None
-        sig, meta = _signature(coll, dtype.str, n, o, root), _board_meta(coll, dtype, n, o, root)
+        sig = _signature(coll, dtype.str, n, o, root, "shm_board")
+        meta = _board_meta(coll, dtype, n, o, root, "shm_board")
         return (o, sig, meta, reducer(o) if o is not None else None,
                 (dtype.str, n, o, root if coll in _ROOTED else None),
                 self.board.fast_plan(coll, sig, meta, dtype, n, o, root))
@@ -1405,8 +1423,9 @@ def _sleep_polling(waiters: list, seconds: float) -> None:
 
 
 @lru_cache(maxsize=1024)
-def _board_meta(coll: str, dtype: np.dtype, n: int, op: Op | None, root: int) -> tuple:
-    return shm_board.meta_of(coll, dtype, n, op, root)
+def _board_meta(coll: str, dtype: np.dtype, n: int, op: Op | None, root: int,
+                alg: str = "") -> tuple:
+    return shm_board.meta_of(coll, dtype, n, op, root, alg=alg)
 
 
 def _board_cost(coll: str):
@@ -1427,11 +1446,20 @@ def _board_cost(coll: str):
     return cost
 
 
+def _learn_algorithm_names() -> None:
+    """Every algorithm a peer's header may name (its tag), so mismatch errors can say it."""
+    names = {"none", HIER, "shm_board", shm_direct.NAME}
+    for algs in REGISTRY.values():
+        for name in algs:
+            names.update((name, f"{shm_direct.NAME}/{name}"))
+    shm_board.name_algorithms(names)
+
+
 @lru_cache(maxsize=1024)
-def _signature(coll: str, dtype: str, n: int, op: Op | None, root: int) -> int:
-    """A hash of what every rank must agree on, the same in every process (crc32, not
-    Python's salted ``hash``)."""
-    return zlib.crc32(f"{coll}|{dtype}|{n}|{op.name if op else ''}|{root}".encode())
+def _signature(coll: str, dtype: str, n: int, op: Op | None, root: int, alg: str = "") -> int:
+    """A hash of what every rank must agree on — the call and the algorithm or protocol
+    that runs it — the same in every process (crc32, not Python's salted ``hash``)."""
+    return zlib.crc32(f"{coll}|{dtype}|{n}|{op.name if op else ''}|{root}|{alg}".encode())
 
 
 def _prefix(rank: int, e: BaseException) -> str:

@@ -31,6 +31,8 @@ with α_board ≈ 1.5 µs.  Used only while S fits a board buffer (``GPURT_SHM_B
 
 from __future__ import annotations
 
+import zlib
+from functools import lru_cache
 from typing import Callable
 
 import numpy as np
@@ -245,7 +247,7 @@ class BoardRun:
         self.cplan = None
         if board.fast is not None and not self.check:
             self.cplan = board.fast_plan(coll, sig, meta, x.dtype, n,
-                                         _OPS[meta[3]] if meta[3] < len(_OPS) else None, root)
+                                         _op_of(meta[3]), root)
 
     @property
     def done(self) -> bool:
@@ -342,8 +344,8 @@ class BoardRun:
                 f"call #{self.seq}: rank {k} rejected its own {coll} call{theirs_at} as invalid "
                 f"input (its ValueError/TypeError says why); rank {self.r} called "
                 f"{describe(self.meta)}{mine_at}")
-        theirs = describe(tuple(q[h + 3 + i] for i in range(len(self.meta))))
-        mine = describe(self.meta)
+        theirs, mine = describe_both(tuple(q[h + 3 + i] for i in range(len(self.meta))),
+                                     self.meta)
         raise CollectiveMismatchError(f"call #{self.seq}: rank {k} called {theirs}{theirs_at}, "
                                       f"rank {self.r} called {mine}{mine_at}")
 
@@ -389,22 +391,65 @@ DEVICE_DT = 64   # added to the dtype field for device buffers: ranks mixing hos
                  # device memory in one call disagree (and are told so)
 
 
+ALG_SHIFT = 8    # the op field's higher bits: a tag of the algorithm the call runs
+
+
+@lru_cache(maxsize=None)
+def alg_tag(name: str) -> int:
+    """A 24-bit tag of an algorithm's name (crc32, the same in every process), remembered
+    here so that a peer's tag can be named in an error message."""
+    tag = zlib.crc32(name.encode()) & 0xFFFFFF or 1
+    _ALG_NAMES.setdefault(tag, name)
+    return tag
+
+
+_ALG_NAMES: dict[int, str] = {}
+
+
+def name_algorithms(names) -> None:
+    """Learn the tags of ``names`` (every algorithm a peer may run)."""
+    for name in names:
+        alg_tag(name)
+
+
+def _op_of(word: int) -> Op | None:
+    op = word & ((1 << ALG_SHIFT) - 1)
+    return _OPS[op] if op < len(_OPS) else None
+
+
 def meta_of(coll: str, dtype: np.dtype, n: int, op: Op | None, root: int,
-            device: bool = False) -> tuple:
-    """The call's arguments as integers, for the header (and error messages)."""
+            device: bool = False, alg: str = "") -> tuple:
+    """The call's arguments as integers, for the header (and error messages); ``alg``, the
+    algorithm or protocol the call runs, rides in the op field: ranks that would run
+    different ones for the same call disagree before anything moves."""
     return (COLLS.index(coll), DTYPES.index(dtype) + (DEVICE_DT if device else 0), n,
-            _OPS.index(op), root)
+            _OPS.index(op) | (alg_tag(alg) << ALG_SHIFT if alg else 0), root)
 
 
-def describe(meta: tuple) -> str:
+def describe(meta: tuple, algo: bool = False) -> str:
+    """The call a header describes; ``algo``: with the algorithm it runs."""
     try:
-        coll, dt, n, op, root = meta
+        coll, dt, n, opw, root = meta
+        op, tag = opw & ((1 << ALG_SHIFT) - 1), opw >> ALG_SHIFT
         kind = " device" if dt >= DEVICE_DT else ""
         text = f"{COLLS[coll]}({DTYPES[dt % DEVICE_DT]}{kind}, count={n}"
         if _OPS[op] is not None:
             text += f", op={_OPS[op].name}"
         if COLLS[coll] in ("reduce", "broadcast", "gather", "scatter"):
             text += f", root={root}"
+        if algo and tag:
+            name = _ALG_NAMES.get(tag, f"#{tag:06x}")
+            first, _, fallback = name.partition("/")
+            text += f", algorithm {first}" + (f" (fallback {fallback})" if fallback else "")
         return text + ")"
     except (IndexError, ValueError, TypeError):
         return f"an unknown call {meta}"
+
+
+def describe_both(theirs: tuple, mine: tuple) -> tuple[str, str]:
+    """Two calls that disagree, described; with their algorithms where that is all that
+    differs (e.g. ``algo=`` given differently on the ranks)."""
+    a, b = describe(theirs), describe(mine)
+    if a == b:
+        a, b = describe(theirs, True), describe(mine, True)
+    return a, b

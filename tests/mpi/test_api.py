@@ -498,6 +498,41 @@ def test_every_rank_detects_a_mismatch_before_data_moves(comm, case):
         assert (out == -1).all() and (x == 1).all()     # nothing written anywhere
 
 
+@pytest.mark.parametrize("size", [16, 1 << 18])
+@pytest.mark.parametrize("algos", [("ring", "recursive_doubling"), (None, "ring"),
+                                   ("shm_direct", "ring")])
+def test_different_algorithms_are_a_mismatch_on_every_rank(comm, size, algos):
+    """The last rank passes another ``algo=`` than the others for the same call (or none,
+    where the others take the board, shm_direct or the tuner's pick): the algorithm is part
+    of what the ranks agree on, so every rank raises CollectiveMismatchError naming both
+    algorithms, and no output buffer is written — no wait for messages that never come, no
+    result read from a board slot that holds none."""
+    p, r = comm.size, comm.rank
+    if p == 1:
+        pytest.skip("needs 2 ranks")
+    with scratch(comm) as c:
+        x = np.arange(size, dtype=np.float32)
+        out = np.full(size, -1, np.float32)
+        names = []
+        for a in algos:        # what each side runs (the same on every rank, for a test)
+            try:
+                c.allreduce(x.copy(), algo=a, timeout=30)
+            except ValueError:         # shm_direct where it cannot be forced: skip
+                pytest.skip(f"algo={a} is not available here")
+            names.append(c.last_algorithm)
+        if names[0] == names[1]:
+            pytest.skip(f"both run {names[0]} on this communicator")
+        mine = algos[1] if r == p - 1 else algos[0]
+        t0 = time.monotonic()
+        with pytest.raises(gpurt.CollectiveMismatchError) as ei:
+            c.allreduce(x, out, algo=mine, timeout=30)
+        assert time.monotonic() - t0 < 10
+        msg = str(ei.value)
+        assert all(f"algorithm {a}" in msg for a in names), (names, msg)
+        assert msg.count(f"count={size}") >= 2, msg
+        assert (out == -1).all() and (x == np.arange(size, dtype=np.float32)).all()
+
+
 @pytest.mark.parametrize("size", [16, 1 << 17])
 def test_bad_input_on_one_rank_is_an_error_on_the_others(comm, size):
     """One rank passes bad input (here: a read-only output): it raises ValueError, and the
