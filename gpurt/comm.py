@@ -145,16 +145,19 @@ class Communicator:
             self.flight = FlightRecorder(self.rank, self.size, self.cid, nflight) \
                 if nflight > 0 else None
             self.engine.on_poison = self._on_poison
-            cost, levels, forced, profile, check = self._tuner_inputs()
+            cost, levels, forced, profile, check, fold = self._tuner_inputs()
             natives = self._natives()             # sets self.board on one-node communicators
             self._direct = self._direct_setup() if self.board is not None else None
             self._check = bool(check) and self.board is not None
             # several nodes (or no board): agree through the endpoints instead
             self._netcheck = bool(check) and self.board is None and self.size > 1
+            # the agreement's room for data (bytes, a multiple of 8): the same on every rank
+            self._fold = -(-fold // 8) * 8 if self._netcheck and self.size <= _FOLD_RANKS \
+                else 0
             self.tuner = Tuner(self.size, self.rank, tuple(range(self.size)), cost,
                                natives, self.nnodes, forced, profile,
                                shape=Shape.of(self.topo.local_ranks), levels=levels)
-            self._tuner_in = (cost, levels, forced, profile, check)
+            self._tuner_in = (cost, levels, forced, profile, check, fold)
             _learn_algorithm_names()
             devpath.setup(self)      # device backend, device endpoints (collective)
         except BaseException:
@@ -325,7 +328,7 @@ class Communicator:
                         raise ValueError(f"GPURT_ALGO={coll}:{name}: shm_direct is for "
                                          f"{', '.join(shm_direct.COLLS)}")
                 inputs = (cost, levels, forced, profile,
-                          bool(config.get("GPURT_CHECK")))
+                          bool(config.get("GPURT_CHECK")), int(config.get("GPURT_NET_FOLD")))
             except ValueError as e:
                 err = str(e)
         inputs, err = self.mpi.bcast((inputs, err), 0)
@@ -354,16 +357,59 @@ class Communicator:
         except GpurtError:
             pass     # the user's own error is the one to raise
 
-    def _agreement_run(self, seq: int, sig: int, meta: tuple, site: int
-                       ) -> tuple[_Run, np.ndarray]:
+    def _agreement_run(self, seq: int, sig: int, meta: tuple, site: int,
+                       data: np.ndarray | None = None) -> tuple[_Run, np.ndarray]:
         """Multi-node (no board): every rank's header (call number, signature, arguments,
         call site) to every rank by a small allgather over the endpoints, before the data
-        moves."""
-        hdr = np.array((seq, sig & _M64) + tuple(meta) + callsite.words(site), np.uint64)
-        every = np.zeros(self.size * hdr.size, np.uint64)
-        sched = _agreement_schedule(self.size, self.rank, hdr.size)
-        bufs = {"in": hdr, "out": every, "tmp": np.empty(sched.tmp, np.uint64)}
+        moves.  On communicators with ``_fold`` room, every message is that much longer
+        (the same length for every call, so a rejected call's header still fits the
+        others' receives) and carries ``data``'s bytes after the header: a folded call's
+        contribution."""
+        words = _HDR_WORDS + self._fold // 8
+        pkt = np.zeros(words, np.uint64)
+        pkt[:_HDR_WORDS] = (seq, sig & _M64) + tuple(meta) + callsite.words(site)
+        if data is not None and data.nbytes:
+            pkt.view(np.uint8)[_HDR_WORDS * 8:_HDR_WORDS * 8 + data.nbytes] = \
+                data.reshape(-1).view(np.uint8)
+        every = np.zeros(self.size * words, np.uint64)
+        sched = _agreement_schedule(self.size, self.rank, words)
+        bufs = {"in": pkt, "out": every, "tmp": np.empty(sched.tmp, np.uint64)}
         return _Run(sched, bufs, False, None, self.endpoints, 0, seq, _AGREE_SIG), every
+
+    def _fold_finish(self, coll: str, every: np.ndarray, ob: Buf | None, dtype: np.dtype,
+                     red, n: int, root: int) -> None:
+        """A folded call's result, from every rank's contribution in the agreement's
+        messages (agreed already): reductions in rank order 0, 1, ..., so every rank gets
+        the same bits."""
+        p, r = self.size, self.rank
+        rows = every.reshape(p, -1)
+        H, isz = _HDR_WORDS * 8, dtype.itemsize
+
+        def part(k: int, i: int = 0, cnt: int = n) -> np.ndarray:   # rank k's block i
+            b = H + i * n * isz
+            return rows[k].view(np.uint8)[b:b + cnt * isz].view(dtype)
+
+        out = ob.array.view(dtype) if ob is not None else None
+        if coll in ("allreduce", "reduce", "reduce_scatter"):
+            if coll == "reduce" and r != root:
+                return
+            blk = r if coll == "reduce_scatter" else 0
+            np.copyto(out, part(0, blk))
+            for k in range(1, p):
+                red(out, part(k, blk), out)
+        elif coll == "broadcast":
+            if r != root:
+                np.copyto(out, part(root))
+        elif coll in ("allgather", "gather"):
+            if coll == "allgather" or r == root:
+                for k in range(p):
+                    np.copyto(out[k * n:(k + 1) * n], part(k))
+        elif coll == "alltoall":
+            for k in range(p):
+                np.copyto(out[k * n:(k + 1) * n], part(k, r))
+        elif coll == "scatter":
+            np.copyto(out, part(root, r))
+        # barrier: the exchange was the barrier
 
     def _agree(self, every: np.ndarray, seq: int, sig: int, meta: tuple, site: int) -> None:
         rows = every.reshape(self.size, -1)
@@ -373,7 +419,7 @@ class Communicator:
         algo = False            # name the algorithms where a call differs in nothing else
         for k in range(self.size):
             s, g = int(rows[k][0]), int(rows[k][1])
-            where = callsite.at(rows[k][nm:])
+            where = callsite.at(rows[k][nm:_HDR_WORDS])
             if s != seq:
                 bad.append(f"rank {k} is at call #{s}{where}")
             elif g == shm_board.REJECTED:
@@ -505,10 +551,15 @@ class Communicator:
             except ValueError as e:   # a bad algo=: nothing has happened yet
                 raise ValueError(_prefix(self.rank, e)) from None
         direct = direct if sched is not None and sched.steps else 0
+        # several nodes, checked, a call whose data fits the agreement's messages: one
+        # exchange carries both (the tuner's algorithm would be a second round)
+        fold = self._fold and sched is not None and sched.steps and algo is None and \
+            coll not in self._tuner_in[2] and \
+            _fold_bytes(coll, self.size, n, dtype.itemsize) <= self._fold
         # what the ranks agree on includes the algorithm: ranks given different algo= (or
         # one of them shm_direct) disagree before any byte moves, instead of waiting for
         # messages that never come, or reading a board slot that holds no data
-        tag = "none" if alg is None else \
+        tag = "none" if alg is None else FOLD if fold else \
             f"{shm_direct.NAME}/{alg.name}" if direct else alg.name
         self._seq += 1                # from here on the call is part of the sequence
         seq = self._seq
@@ -537,6 +588,19 @@ class Communicator:
                     check = shm_board.BoardRun(self.board, coll, seq, sig, meta, empty8, empty8,
                                                root, None, n, check=True, site=site)
                     return Chain(check, data_start)
+            elif fold:
+
+                def start() -> Chain:  # noqa: F811 - agreement and data in one exchange
+                    x = xb.array if xb is not None and _fold_sends(coll, self.rank, root) \
+                        else _EMPTY_U8
+                    run, every = self._agreement_run(seq, sig, meta, site, x)
+
+                    def then():
+                        self._agree(every, seq, sig, meta, site)
+                        self._fold_finish(coll, every, ob, dtype, red, n, root)
+                        return None
+
+                    return Chain(run, then)
             elif self._netcheck and sched.steps:
                 data_start = start
 
@@ -554,7 +618,7 @@ class Communicator:
                                        site,
                                        self._schedule_start(sched, xb, ob, dtype, alias, red,
                                                             seq, sig), direct == 2)
-        name = alg.name if alg else "none"
+        name = FOLD if fold else alg.name if alg else "none"
         fl = self.flight
         rec = fl.start(seq, coll, (dtype.str, n, op, root if coll in _ROOTED else None), name,
                        site) \
@@ -584,7 +648,7 @@ class Communicator:
         """The tuner for device calls: the same inputs without the host-only natives (the
         shm board moves host memory)."""
         if self._devtuner is None:
-            _c, _l, forced, profile, _check = self._tuner_in
+            _c, _l, forced, profile, _check, _fold = self._tuner_in
             cost, levels = self._dev_costs
             self._devtuner = Tuner(self.size, self.rank, tuple(range(self.size)), cost, (),
                                    self.nnodes, forced, profile,
@@ -1328,12 +1392,18 @@ class Communicator:
         """The tuner's candidates for ``collective`` at ``nbytes`` (S as nccl-tests counts
         it), their predicted times and the choice, as a table — and, on one node, whether
         the call first tries ``shm_direct`` (taken when every rank's buffers are
-        reachable; the table's choice is then the fallback)."""
+        reachable; the table's choice is then the fallback); across nodes, whether it is
+        folded into the agreement's exchange."""
         text = self.tuner.explain(collective, int(nbytes))
         if self.direct_choice(collective, int(nbytes)):
             text += (f"\n{shm_direct.NAME}: tried first (S >= its threshold on this one-node "
                      f"communicator; GPURT_SHM_DIRECT*), the choice above where a rank's "
                      f"buffers are out of reach")
+        contrib = int(nbytes) // (self.size if collective in ("allgather", "gather") else 1)
+        if self._fold and collective not in self._tuner_in[2] and contrib <= self._fold:
+            text += (f"\n{FOLD}: the data ({contrib} B per rank) rides in the agreement's "
+                     f"exchange (<= GPURT_NET_FOLD={self._fold} B), one round instead of "
+                     f"the agreement and the choice above (without algo=)")
         return text
 
     def candidates(self, collective: str, nbytes: int) -> list[dict]:
@@ -1404,6 +1474,22 @@ for _o in Op:
 
 _M64 = 0xFFFFFFFFFFFFFFFF
 _AGREE_SIG = 0x67707274414752   # "gprtAGR": the agreement messages' own signature
+_HDR_WORDS = 2 + 5 + callsite.WORDS   # an agreement header: seq, sig, meta, call site
+FOLD = "folded"          # the name of a call that ran inside the agreement's exchange
+_FOLD_RANKS = 8          # the most ranks for which agreement messages carry data
+
+
+def _fold_bytes(coll: str, p: int, n: int, isz: int) -> int:
+    """The bytes of a rank's contribution to a folded call (its whole input)."""
+    if coll == "barrier":
+        return 0
+    return (p if coll in ("reduce_scatter", "alltoall", "scatter") else 1) * n * isz
+
+
+def _fold_sends(coll: str, r: int, root: int) -> bool:
+    """Does rank r's data go into a folded call's exchange?  (Broadcast and scatter: only
+    the root's; the others' messages carry the header.)"""
+    return coll != "barrier" and (coll not in ("broadcast", "scatter") or r == root)
 
 
 @lru_cache(maxsize=64)

@@ -71,6 +71,11 @@ VARIABLES: tuple[Var, ...] = (
     Var("GPURT_CHECK", "1", _flag,
         "Before a collective moves data by a schedule, every rank checks that every rank "
         "made the same call (one shm-board round on one-node communicators); 0 skips it."),
+    Var("GPURT_NET_FOLD", "4K", _bytes,
+        "Several nodes, with GPURT_CHECK=1, up to 8 ranks: the agreement messages have room "
+        "for this many bytes of a call's data; a collective whose per-rank data fits runs "
+        "in that one exchange (agreement and data together) instead of the agreement then "
+        "a schedule (0: never; decided on rank 0)."),
     Var("GPURT_PEER_STOPPED", "5", float,
         "Seconds a local peer may stay stopped (SIGSTOP, a debugger) while others wait for "
         "it before they raise PeerFailure."),

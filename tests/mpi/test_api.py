@@ -498,6 +498,101 @@ def test_every_rank_detects_a_mismatch_before_data_moves(comm, case):
         assert (out == -1).all() and (x == 1).all()     # nothing written anywhere
 
 
+def _folds(c) -> bool:
+    """Do small calls on ``c`` run inside the agreement's exchange (several nodes or no
+    board, checking on, GPURT_NET_FOLD > 0, up to 8 ranks)?"""
+    return c.size > 1 and c.board is None and config.get("GPURT_CHECK") and \
+        config.get("GPURT_NET_FOLD") > 0 and c.size <= 8
+
+
+@pytest.mark.parametrize("dt", [np.float32, np.int64, np.float64])
+def test_small_calls_fold_into_the_agreement_exactly(comm, dt):
+    """Across nodes, a checked collective whose data fits the agreement's messages
+    (GPURT_NET_FOLD) runs in that one exchange: every collective, every root, counts 1 to
+    the limit, exact results (reductions in rank order: the same bits everywhere), and the
+    algorithm says ``folded``.  On one node (the board) the same calls run as before."""
+    p, r = comm.size, comm.rank
+    fold = _folds(comm)
+    isz = np.dtype(dt).itemsize
+    lim = config.get("GPURT_NET_FOLD") // isz
+    bad = []
+
+    def want(ok, what):
+        if not ok:
+            bad.append(what)
+        if fold and comm.last_algorithm != "folded":
+            bad.append(f"{what}: ran {comm.last_algorithm}")
+
+    def v(k, n, base=7):
+        return (np.arange(n) + base * k).astype(dt)
+
+    for n in sorted({1, 3, 17, max(1, lim // p), lim}):
+        x = v(r, n)
+        tot = sum(v(k, n) for k in range(p))
+        y = comm.allreduce(x.copy())
+        want(np.array_equal(y, tot), f"allreduce n={n}")
+        o = np.empty(n, dt)
+        comm.allreduce(x, o, op=gpurt.Op.MAX)
+        want(np.array_equal(o, v(p - 1, n)), f"allreduce MAX n={n}")
+        if n * p <= lim:
+            g = comm.allgather(x)
+            want(np.array_equal(np.asarray(g).reshape(p, n),
+                                np.stack([v(k, n) for k in range(p)])), f"allgather n={n}")
+            xs = v(r, p * n, 100)
+            o = comm.reduce_scatter(xs)
+            want(np.array_equal(np.asarray(o).reshape(-1),
+                                sum(v(k, p * n, 100) for k in range(p))[r * n:(r + 1) * n]),
+                 f"reduce_scatter n={n}")
+            o = comm.alltoall(xs)
+            want(np.array_equal(np.asarray(o).reshape(-1), np.concatenate(
+                [v(k, p * n, 100)[r * n:(r + 1) * n] for k in range(p)])), f"alltoall n={n}")
+        for root in range(p):
+            y = x.copy()
+            comm.broadcast(y, root=root)
+            want(np.array_equal(y, v(root, n)), f"broadcast n={n} root={root}")
+            o = np.full(n, -1, dt)
+            comm.reduce(x, o, root=root)
+            want(np.array_equal(o, tot) if r == root else (o == -1).all(),
+                 f"reduce n={n} root={root}")
+            if n * p <= lim:
+                g = comm.gather(x, root=root)
+                want(r != root or np.array_equal(np.asarray(g).reshape(p, n), np.stack(
+                    [v(k, n) for k in range(p)])), f"gather n={n} root={root}")
+                o = np.empty(n, dt)
+                comm.scatter(v(r, p * n, 100), o, root=root)
+                want(np.array_equal(o, v(root, p * n, 100)[r * n:(r + 1) * n]),
+                     f"scatter n={n} root={root}")
+    comm.barrier()
+    want(True, "barrier")
+    assert not bad, bad[:10]
+
+
+@pytest.mark.parametrize("case", ["count", "dtype", "root"])
+def test_folded_call_mismatch_names_both_calls_and_writes_nothing(comm, case):
+    """A mismatch in a folded call is found from the headers before any result is
+    computed: every rank raises CollectiveMismatchError naming the differing field, and no
+    output is written (the data rode along, unused)."""
+    p, r = comm.size, comm.rank
+    if not _folds(comm):
+        pytest.skip("no folding on this communicator (one node, or checking off)")
+    odd = r == p - 1
+    with scratch(comm) as c:
+        x = np.ones(8, np.float32)
+        out = np.full(8, -1, np.float32)
+        with pytest.raises(gpurt.CollectiveMismatchError) as ei:
+            if case == "count":
+                c.allreduce(x[:7] if odd else x, out[:7] if odd else out, timeout=20)
+            elif case == "dtype":
+                xd = x.astype(np.float64) if odd else x
+                c.allreduce(xd, np.full(8, -1, xd.dtype) if odd else out, timeout=20)
+            else:
+                c.reduce(x, out, root=1 if odd else 0, timeout=20)
+        msg = str(ei.value)
+        field = {"count": "count=7", "dtype": "float64", "root": "root=1"}[case]
+        assert field in msg and "test_api.py:" in msg, msg
+        assert (out == -1).all()
+
+
 @pytest.mark.parametrize("size", [16, 1 << 18])
 @pytest.mark.parametrize("algos", [("ring", "recursive_doubling"), (None, "ring"),
                                    ("shm_direct", "ring")])
