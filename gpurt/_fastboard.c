@@ -360,6 +360,9 @@ static int finish(const FastBoard *fb, const Plan *pl, uint64_t seq, char *out) 
         if (k == me) continue;
         Py_ssize_t hk = fb->hdr[2 * k + b];
         if (q[hk] != seq || q[hk + 1] != pl->sig) return HANDBACK;
+        /* the call's arguments too: two calls whose 32-bit signatures collide differ here */
+        for (int i = 0; i < 5; i++)
+            if (q[hk + 3 + i] != pl->meta[i]) return HANDBACK;
     }
     /* 5. read, in rank order */
     Py_ssize_t nb = pl->n * pl->itemsize;

@@ -322,13 +322,17 @@ class Communicator:
                     cost = Cost(cost.alpha, cost.beta * busiest, cost.gamma)
                 profile = load_profile(str(config.get("GPURT_PROFILE")), self.size,
                                        self.nnodes)
+                fold = int(config.get("GPURT_NET_FOLD"))
+                if not 0 <= fold <= _FOLD_MAX:
+                    raise ValueError(f"GPURT_NET_FOLD={fold} must be between 0 and "
+                                     f"{_FOLD_MAX} bytes")
                 forced = dict(config.get("GPURT_ALGO"))
                 for coll, name in forced.items():
                     if name == shm_direct.NAME and coll not in shm_direct.COLLS:
                         raise ValueError(f"GPURT_ALGO={coll}:{name}: shm_direct is for "
                                          f"{', '.join(shm_direct.COLLS)}")
                 inputs = (cost, levels, forced, profile,
-                          bool(config.get("GPURT_CHECK")), int(config.get("GPURT_NET_FOLD")))
+                          bool(config.get("GPURT_CHECK")), fold)
             except ValueError as e:
                 err = str(e)
         inputs, err = self.mpi.bcast((inputs, err), 0)
@@ -418,10 +422,12 @@ class Communicator:
 
     def _agree(self, every: np.ndarray, seq: int, sig: int, meta: tuple, site: int) -> None:
         rows = every.reshape(self.size, -1)
-        want = [seq, sig & _M64]
-        if all(h == want for h in rows[:, :2].tolist()):
-            return                # the common case: no text to build
         nm = 2 + len(meta)
+        # call number, signature and the arguments themselves (two calls whose 32-bit
+        # signatures collide differ there: a folded call computes straight from the rows)
+        want = [seq, sig & _M64, *meta]
+        if all(h == want for h in rows[:, :nm].tolist()):
+            return                # the common case: no text to build
         bad = []
         mine = shm_board.describe(meta)
         algo = False            # name the algorithms where a call differs in nothing else
@@ -435,7 +441,7 @@ class Communicator:
                 what = shm_board.COLLS[c] if c < len(shm_board.COLLS) else "collective"
                 bad.append(f"rank {k} rejected its own {what} call{where} as invalid input "
                            f"(its ValueError/TypeError says why)")
-            elif g != sig & _M64:
+            elif g != sig & _M64 or [int(v) for v in rows[k][2:nm]] != list(meta):
                 theirs, text = tuple(int(v) for v in rows[k][2:nm]), ""
                 if shm_board.describe(theirs) == mine:
                     algo, text = True, shm_board.describe(theirs, True)
@@ -1486,6 +1492,7 @@ _AGREE_SIG = 0x67707274414752   # "gprtAGR": the agreement messages' own signatu
 _HDR_WORDS = 2 + 5 + callsite.WORDS   # an agreement header: seq, sig, meta, call site
 FOLD = "folded"          # the name of a call that ran inside the agreement's exchange
 _FOLD_RANKS = 8          # the most ranks for which agreement messages carry data
+_FOLD_MAX = 64 << 10     # the most room GPURT_NET_FOLD may give them
 
 
 def _fold_bytes(coll: str, p: int, n: int, isz: int) -> int:
@@ -1543,7 +1550,7 @@ def _board_cost(coll: str):
 
 def _learn_algorithm_names() -> None:
     """Every algorithm a peer's header may name (its tag), so mismatch errors can say it."""
-    names = {"none", HIER, "shm_board", shm_direct.NAME}
+    names = {"none", HIER, FOLD, "shm_board", shm_direct.NAME}
     for algs in REGISTRY.values():
         for name in algs:
             names.update((name, f"{shm_direct.NAME}/{name}"))

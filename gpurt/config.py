@@ -75,7 +75,8 @@ VARIABLES: tuple[Var, ...] = (
         "Several nodes, with GPURT_CHECK=1, up to 8 ranks: the agreement messages have room "
         "for this many bytes of a call's data; a collective whose per-rank data fits runs "
         "in that one exchange (agreement and data together) instead of the agreement then "
-        "a schedule (0: never; decided on rank 0)."),
+        "a schedule (0: never, at most 64K; decided on rank 0; keep it below GPURT_IB_EAGER "
+        "so the agreement stays on verbs' eager path)."),
     Var("GPURT_PEER_STOPPED", "5", float,
         "Seconds a local peer may stay stopped (SIGSTOP, a debugger) while others wait for "
         "it before they raise PeerFailure."),

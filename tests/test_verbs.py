@@ -45,7 +45,9 @@ def _unavailable() -> str:
     return ""
 
 
-def _boot(mode: str, nodes: int) -> dict[str, tuple[int, str]]:
+def _ready() -> None:
+    """The guest image built and the project staged, or a skip saying why (a failure
+    where GPURT_RDMA_VM=required)."""
     why = _unavailable()
     if why:
         if REQUIRED:
@@ -53,6 +55,10 @@ def _boot(mode: str, nodes: int) -> dict[str, tuple[int, str]]:
         pytest.skip(why)
     harness.ensure_image()
     harness.stage()
+
+
+def _boot(mode: str, nodes: int) -> dict[str, tuple[int, str]]:
+    _ready()
     # the command's own limit (the boot has its own, harness.BOOT_TIMEOUT, and is retried
     # once); each section inside is stopped after SECTION_TIMEOUT (600 s)
     rc, out = harness.run(f"bash tests/rdma/guest_suite.sh {mode}", nodes=nodes, timeout=1500,
@@ -212,13 +218,7 @@ def test_harness_boot_that_does_not_come_up_is_retried_then_reported():
     import subprocess
     import tempfile
     import time
-    why = _unavailable()
-    if why:
-        if REQUIRED:
-            pytest.fail(f"GPURT_RDMA_VM=required but {why}")
-        pytest.skip(why)
-    harness.ensure_image()
-    harness.stage()
+    _ready()
     t0 = time.monotonic()
     rc, out = harness.run("echo never", nodes=2, timeout=60, boot_timeout=3)
     took = time.monotonic() - t0

@@ -306,7 +306,9 @@ class BoardRun:
             _fence()
             for k in self.need:
                 h = bd.hdr[k][self.b]
-                if q[h] != seq or q[h + 1] != self.sig:
+                # the arguments too: calls whose 32-bit signatures collide differ there
+                if q[h] != seq or q[h + 1] != self.sig or \
+                        tuple(q[h + 3:h + 8]) != self.meta:
                     self._mismatch(k, h)
             if not self.check:
                 self._read()

@@ -329,6 +329,22 @@ def test_explain_and_forced_algorithm(comm):
         comm.allreduce(np.ones(2), algo="nope")
 
 
+@pytest.mark.parametrize("value", ["-8", "1M"])
+def test_net_fold_out_of_range_is_an_error_at_creation(comm, value):
+    """GPURT_NET_FOLD outside 0..64K (it sizes every agreement message) fails communicator
+    creation on every rank with a ValueError naming it (decided on rank 0), not the first
+    call."""
+    os.environ["GPURT_NET_FOLD"] = value
+    config.reload()
+    try:
+        with pytest.raises(ValueError, match=r"GPURT_NET_FOLD=-?\d+ must be between 0 and"):
+            comm.dup()
+    finally:
+        del os.environ["GPURT_NET_FOLD"]
+        config.reload()
+    comm.barrier()
+
+
 def test_large_and_odd_counts(comm):
     p, r = comm.size, comm.rank
     for n in (0, 1, 2, 3, 97, 65537, (1 << 21) + 3):
@@ -591,6 +607,69 @@ def test_folded_call_mismatch_names_both_calls_and_writes_nothing(comm, case):
         field = {"count": "count=7", "dtype": "float64", "root": "root=1"}[case]
         assert field in msg and "test_api.py:" in msg, msg
         assert (out == -1).all()
+
+
+def _colliding_calls(tag: str, p: int, limit: int) -> tuple[tuple, tuple]:
+    """Two different calls with at most ``limit`` bytes of input per rank whose 32-bit
+    signatures (with algorithm ``tag``) are equal: the first such pair in a fixed order.
+    (crc32 never confuses strings that differ in a short run of bits, so the pair differs
+    in more than the count: another collective or dtype.)"""
+    from gpurt.comm import _signature
+    seen: dict[int, tuple] = {}
+    ops = (gpurt.Op.SUM, gpurt.Op.MAX, gpurt.Op.MIN, gpurt.Op.PROD)
+    bit = (gpurt.Op.BAND, gpurt.Op.BOR, gpurt.Op.BXOR)
+    for dt in ("float32", "float64", "int32", "int64", "int16", "uint8", "int8", "uint16",
+               "uint32", "uint64"):
+        d = np.dtype(dt)
+        kinds = [(c, op, root) for c in ("allreduce", "reduce", "reduce_scatter")
+                 for op in ops + (bit if d.kind in "iu" else ())
+                 for root in ((0, 1) if c == "reduce" else (0,))]
+        kinds += [("broadcast", None, 0), ("broadcast", None, 1), ("allgather", None, 0),
+                  ("alltoall", None, 0)]
+        for coll, op, root in kinds:
+            per = p if coll in ("reduce_scatter", "alltoall") else 1
+            for n in range(1, limit // (d.itemsize * per) + 1):
+                call = (coll, dt, n, op, root)
+                sig = _signature(coll, d.str, n, op, root, tag)
+                if sig in seen:
+                    return seen[sig], call
+                seen[sig] = call
+    raise AssertionError("no colliding pair found")
+
+
+def test_calls_whose_signatures_collide_are_still_a_mismatch(comm):
+    """The signature is a 32-bit hash: two different calls can share it.  Every rank still
+    compares the arguments themselves (the board on one node, the agreement across nodes,
+    where a folded call computes straight from the rows), so such a pair is a
+    CollectiveMismatchError on every rank, nothing written — never a result built from
+    data of another shape."""
+    p, r = comm.size, comm.rank
+    if p == 1:
+        pytest.skip("needs 2 ranks")
+    with scratch(comm) as c:
+        c.allreduce(np.ones(4, np.float32))
+        tag = c.last_algorithm            # shm_board on one node, folded across nodes
+        if tag not in ("shm_board", "folded"):
+            pytest.skip(f"small calls run {tag} here")
+        a, b = _colliding_calls(tag, p, 4096)
+        coll, dt, n, op, root = b if r == p - 1 else a
+        per = p if coll in ("reduce_scatter", "alltoall") else 1
+        x = np.full(n * per, 3, dt)
+        out = np.full(n * {"allgather": p, "alltoall": p}.get(coll, 1), 7, dt)
+        with pytest.raises(gpurt.CollectiveMismatchError) as ei:
+            if coll == "broadcast":
+                out = x
+                x[:] = 7
+                c.broadcast(x, root=root, timeout=20)
+            elif coll in ("allgather", "alltoall"):
+                getattr(c, coll)(x, out, timeout=20)
+            elif coll == "reduce":
+                c.reduce(x, out, op=op, root=root, timeout=20)
+            else:
+                getattr(c, coll)(x, out, op=op, timeout=20)
+        msg = str(ei.value)
+        assert "called" in msg and msg.count("(") >= 2, (a, b, msg)
+        assert (out == 7).all(), (a, b)
 
 
 @pytest.mark.parametrize("size", [16, 1 << 18])
