@@ -105,6 +105,7 @@ class Communicator:
         self._transports: list = []
         self.dev, self.dev_why, self.dev_endpoints, self.dev_ipc = None, "not set up", {}, None
         self._devtuner = self._devtmp = self._devlast = None
+        self._agree_bufs: tuple | None = None     # see _agreement_run
         self._devretired: list = []     # outgrown device scratch, until its event fires
         self.mpi = mpi_comm if _owned else mpi_comm.Dup()
         self.rank: int = self.mpi.Get_rank()
@@ -368,21 +369,27 @@ class Communicator:
         moves.  On communicators with ``_fold`` room, every message is that much longer
         (the same length for every call, so a rejected call's header still fits the
         others' receives) and carries ``data``'s bytes after the header: a folded call's
-        contribution."""
+        contribution.
+
+        The message and the rows it gathers are the communicator's own, allocated (and
+        zeroed) once: collectives run one at a time, and a call's rows are read (agreed,
+        folded) before the next call starts.  Past the data, the message holds zeros or
+        this rank's earlier contributions, which its peers have already had."""
+        pkt, every, bufs, sched = self._agree_bufs or self._agreement_buffers()
+        pkt[:_HDR_WORDS] = (seq, sig & _M64) + meta + callsite.words(site)
+        if data is not None and data.nbytes:
+            pkt[_HDR_WORDS:].view(np.uint8)[:data.nbytes] = data.reshape(-1).view(np.uint8)
+        return _Run(sched, bufs, False, None, self.endpoints, 0, seq, _AGREE_SIG), every
+
+    def _agreement_buffers(self) -> tuple:
         words = _HDR_WORDS + self._fold // 8
-        pkt = np.empty(words, np.uint64)
-        pkt[:_HDR_WORDS] = (seq, sig & _M64) + tuple(meta) + callsite.words(site)
-        if self._fold:
-            raw = pkt[_HDR_WORDS:].view(np.uint8)
-            nb = data.nbytes if data is not None else 0
-            if nb:
-                raw[:nb] = data.reshape(-1).view(np.uint8)
-            raw[nb:] = 0          # no stale bytes of this process go out
+        pkt = np.zeros(words, np.uint64)   # no stale bytes of this process go out
         every = np.empty(self.size * words, np.uint64)
         sched = _agreement_schedule(self.size, self.rank, words)
         bufs = {"in": pkt, "out": every, "tmp": _EMPTY_U64 if not sched.tmp else
                 np.empty(sched.tmp, np.uint64)}
-        return _Run(sched, bufs, False, None, self.endpoints, 0, seq, _AGREE_SIG), every
+        self._agree_bufs = (pkt, every, bufs, sched)
+        return self._agree_bufs
 
     def _fold_finish(self, coll: str, every: np.ndarray, ob: Buf | None, dtype: np.dtype,
                      red, n: int, root: int) -> None:
@@ -390,34 +397,28 @@ class Communicator:
         messages (agreed already): reductions in rank order 0, 1, ..., so every rank gets
         the same bits."""
         p, r = self.size, self.rank
-        # every rank's data, one row each (a view past the headers)
-        rows = every.reshape(p, -1)[:, _HDR_WORDS:].view(np.uint8)
-
-        def part(k: int, i: int = 0) -> np.ndarray:   # rank k's block i (n elements)
-            return rows[k, i * nb:(i + 1) * nb].view(dtype)
-
         nb = n * dtype.itemsize
-
+        # every rank's data, one row each (past the headers), as n-element blocks
+        rows = every.reshape(p, -1)[:, _HDR_WORDS:].view(np.uint8)
         out = ob.array.view(dtype) if ob is not None else None
         if coll in ("allreduce", "reduce", "reduce_scatter"):
             if coll == "reduce" and r != root:
                 return
-            blk = r if coll == "reduce_scatter" else 0
-            np.copyto(out, part(0, blk))
-            for k in range(1, p):
-                red(out, part(k, blk), out)
+            lo = r * nb if coll == "reduce_scatter" else 0
+            blk = rows[:, lo:lo + nb].view(dtype)     # (p, n): rank k's block
+            red(blk[0], blk[1], out)                  # p >= 2 here (a folded call moves data)
+            for k in range(2, p):
+                red(out, blk[k], out)
         elif coll == "broadcast":
             if r != root:
-                np.copyto(out, part(root))
+                np.copyto(out, rows[root, :nb].view(dtype))
         elif coll in ("allgather", "gather"):
             if coll == "allgather" or r == root:
-                for k in range(p):
-                    np.copyto(out[k * n:(k + 1) * n], part(k))
+                np.copyto(out.reshape(p, n), rows[:, :nb].view(dtype))
         elif coll == "alltoall":
-            for k in range(p):
-                np.copyto(out[k * n:(k + 1) * n], part(k, r))
+            np.copyto(out.reshape(p, n), rows[:, r * nb:(r + 1) * nb].view(dtype))
         elif coll == "scatter":
-            np.copyto(out, part(root, r))
+            np.copyto(out, rows[root, r * nb:(r + 1) * nb].view(dtype))
         # barrier: the exchange was the barrier
 
     def _agree(self, every: np.ndarray, seq: int, sig: int, meta: tuple, site: int) -> None:
@@ -591,6 +592,19 @@ class Communicator:
                 oa = ob.array.view(dtype) if ob is not None else empty
                 return shm_board.BoardRun(self.board, coll, seq, sig, meta, xa, oa, root,
                                           red, n, site=site)
+        elif fold:
+
+            def start() -> Chain:  # agreement and data in one exchange
+                x = xb.array if xb is not None and _fold_sends(coll, self.rank, root) \
+                    else None
+                run, every = self._agreement_run(seq, sig, meta, site, x)
+
+                def then():
+                    self._agree(every, seq, sig, meta, site)
+                    self._fold_finish(coll, every, ob, dtype, red, n, root)
+                    return None
+
+                return Chain(run, then)
         else:
             start = self._schedule_start(sched, xb, ob, dtype, alias, red, seq, sig)
             if self._check and sched.steps:
@@ -602,19 +616,6 @@ class Communicator:
                     check = shm_board.BoardRun(self.board, coll, seq, sig, meta, empty8, empty8,
                                                root, None, n, check=True, site=site)
                     return Chain(check, data_start)
-            elif fold:
-
-                def start() -> Chain:  # noqa: F811 - agreement and data in one exchange
-                    x = xb.array if xb is not None and _fold_sends(coll, self.rank, root) \
-                        else _EMPTY_U8
-                    run, every = self._agreement_run(seq, sig, meta, site, x)
-
-                    def then():
-                        self._agree(every, seq, sig, meta, site)
-                        self._fold_finish(coll, every, ob, dtype, red, n, root)
-                        return None
-
-                    return Chain(run, then)
             elif self._netcheck and sched.steps:
                 data_start = start
 

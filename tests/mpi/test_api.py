@@ -207,6 +207,23 @@ def test_nonblocking_variants(comm):
     while not req.test():
         pass
     assert (req.result == 0).all()
+    # small calls, several in flight, waited in reverse order: each keeps its own data
+    # (across nodes they fold, one after the other through the agreement's buffers)
+    ns = (3, 64, 1, 200, 17)
+    xs = [np.arange(n, dtype=np.float64) * (i + 1) + r for i, n in enumerate(ns)]
+    reqs = [comm.iallreduce(x.copy()) for x in xs] + \
+        [comm.iallgather(x) for x in xs] + [comm.ibroadcast(xs[1].copy(), root=p - 1)]
+    for req in reversed(reqs):
+        req.wait(timeout=60)
+    for i, n in enumerate(ns):
+        assert np.array_equal(reqs[i].result, sum(np.arange(n) * (i + 1) + q for q in range(p)))
+        assert np.array_equal(np.asarray(reqs[len(ns) + i].result).reshape(p, n),
+                              [np.arange(n) * (i + 1) + q for q in range(p)])
+    assert np.array_equal(reqs[-1].result, np.arange(64) * 2 + p - 1)
+    req = comm.ibroadcast(np.full(10, r, np.float32), root=0)
+    while not req.test():
+        pass
+    assert (req.result == 0).all()
     bar = comm.ibarrier()
     bar.wait(timeout=30)
     assert bar.done
