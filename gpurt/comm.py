@@ -39,7 +39,7 @@ from .errors import (CollectiveMismatchError, CollectiveTimeout, CommunicatorClo
 from .executor import Chain, Engine, Request, _Run, check_timeout
 from .flight import FlightRecorder
 from .ops import DTYPES, Op, as_op, check_op, host_finalize, reducer
-from .schedule import Recv, Schedule, Send, Slice
+from .schedule import Copy, Recv, Schedule, Send, Slice
 from .algorithms import REGISTRY, Cost
 from .hier import HIER, Shape
 from .topology import Topology
@@ -106,6 +106,7 @@ class Communicator:
         self.dev, self.dev_why, self.dev_endpoints, self.dev_ipc = None, "not set up", {}, None
         self._devtuner = self._devtmp = self._devlast = None
         self._agree_bufs: tuple | None = None     # see _agreement_run
+        self._agree_hdrs: dict = {}               # (sig, meta, site) -> header words
         self._devretired: list = []     # outgrown device scratch, until its event fires
         self.mpi = mpi_comm if _owned else mpi_comm.Dup()
         self.rank: int = self.mpi.Get_rank()
@@ -375,20 +376,36 @@ class Communicator:
         zeroed) once: collectives run one at a time, and a call's rows are read (agreed,
         folded) before the next call starts.  Past the data, the message holds zeros or
         this rank's earlier contributions, which its peers have already had."""
-        pkt, every, bufs, sched = self._agree_bufs or self._agreement_buffers()
-        pkt[:_HDR_WORDS] = (seq, sig & _M64) + meta + callsite.words(site)
+        every, mine, bufs, sched, rows8 = self._agree_bufs or self._agreement_buffers()
+        key = (sig, meta, site)
+        hdr = self._agree_hdrs.get(key)
+        if hdr is None:
+            if len(self._agree_hdrs) > 1024:
+                self._agree_hdrs.clear()
+            hdr = self._agree_hdrs[key] = np.array(
+                (0, sig & _M64) + meta + callsite.words(site), np.uint64)
+        mine[:_HDR_WORDS] = hdr
+        mine[0] = seq
         if data is not None and data.nbytes:
-            pkt[_HDR_WORDS:].view(np.uint8)[:data.nbytes] = data.reshape(-1).view(np.uint8)
-        return _Run(sched, bufs, False, None, self.endpoints, 0, seq, _AGREE_SIG), every
+            rows8[self.rank, :data.nbytes] = data.view(np.uint8)
+        return _Run(sched, bufs, False, None, self.endpoints, 0, seq, _AGREE_SIG,
+                    dtype=_U64), every
 
     def _agreement_buffers(self) -> tuple:
         words = _HDR_WORDS + self._fold // 8
-        pkt = np.zeros(words, np.uint64)   # no stale bytes of this process go out
-        every = np.empty(self.size * words, np.uint64)
+        # every rank's message, one row each; this rank's own row is what it sends (where
+        # the schedule copies a message in, a separate one)
+        every = np.zeros(self.size * words, np.uint64)   # no stale bytes of this process go out
         sched = _agreement_schedule(self.size, self.rank, words)
-        bufs = {"in": pkt, "out": every, "tmp": _EMPTY_U64 if not sched.tmp else
+        r = self.rank
+        direct = not any(isinstance(o, Copy) for st in sched.steps for o in st)
+        mine = every[r * words:(r + 1) * words] if direct else np.zeros(words, np.uint64)
+        bufs = {"in": mine, "out": every, "tmp": _EMPTY_U64 if not sched.tmp else
                 np.empty(sched.tmp, np.uint64)}
-        self._agree_bufs = (pkt, every, bufs, sched)
+        # the data part of every row (a folded call's contributions: only where the rows
+        # are the messages themselves — folding needs at most _FOLD_RANKS ranks)
+        rows8 = every.reshape(self.size, words)[:, _HDR_WORDS:].view(np.uint8)
+        self._agree_bufs = (every, mine, bufs, sched, rows8)
         return self._agree_bufs
 
     def _fold_finish(self, coll: str, every: np.ndarray, ob: Buf | None, dtype: np.dtype,
@@ -398,8 +415,7 @@ class Communicator:
         the same bits."""
         p, r = self.size, self.rank
         nb = n * dtype.itemsize
-        # every rank's data, one row each (past the headers), as n-element blocks
-        rows = every.reshape(p, -1)[:, _HDR_WORDS:].view(np.uint8)
+        rows = self._agree_bufs[4]   # every rank's data, one row each (past the headers)
         out = ob.array.view(dtype) if ob is not None else None
         if coll in ("allreduce", "reduce", "reduce_scatter"):
             if coll == "reduce" and r != root:
@@ -426,8 +442,8 @@ class Communicator:
         nm = 2 + len(meta)
         # call number, signature and the arguments themselves (two calls whose 32-bit
         # signatures collide differ there: a folded call computes straight from the rows)
-        want = [seq, sig & _M64, *meta]
-        if all(h == want for h in rows[:, :nm].tolist()):
+        want = rows[self.rank, :nm].tobytes()     # (seq, sig, *meta), as this rank sent them
+        if all(row[:nm].tobytes() == want for row in rows):
             return                # the common case: no text to build
         bad = []
         mine = shm_board.describe(meta)
@@ -1470,7 +1486,8 @@ class Communicator:
 
 
 _EMPTY_U8 = np.empty(0, np.uint8)
-_EMPTY_U64 = np.empty(0, np.uint64)
+_U64 = np.dtype(np.uint64)
+_EMPTY_U64 = np.empty(0, _U64)
 _SUPPORTED_DTYPES = frozenset(DTYPES)
 _NO = object()     # "not taken inline" (None is a result: gather's off the root)
 
@@ -1514,7 +1531,12 @@ def _agreement_schedule(p: int, r: int, n: int) -> Schedule:
     """The allgather that carries the headers of the agreement check: every rank's header
     straight to every rank up to 32 ranks (so a rank that times out in it can name every
     rank that has not arrived), Bruck's ⌈lg p⌉ rounds beyond."""
-    return REGISTRY["allgather"]["direct" if p <= 32 else "bruck"].build(p, r, n, 0)
+    if p > 32:
+        return REGISTRY["allgather"]["bruck"].build(p, r, n, 0)
+    # direct, from this rank's own row of the output (no copy in)
+    others = [q for q in range(p) if q != r]
+    return Schedule.build([[Send(q, Slice("out", r * n, n)) for q in others]
+                           + [Recv(q, Slice("out", q * n, n)) for q in others]])
 
 
 def _sleep_polling(waiters: list, seconds: float) -> None:

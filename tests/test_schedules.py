@@ -201,3 +201,22 @@ def test_catches_lonely_barrier() -> None:
           Schedule.build([])]
     with pytest.raises(ScheduleError, match="without hearing"):
         simulate("barrier", 3, 0, sc)
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 5, 8, 32, 33, 40])
+def test_agreement_exchange_proven(p: int) -> None:
+    """The agreement check's exchange (``gpurt.comm._agreement_schedule``) is an
+    allgather of every rank's header: up to 32 ranks straight from the rank's own row of
+    the output (it writes its header there; the Copy in front stands for that write),
+    beyond with Bruck's rounds from a separate message."""
+    from gpurt.comm import _agreement_schedule
+    n = 15
+    scheds = []
+    for r in range(p):
+        s = _agreement_schedule(p, r, n)
+        if p <= 32:
+            assert len(s.steps) <= 1 and not any(isinstance(o, Copy) for st in s.steps
+                                                 for o in st)
+            s = Schedule.build([[Copy(Slice("in", 0, n), Slice("out", r * n, n))]]).then(s)
+        scheds.append(s)
+    simulate("allgather", p, n, scheds)
