@@ -107,6 +107,7 @@ class Communicator:
         self._devtuner = self._devtmp = self._devlast = None
         self._agree_bufs: tuple | None = None     # see _agreement_run
         self._agree_hdrs: dict = {}               # (sig, meta, site) -> header words
+        self._fold_views: dict = {}               # (offset, bytes, dtype) -> rows' blocks
         self._devretired: list = []     # outgrown device scratch, until its event fires
         self.mpi = mpi_comm if _owned else mpi_comm.Dup()
         self.rank: int = self.mpi.Get_rank()
@@ -355,7 +356,7 @@ class Communicator:
                                           site=site)
         else:   # several nodes: take part in the agreement allgather with a REJECTED header
             def start():
-                return self._agreement_run(seq, shm_board.REJECTED, meta, site)[0]
+                return self._agreement_run(seq, shm_board.REJECTED, meta, site)
         req = Request(self.engine, f"{coll} (rejected)", seq, start)
         try:   # queued in call order; published now if it can be, else by the next call
             self.engine.submit(req)
@@ -364,7 +365,7 @@ class Communicator:
             pass     # the user's own error is the one to raise
 
     def _agreement_run(self, seq: int, sig: int, meta: tuple, site: int,
-                       data: np.ndarray | None = None) -> tuple[_Run, np.ndarray]:
+                       data: np.ndarray | None = None) -> _Run:
         """Multi-node (no board): every rank's header (call number, signature, arguments,
         call site) to every rank by a small allgather over the endpoints, before the data
         moves.  On communicators with ``_fold`` room, every message is that much longer
@@ -376,7 +377,7 @@ class Communicator:
         zeroed) once: collectives run one at a time, and a call's rows are read (agreed,
         folded) before the next call starts.  Past the data, the message holds zeros or
         this rank's earlier contributions, which its peers have already had."""
-        every, mine, bufs, sched, rows8 = self._agree_bufs or self._agreement_buffers()
+        mine, bufs, sched, rows8 = (self._agree_bufs or self._agreement_buffers())[1:5]
         key = (sig, meta, site)
         hdr = self._agree_hdrs.get(key)
         if hdr is None:
@@ -387,9 +388,8 @@ class Communicator:
         mine[:_HDR_WORDS] = hdr
         mine[0] = seq
         if data is not None and data.nbytes:
-            rows8[self.rank, :data.nbytes] = data.view(np.uint8)
-        return _Run(sched, bufs, False, None, self.endpoints, 0, seq, _AGREE_SIG,
-                    dtype=_U64), every
+            rows8[self.rank][:data.nbytes] = data.view(np.uint8)
+        return _Run(sched, bufs, False, None, self.endpoints, 0, seq, _AGREE_SIG, dtype=_U64)
 
     def _agreement_buffers(self) -> tuple:
         words = _HDR_WORDS + self._fold // 8
@@ -404,12 +404,14 @@ class Communicator:
                 np.empty(sched.tmp, np.uint64)}
         # the data part of every row (a folded call's contributions: only where the rows
         # are the messages themselves — folding needs at most _FOLD_RANKS ranks)
-        rows8 = every.reshape(self.size, words)[:, _HDR_WORDS:].view(np.uint8)
-        self._agree_bufs = (every, mine, bufs, sched, rows8)
+        rows = every.reshape(self.size, words)
+        rows8 = rows[:, _HDR_WORDS:].view(np.uint8)
+        # the compared words of every header (seq, sig, meta), one strided view
+        self._agree_bufs = (rows, mine, bufs, sched, rows8, rows[:, :2 + _META_WORDS])
         return self._agree_bufs
 
-    def _fold_finish(self, coll: str, every: np.ndarray, ob: Buf | None, dtype: np.dtype,
-                     red, n: int, root: int) -> None:
+    def _fold_finish(self, coll: str, ob: Buf | None, dtype: np.dtype, red, n: int,
+                     root: int) -> None:
         """A folded call's result, from every rank's contribution in the agreement's
         messages (agreed already): reductions in rank order 0, 1, ..., so every rank gets
         the same bits."""
@@ -421,7 +423,13 @@ class Communicator:
             if coll == "reduce" and r != root:
                 return
             lo = r * nb if coll == "reduce_scatter" else 0
-            blk = rows[:, lo:lo + nb].view(dtype)     # (p, n): rank k's block
+            key = (lo, nb, dtype)
+            blk = self._fold_views.get(key)
+            if blk is None:
+                if len(self._fold_views) > 256:
+                    self._fold_views.clear()
+                # (p, n): rank k's block, a view into the communicator's own rows
+                blk = self._fold_views[key] = tuple(rows[:, lo:lo + nb].view(dtype))
             red(blk[0], blk[1], out)                  # p >= 2 here (a folded call moves data)
             for k in range(2, p):
                 red(out, blk[k], out)
@@ -437,13 +445,17 @@ class Communicator:
             np.copyto(out, rows[root, r * nb:(r + 1) * nb].view(dtype))
         # barrier: the exchange was the barrier
 
-    def _agree(self, every: np.ndarray, seq: int, sig: int, meta: tuple, site: int) -> None:
-        rows = every.reshape(self.size, -1)
+    def _agree(self, seq: int, sig: int, meta: tuple, site: int) -> None:
+        """Compare the headers that the agreement exchange gathered (after its run):
+        ``CollectiveMismatchError`` naming each rank whose call differs."""
+        rows = self._agree_bufs[0]
         nm = 2 + len(meta)
         # call number, signature and the arguments themselves (two calls whose 32-bit
-        # signatures collide differ there: a folded call computes straight from the rows)
-        want = rows[self.rank, :nm].tobytes()     # (seq, sig, *meta), as this rank sent them
-        if all(row[:nm].tobytes() == want for row in rows):
+        # signatures collide differ there: a folded call computes straight from the rows),
+        # every rank's against this rank's own (as it sent them)
+        heads = self._agree_bufs[5].tobytes()
+        k = len(heads) // self.size
+        if heads == heads[self.rank * k:(self.rank + 1) * k] * self.size:
             return                # the common case: no text to build
         bad = []
         mine = shm_board.describe(meta)
@@ -609,18 +621,11 @@ class Communicator:
                 return shm_board.BoardRun(self.board, coll, seq, sig, meta, xa, oa, root,
                                           red, n, site=site)
         elif fold:
+            xs = xb.array if xb is not None and _fold_sends(coll, self.rank, root) else None
 
-            def start() -> Chain:  # agreement and data in one exchange
-                x = xb.array if xb is not None and _fold_sends(coll, self.rank, root) \
-                    else None
-                run, every = self._agreement_run(seq, sig, meta, site, x)
+            def start() -> _Run:   # agreement and data in one exchange (finish() agrees)
+                return self._agreement_run(seq, sig, meta, site, xs)
 
-                def then():
-                    self._agree(every, seq, sig, meta, site)
-                    self._fold_finish(coll, every, ob, dtype, red, n, root)
-                    return None
-
-                return Chain(run, then)
         else:
             start = self._schedule_start(sched, xb, ob, dtype, alias, red, seq, sig)
             if self._check and sched.steps:
@@ -636,10 +641,10 @@ class Communicator:
                 data_start = start
 
                 def start() -> Chain:  # noqa: F811 - the checked variant, over the network
-                    run, every = self._agreement_run(seq, sig, meta, site)
+                    run = self._agreement_run(seq, sig, meta, site)
 
                     def then():
-                        self._agree(every, seq, sig, meta, site)
+                        self._agree(seq, sig, meta, site)
                         return data_start()
 
                     return Chain(run, then)
@@ -658,6 +663,9 @@ class Communicator:
             getattr(start, "box", {})["rec"] = rec
 
         def finish() -> Any:
+            if fold:        # every header gathered: compare them, then compute from the rows
+                self._agree(seq, sig, meta, site)
+                self._fold_finish(coll, ob, dtype, red, n, root)
             if op is Op.AVG and ob is not None and (not finish_root_only or self.rank == root):
                 host_finalize(op, ob.array, self.size)
             if rec is not None:
@@ -751,10 +759,10 @@ class Communicator:
             return Chain(check, data_start)
 
         def net_checked() -> Chain:
-            run, every = self._agreement_run(seq, sig, meta, site)
+            run = self._agreement_run(seq, sig, meta, site)
 
             def then():
-                self._agree(every, seq, sig, meta, site)
+                self._agree(seq, sig, meta, site)
                 return data_start()
 
             return Chain(run, then)
@@ -1507,7 +1515,8 @@ for _o in Op:
 
 _M64 = 0xFFFFFFFFFFFFFFFF
 _AGREE_SIG = 0x67707274414752   # "gprtAGR": the agreement messages' own signature
-_HDR_WORDS = 2 + 5 + callsite.WORDS   # an agreement header: seq, sig, meta, call site
+_META_WORDS = 5                        # shm_board.meta_of: the call's arguments
+_HDR_WORDS = 2 + _META_WORDS + callsite.WORDS   # an agreement header: seq, sig, meta, site
 FOLD = "folded"          # the name of a call that ran inside the agreement's exchange
 _FOLD_RANKS = 8          # the most ranks for which agreement messages carry data
 _FOLD_MAX = 64 << 10     # the most room GPURT_NET_FOLD may give them
