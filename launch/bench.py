@@ -50,6 +50,8 @@ OPS = ("sum", "prod", "min", "max", "avg", "band", "bor", "bxor")
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "int16", "int32", "int64",
           "uint8", "uint16", "uint32", "uint64", "complex64", "complex128", "bool")
 BASELINES = ("mpi", "gloo", "nocheck")
+#: blocks per size when two libraries are timed in the same run (gpurt and nocheck)
+_BLOCKS = 8
 
 
 # ---------------------------------------------------------------------------------------
@@ -630,15 +632,29 @@ class _GlooLib(_Lib):
 
 
 class _NoCheckLib(_GpurtLib):
-    """gpurt itself with ``GPURT_CHECK=0``: the baseline that prices the agreement check."""
+    """gpurt itself with ``GPURT_CHECK=0``: the baseline that prices the agreement check.
+    It runs in the same processes as the checked communicator (a second one, created with
+    the variable set), the two timed in alternating blocks (``_sweep``)."""
 
     name = "nocheck"
 
     def __init__(self) -> None:
-        os.environ["GPURT_CHECK"] = "0"
         from gpurt import config
+        was = os.environ.get("GPURT_CHECK")
+        os.environ["GPURT_CHECK"] = "0"
         config.reload()
-        super().__init__()
+        try:
+            _Lib.__init__(self)
+            import gpurt
+            from gpurt.ops import as_op
+            self.gpurt, self.as_op = gpurt, as_op
+            self.comm = gpurt.Communicator(self.MPI.COMM_WORLD)
+        finally:
+            if was is None:
+                os.environ.pop("GPURT_CHECK", None)
+            else:
+                os.environ["GPURT_CHECK"] = was
+            config.reload()
 
 
 _LIBS = {"gpurt": _GpurtLib, "mpi": _MpiLib, "gloo": _GlooLib, "nocheck": _NoCheckLib}
@@ -816,14 +832,27 @@ def worker(cfg: dict) -> dict | None:
     kind)."""
     if cfg.get("memory") == "standin":
         os.environ["GPURT_DEVICE_BACKEND"] = "standin"
-    lib = _LIBS[cfg["lib"]]()
+    libs = [_LIBS[cfg["lib"]]()]
     try:
-        return _sweep(lib, cfg)
+        if cfg["lib"] == "gpurt" and cfg.get("paired"):
+            libs.append(_LIBS[cfg["paired"]]())      # timed alongside, in the same run
+        res = _sweep(libs, cfg)
     finally:
-        lib.close()
+        for lib in reversed(libs):
+            lib.close()
+    if res is None:
+        return None
+    if len(res) > 1:
+        res[0]["paired"] = res[1]
+    return res[0]
 
 
-def _sweep(lib: _Lib, cfg: dict) -> dict | None:
+def _sweep(libs: list[_Lib], cfg: dict) -> list[dict] | None:
+    """Every size through every library in ``libs`` (one, or gpurt and its ``nocheck``
+    twin); with several, each size's iterations run in blocks that alternate between
+    them (the order turning every block), so slow phases of a shared machine fall on
+    both alike.  Rank 0 returns one result per library."""
+    lib = libs[0]
     coll, root = cfg["collective"], int(cfg.get("root", 0))
     dtype = parse_dtype(cfg["dtype"])
     op = cfg["op"] if coll in REDUCING else None
@@ -863,75 +892,90 @@ def _sweep(lib: _Lib, cfg: dict) -> dict | None:
     if io is not None:        # device copies of the same inputs; timed with a stream sync
         xd, yd = io.to_dev(x), io.to_dev(y)
         io.sync()
-    rows = []
+    rows: list[list[dict]] = [[] for _ in libs]
+    blocks = 1 if len(libs) == 1 else max(1, min(int(cfg["iters"]), _BLOCKS))
     for S, (c, nin, nout) in zip(sizes, lays):
         xv, yv = x[:nin], y[:nout]
         if io is None:
-            call = lib.make(coll, xv, yv, op, root, cfg.get("algo"))
+            calls = [lb.make(coll, xv, yv, op, root, cfg.get("algo")) for lb in libs]
         else:
             xdv, ydv = xd[:nin], yd[:nout]
-            dcall = lib.make(coll, xdv, ydv, op, root, cfg.get("algo"))
 
-            def call(dcall=dcall):
-                a = dcall()
-                io.sync()          # the result is ready on the stream: count that too
-                return a
-        for _ in range(int(cfg["warmup"])):
-            call()
+            def synced(dcall):
+                def call():
+                    a = dcall()
+                    io.sync()      # the result is ready on the stream: count that too
+                    return a
+                return call
+
+            calls = [synced(lb.make(coll, xdv, ydv, op, root, cfg.get("algo")))
+                     for lb in libs]
+        for call in calls:
+            for _ in range(int(cfg["warmup"])):
+                call()
         iters = int(cfg["iters"])
-        times = np.empty(iters)
-        algos: list[str] = []
-        ctl.Barrier()
-        for i in range(iters):
-            t0 = perf_counter()
-            a = call()
-            times[i] = perf_counter() - t0
-            algos.append(a)
-        every = ctl.gather(times, 0)
-        wrong = None
-        if cfg.get("check"):
-            # a separate pass on exact inputs; outputs preset to a sentinel
-            if coll == "broadcast" and r != root:
-                xv.fill(sentinel(dtype))
-            else:
-                fill_input(xv, r, dtype, op, n, c)
-            yv.fill(sentinel(dtype))
-            if io is not None:
-                io.put(xdv, xv)
-                io.put(ydv, yv)
-            ctl.Barrier()
-            call()
-            out = xv if coll == "broadcast" or (lib.in_place_reductions and
-                                                coll in ("allreduce", "reduce")) else yv
-            if io is not None:
-                out = io.to_host(xdv if out is xv else ydv)
-            wrong = ctl.reduce(check_output(coll, n, r, c, dtype, op, root, out), root=0)
-            if coll == "broadcast" and r != root:
-                fill_input(xv, r, dtype, op, n, c)
+        times = [np.empty(iters) for _ in libs]
+        algos: list[list[str]] = [[] for _ in libs]
+        cuts = [iters * b // blocks for b in range(blocks + 1)]
+        for b in range(blocks):
+            for k in [(b + j) % len(libs) for j in range(len(libs))]:
+                call, tk, ak = calls[k], times[k], algos[k]
+                ctl.Barrier()
+                for i in range(cuts[b], cuts[b + 1]):
+                    t0 = perf_counter()
+                    a = call()
+                    tk[i] = perf_counter() - t0
+                    ak.append(a)
+        for k, lb in enumerate(libs):
+            every = ctl.gather(times[k], 0)
+            wrong = None
+            if cfg.get("check"):
+                # a separate pass on exact inputs; outputs preset to a sentinel
+                if coll == "broadcast" and r != root:
+                    xv.fill(sentinel(dtype))
+                else:
+                    fill_input(xv, r, dtype, op, n, c)
+                yv.fill(sentinel(dtype))
                 if io is not None:
                     io.put(xdv, xv)
-        if r == 0:
-            per_iter = np.max(np.vstack(every), axis=0)
-            st = _stats(per_iter)
-            row = {"size": S, "count": S // it if it else 0, "per_rank_count": c, **st,
-                   "iter_max_s": per_iter.tolist(),
-                   "rank_mean_s": [float(np.mean(t)) for t in every],
-                   "wrong": wrong, "algo": "/".join(sorted(set(algos))) or "-"}
-            ex = lib.explain(coll, S)
-            if ex:
-                row["explain"] = ex
-            rows.append(row)
-            bw = S / st["p50_s"] / 1e9 * busbw_factor(coll, n) if st["p50_s"] > 0 else 0.0
-            _log(f"[{label}] {coll} {S:>12} B  p50 {st['p50_s'] * 1e6:10.1f} us  "
-                 f"busbw {bw:8.3f} GB/s  #wrong {'n/a' if wrong is None else wrong}  "
-                 f"{row['algo']}")
+                    io.put(ydv, yv)
+                ctl.Barrier()
+                calls[k]()
+                out = xv if coll == "broadcast" or (lb.in_place_reductions and
+                                                    coll in ("allreduce", "reduce")) else yv
+                if io is not None:
+                    out = io.to_host(xdv if out is xv else ydv)
+                wrong = ctl.reduce(check_output(coll, n, r, c, dtype, op, root, out), root=0)
+                if coll == "broadcast" and r != root:
+                    fill_input(xv, r, dtype, op, n, c)
+                    if io is not None:
+                        io.put(xdv, xv)
+            if r == 0:
+                per_iter = np.max(np.vstack(every), axis=0)
+                st = _stats(per_iter)
+                row = {"size": S, "count": S // it if it else 0, "per_rank_count": c, **st,
+                       "iter_max_s": per_iter.tolist(),
+                       "rank_mean_s": [float(np.mean(t)) for t in every],
+                       "wrong": wrong, "algo": "/".join(sorted(set(algos[k]))) or "-"}
+                ex = lb.explain(coll, S)
+                if ex:
+                    row["explain"] = ex
+                rows[k].append(row)
+                bw = S / st["p50_s"] / 1e9 * busbw_factor(coll, n) if st["p50_s"] > 0 \
+                    else 0.0
+                tag = label if k == 0 else f"{label} +{lb.name}"
+                _log(f"[{tag}] {coll} {S:>12} B  p50 {st['p50_s'] * 1e6:10.1f} us  "
+                     f"busbw {bw:8.3f} GB/s  #wrong {'n/a' if wrong is None else wrong}  "
+                     f"{row['algo']}")
     if r != 0:
         return None
     from mpi4py import MPI
-    info = {"mpi_library": " ".join(MPI.Get_library_version().split("\n")[0].split()),
-            **lib.info()}
-    return {"lib": lib.name, "nranks": n, "rows": rows, "ceiling": ceiling, "info": info,
-            "wall_s": time.time() - t_start}
+    mpi = " ".join(MPI.Get_library_version().split("\n")[0].split())
+    wall = time.time() - t_start
+    return [{"lib": lb.name, "nranks": n, "rows": rows[k], "ceiling": ceiling if k == 0 else
+             None, "info": {"mpi_library": mpi, **lb.info()}, "wall_s": wall,
+             **({"paired_blocks": blocks} if len(libs) > 1 else {})}
+            for k, lb in enumerate(libs)]
 
 
 def _worker_main(argv: list[str]) -> int:
@@ -1274,9 +1318,9 @@ def run_bench(cfg: dict, nranks: int | None, json_path: str | None, plot_path: s
         if nranks not in (None, here):
             why = (f"running under an MPI launcher with {here} ranks but -n {nranks}: drop "
                    f"-n or make them agree")
-        elif cfg["baselines"]:
-            why = ("--baseline needs a separate launch per library: run `gpurt bench` "
-                   "itself, not under mpiexec")
+        elif set(cfg["baselines"]) - {"nocheck"}:
+            why = ("--baseline mpi and gloo need a launch of their own: run `gpurt bench` "
+                   "itself, not under mpiexec (nocheck runs in place)")
         if why:
             if launcher_rank() != 0:
                 raise SystemExit(2)   # rank 0 says why, once
@@ -1294,11 +1338,22 @@ def run_bench(cfg: dict, nranks: int | None, json_path: str | None, plot_path: s
     launches: dict[str, list[dict]] = {"gpurt": []}
     base = {k: cfg[k] for k in ("collective", "sizes", "dtype", "op", "root", "warmup",
                                 "iters", "algo", "check", "memory")}
-    if here > 1:
+    # the nocheck baseline is timed inside gpurt's own runs (a second communicator)
+    paired = "nocheck" if "nocheck" in cfg["baselines"] else None
+
+    def keep(res: dict, rep: int) -> None:
+        res["repeat"] = rep
+        launches["gpurt"].append(res)
+        if "paired" in res:
+            twin = res.pop("paired")
+            twin["repeat"] = rep
+            launches.setdefault(twin["lib"], []).append(twin)
+
+    if here > 1:      # inside an existing launch: gpurt (and nocheck beside it) only
         rank = None
         for rep in range(cfg["repeat"]):
             wcfg = dict(base, lib="gpurt", ceiling_bytes=cfg["ceiling_bytes"],
-                        label=f"gpurt {rep + 1}/{cfg['repeat']}")
+                        label=f"gpurt {rep + 1}/{cfg['repeat']}", paired=paired)
             try:
                 res = worker(wcfg)
             except Exception as e:  # noqa: BLE001 - one clear line, abort the launch
@@ -1306,7 +1361,7 @@ def run_bench(cfg: dict, nranks: int | None, json_path: str | None, plot_path: s
                 raise SystemExit(1) from None
             rank = 0 if res is not None else 1
             if res is not None:
-                launches["gpurt"].append(res)
+                keep(res, rep)
         if rank != 0:
             return {}
     else:
@@ -1317,17 +1372,19 @@ def run_bench(cfg: dict, nranks: int | None, json_path: str | None, plot_path: s
         for b in baselines:
             if b in skipped:
                 _log(f"gpurt bench: skipping the {b} baseline: {skipped[b]}")
-            else:
+            elif b != paired:
                 launches[b] = []
         with tempfile.TemporaryDirectory(prefix="gpurt-bench-") as td:
             tmp = Path(td)
             for rep in range(cfg["repeat"]):
                 for lib in list(launches):
-                    if lib in skipped:
+                    if lib in skipped or lib == paired:
                         continue
                     c = dict(base, lib=lib, label=f"{lib} {rep + 1}/{cfg['repeat']}",
                              ceiling_bytes=cfg["ceiling_bytes"] if lib == "gpurt" else 0)
-                    if lib not in ("gpurt", "nocheck"):
+                    if lib == "gpurt":
+                        c["paired"] = paired
+                    else:
                         c["algo"] = None
                     res = _launch(c, nranks, tmp, f"{lib}-{rep}")
                     if "skipped" in res:
@@ -1335,8 +1392,11 @@ def run_bench(cfg: dict, nranks: int | None, json_path: str | None, plot_path: s
                         _log(f"gpurt bench: skipping the {lib} baseline: {res['skipped']}")
                         launches.pop(lib, None)
                         continue
-                    res["repeat"] = rep
-                    launches[lib].append(res)
+                    if lib == "gpurt":
+                        keep(res, rep)
+                    else:
+                        res["repeat"] = rep
+                        launches[lib].append(res)
     if not launches.get("gpurt"):
         raise click.ClickException(f"gpurt's own run did not happen: "
                                    f"{skipped.get('gpurt', 'no result')}")
@@ -1388,9 +1448,10 @@ class _SizeType(click.ParamType):
 @click.option("-c", "--check", is_flag=True,
               help="Also run a separate checked call per size and report #wrong.")
 @click.option("--baseline", "baselines", type=click.Choice(BASELINES), multiple=True,
-              help="Also run the sweep through mpi4py (mpi), torch.distributed gloo "
-                   "(gloo), or gpurt with GPURT_CHECK=0 (nocheck: what the agreement check "
-                   "costs), each in its own launch; repeatable.")
+              help="Also run the sweep through mpi4py (mpi) or torch.distributed gloo "
+                   "(gloo), each in its own launch, or gpurt with GPURT_CHECK=0 (nocheck: "
+                   "what the agreement check costs; a second communicator in gpurt's own "
+                   "run, timed in alternating blocks); repeatable.")
 @click.option("--repeat", type=click.IntRange(1), default=1, show_default=True,
               help="Alternate the launches this many times (gpurt, mpi, gpurt, mpi, ...); "
                    "medians per size.")

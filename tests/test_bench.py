@@ -107,19 +107,75 @@ def test_baseline_mpi(tmp_path):
 
 
 def test_baseline_nocheck_prices_the_agreement_check(tmp_path):
-    """gpurt against itself with GPURT_CHECK=0, in its own launch: exact both ways, and the
-    second launch really ran unchecked (its communicator says so)."""
+    """gpurt against itself with GPURT_CHECK=0, timed in gpurt's own launches (a second
+    communicator, alternating blocks): exact both ways, the second communicator really
+    unchecked (it says so), one launch per repeat and no launch of its own."""
     out = tmp_path / "nocheck.json"
-    proc = run_bench(["allreduce", "-n", "2", "-b", "512K", "-e", "512K", "-c",
-                      "--baseline", "nocheck", "--json", str(out)] + QUICK)
+    proc = run_bench(["allreduce", "-n", "2", "-b", "4K", "-e", "512K", "-f", "128", "-c",
+                      "--baseline", "nocheck", "--repeat", "2", "--json", str(out)] + QUICK)
     assert "nocheck p50(us)" in proc.stdout and "ratio" in proc.stdout
     rep = json.loads(out.read_text())
-    row = rep["rows"][0]
-    assert row["gpurt"]["wrong"] == 0 and row["nocheck"]["wrong"] == 0
-    assert row["ratio"]["nocheck"] > 0
+    assert [r["size"] for r in rep["rows"]] == [4096, 512 << 10]
+    for row in rep["rows"]:
+        assert row["gpurt"]["wrong"] == 0 and row["nocheck"]["wrong"] == 0
+        assert row["ratio"]["nocheck"] > 0
     assert rep["libraries"]["gpurt"]["info"]["check"] is True
     assert rep["libraries"]["nocheck"]["info"]["check"] is False
+    for lib in ("gpurt", "nocheck"):
+        launches = rep["libraries"][lib]["launches"]
+        assert [L["repeat"] for L in launches] == [0, 1]
+        assert all(L["paired_blocks"] == 3 for L in launches)    # min(-i 3, 8) blocks
+    labels = {ln.split("]")[0] + "]" for ln in proc.stderr.splitlines() if ln.startswith("[")}
+    assert {"[gpurt 1/2]", "[gpurt 1/2 +nocheck]", "[gpurt 2/2 +nocheck]"} <= labels
+    assert not any(lb.startswith("[nocheck") for lb in labels)   # no launch of its own
     assert "nocheck" in B.BASELINES and B._LIBS["nocheck"].name == "nocheck"
+
+
+def test_paired_sweep_alternates_blocks(monkeypatch):
+    """Two libraries in one sweep: each size's iterations in blocks whose order turns
+    (a, b, then b, a, ...), every iteration timed and counted once per library.  (Fake
+    libraries and a one-process stand-in for the MPI control communicator: the order is
+    what is under test, not MPI.)"""
+    import types
+    calls: list[str] = []
+
+    class Ctl:
+        def Barrier(self):
+            calls.append("|")
+
+        def gather(self, x, root):
+            return [x]
+
+        def reduce(self, x, root):
+            return x
+
+    class Fake(B._Lib):
+        def __init__(self, name):
+            self.name, self.ctl, self.rank, self.size = name, Ctl(), 0, 1
+
+        def make(self, coll, x, y, op, root, algo):
+            def call():
+                calls.append(self.name)
+                return self.name + "-algo"
+            return call
+
+    mpi = types.SimpleNamespace(Get_library_version=lambda: "fake MPI")
+    monkeypatch.setitem(sys.modules, "mpi4py", types.SimpleNamespace(MPI=mpi))
+    cfg = {"collective": "allreduce", "sizes": [64], "dtype": "float32", "op": "sum",
+           "root": 0, "warmup": 1, "iters": 7, "algo": None, "check": False,
+           "memory": "host", "label": "t"}
+    a, b = Fake("a"), Fake("b")
+    res = B._sweep([a, b], cfg)
+    timed = "".join(calls).split("|")[1:]         # after the warm-ups, per block
+    blocks = min(7, B._BLOCKS)
+    assert len(timed) == 2 * blocks
+    assert [t[0] for t in timed] == (["a", "b", "b", "a"] * blocks)[:2 * blocks]
+    assert "".join(calls).split("|")[0] == "ab"   # one warm-up each
+    assert sum(len(t) for t in timed) == 2 * 7
+    assert [r["lib"] for r in res] == ["a", "b"]
+    for r in res:
+        assert len(r["rows"][0]["iter_max_s"]) == 7 and r["paired_blocks"] == blocks
+        assert r["rows"][0]["algo"] == r["lib"] + "-algo"
 
 
 @pytest.mark.parametrize("coll", B.COLLECTIVES)
@@ -152,7 +208,13 @@ def test_in_place_under_mpiexec():
     bad = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-m", "gpurt.launch.cli",
                           "bench", "allreduce", "--baseline", "mpi"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
-    assert bad.returncode != 0 and "separate launch" in bad.stderr
+    assert bad.returncode != 0 and "launch of their own" in bad.stderr
+    # the nocheck baseline runs in place: a second communicator in the same processes
+    both = subprocess.run(cmd[:-2] + ["--ceiling-size", "0", "--baseline", "nocheck"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, GPURT_TIMEOUT="60"))
+    assert both.returncode == 0, both.stderr
+    assert "nocheck p50(us)" in both.stdout and both.stdout.count("# gpurt bench") == 1
 
 
 # -- gloo ------------------------------------------------------------------------------------
