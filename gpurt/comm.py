@@ -454,24 +454,25 @@ class Communicator:
         # signatures collide differ there: a folded call computes straight from the rows),
         # every rank's against this rank's own (as it sent them)
         heads = self._agree_bufs[5].tobytes()
-        k = len(heads) // self.size
-        if heads == heads[self.rank * k:(self.rank + 1) * k] * self.size:
+        w = len(heads) // self.size
+        if heads == heads[self.rank * w:(self.rank + 1) * w] * self.size:
             return                # the common case: no text to build
         bad = []
         mine = shm_board.describe(meta)
         algo = False            # name the algorithms where a call differs in nothing else
         for k in range(self.size):
             s, g = int(rows[k][0]), int(rows[k][1])
+            theirs = tuple(int(v) for v in rows[k][2:nm])
             where = callsite.at(rows[k][nm:_HDR_WORDS])
             if s != seq:
                 bad.append(f"rank {k} is at call #{s}{where}")
             elif g == shm_board.REJECTED:
-                c = int(rows[k][2])
+                c = theirs[0]
                 what = shm_board.COLLS[c] if c < len(shm_board.COLLS) else "collective"
                 bad.append(f"rank {k} rejected its own {what} call{where} as invalid input "
                            f"(its ValueError/TypeError says why)")
-            elif g != sig & _M64 or [int(v) for v in rows[k][2:nm]] != list(meta):
-                theirs, text = tuple(int(v) for v in rows[k][2:nm]), ""
+            elif g != sig & _M64 or theirs != tuple(meta):
+                text = ""
                 if shm_board.describe(theirs) == mine:
                     algo, text = True, shm_board.describe(theirs, True)
                 bad.append(f"rank {k} called {text or shm_board.describe(theirs)}{where}")

@@ -598,6 +598,12 @@ def test_small_calls_fold_into_the_agreement_exactly(comm, dt):
     comm.barrier()
     want(True, "barrier")
     assert not bad, bad[:10]
+    # explain says which calls fold (an empty one too: its exchange is still the check)
+    room = config.get("GPURT_NET_FOLD")
+    assert ("folded:" in comm.explain("allreduce", 64)) == fold
+    assert "folded:" not in comm.explain("allreduce", room + 8)
+    comm.allreduce(np.empty(0, dt))
+    assert ("folded:" in comm.explain("allreduce", 0)) == (comm.last_algorithm == "folded")
 
 
 @pytest.mark.parametrize("case", ["count", "dtype", "root"])
