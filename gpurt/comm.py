@@ -132,6 +132,7 @@ class Communicator:
         self._netcheck = False
         self.flight: FlightRecorder | None = None
         self._fastplans: dict = {}
+        self._netplans: dict = {}         # _net_inline's plans, per (dtype, count, op)
         #: the algorithm (or native protocol) the last collective call used
         self.last_algorithm = ""
         try:
@@ -292,6 +293,11 @@ class Communicator:
     def _fastpath(self) -> bool:
         return self.board is not None
 
+    @property
+    def _netpath(self) -> bool:
+        """Blocking allreduces on NumPy arrays may run inline (``_net_inline``)."""
+        return self.board is None and self.size > 1
+
     def _shm(self):
         return next((t for t in self._transports if t.name == "shm"), None)
 
@@ -410,15 +416,14 @@ class Communicator:
         self._agree_bufs = (rows, mine, bufs, sched, rows8, rows[:, :2 + _META_WORDS])
         return self._agree_bufs
 
-    def _fold_finish(self, coll: str, ob: Buf | None, dtype: np.dtype, red, n: int,
+    def _fold_finish(self, coll: str, out: np.ndarray | None, dtype: np.dtype, red, n: int,
                      root: int) -> None:
-        """A folded call's result, from every rank's contribution in the agreement's
-        messages (agreed already): reductions in rank order 0, 1, ..., so every rank gets
-        the same bits."""
+        """A folded call's result into ``out`` (flat, ``dtype``), from every rank's
+        contribution in the agreement's messages (agreed already): reductions in rank
+        order 0, 1, ..., so every rank gets the same bits."""
         p, r = self.size, self.rank
         nb = n * dtype.itemsize
         rows = self._agree_bufs[4]   # every rank's data, one row each (past the headers)
-        out = ob.array.view(dtype) if ob is not None else None
         if coll in ("allreduce", "reduce", "reduce_scatter"):
             if coll == "reduce" and r != root:
                 return
@@ -564,6 +569,14 @@ class Communicator:
             self._scratch = np.empty(1 << max(12, (nbytes - 1).bit_length()), np.uint8)
         return self._scratch[:nbytes]
 
+    def _folds(self, coll: str, n: int, isz: int, algo: str | None, sched) -> bool:
+        """Several nodes, checked, a call whose data fits the agreement's messages and that
+        names no algorithm: one exchange carries both (the tuner's algorithm would be a
+        second round)."""
+        return bool(self._fold and sched is not None and sched.steps and algo is None and
+                    coll not in self._tuner_in[2] and
+                    _fold_bytes(coll, self.size, n, isz) <= self._fold)
+
     def _submit(self, coll: str, xb: Buf | None, ob: Buf | None, n: int, dtype: np.dtype,
                 op: Op | None, root: int, result: Any, algo: str | None = None,
                 finish_root_only: bool = False, stream: Any = None) -> Request:
@@ -597,9 +610,7 @@ class Communicator:
         direct = direct if sched is not None and sched.steps else 0
         # several nodes, checked, a call whose data fits the agreement's messages: one
         # exchange carries both (the tuner's algorithm would be a second round)
-        fold = self._fold and sched is not None and sched.steps and algo is None and \
-            coll not in self._tuner_in[2] and \
-            _fold_bytes(coll, self.size, n, dtype.itemsize) <= self._fold
+        fold = self._folds(coll, n, dtype.itemsize, algo, sched)
         # what the ranks agree on includes the algorithm: ranks given different algo= (or
         # one of them shm_direct) disagree before any byte moves, instead of waiting for
         # messages that never come, or reading a board slot that holds no data
@@ -666,7 +677,8 @@ class Communicator:
         def finish() -> Any:
             if fold:        # every header gathered: compare them, then compute from the rows
                 self._agree(seq, sig, meta, site)
-                self._fold_finish(coll, ob, dtype, red, n, root)
+                self._fold_finish(coll, ob.array.view(dtype) if ob is not None else None,
+                                  dtype, red, n, root)
             if op is Op.AVG and ob is not None and (not finish_root_only or self.rank == root):
                 host_finalize(op, ob.array, self.size)
             if rec is not None:
@@ -942,7 +954,100 @@ class Communicator:
             done = self._board_inline("allreduce", x, op, 0, timeout, out, algo)
             if done is not None:
                 return done
+        elif self._netpath and stream is None and algo is None and type(x) is np.ndarray \
+                and (out is None or type(out) is np.ndarray):
+            done = self._net_inline(x, out, op, timeout)
+            if done is not None:
+                return done
         return self._blocking(self.iallreduce(x, out, op, algo=algo, stream=stream), timeout)
+
+    def _net_inline(self, x: np.ndarray, out: np.ndarray | None, op: Any,
+                    timeout: float | None) -> np.ndarray | None:
+        """The blocking allreduce across nodes (no board) on NumPy arrays, run inline
+        while nothing else is queued: the general path's plan (cached per dtype, count and
+        op), its agreement (or folded call) and its schedule, without a ``Request``.
+        Returns None whenever the general path must decide (which also raises the
+        errors)."""
+        eng = self.engine
+        if self._closed or eng.colls or eng.p2p or eng.poisoned is not None:
+            return None   # keep call order; let pending send/recv progress in the queue
+        if op is not None and type(op) is not Op and type(op) is not str:
+            return None
+        dtype, n = x.dtype, x.size
+        key = (dtype, n, op)
+        plan = self._netplans.get(key)
+        if plan is None:
+            if len(self._netplans) > 4096:
+                self._netplans.clear()
+            plan = self._netplans[key] = self._netplan(dtype, n, op)
+        if not plan:
+            return None
+        res = x
+        if out is not None and out is not x:
+            of = out.flags
+            if not (x.flags.c_contiguous and of.c_contiguous and of.writeable) or \
+                    out.dtype != dtype or out.size != n or np.may_share_memory(x, out):
+                return None
+            res = out
+        else:
+            flags = x.flags
+            if not (flags.c_contiguous and flags.writeable):
+                return None
+        o, sig, meta, red, fargs, sched, fold, name = plan
+        self.last_algorithm = name
+        self._seq += 1
+        seq = self._seq
+        site = callsite.site()
+        fl = self.flight
+        rec = fl.start(seq, "allreduce", fargs, name, site) if fl is not None else None
+        xf, rf = x.reshape(-1), res.reshape(-1)
+        # one deadline for the whole call, as a Request's wait has
+        end = time.monotonic() + (eng._timeout() if timeout is None else timeout)
+        try:
+            if fold or self._netcheck:
+                eng.run_inline(self._agreement_run(seq, sig, meta, site, xf if fold else None),
+                               "allreduce", seq, timeout)
+                self._agree(seq, sig, meta, site)
+            if fold:
+                self._fold_finish("allreduce", rf, dtype, red, n, 0)
+            else:
+                alias = res is x
+                bufs = {"in": rf if alias else xf, "out": rf,
+                        "tmp": self._scratch_view(sched.tmp * dtype.itemsize).view(dtype)}
+                eng.run_inline(_Run(sched, bufs, alias, red, self.endpoints, 0, seq, sig),
+                               "allreduce", seq, max(0.0, end - time.monotonic()))
+        except BaseException as e:
+            eng._annotate(e, f"in allreduce (call #{seq}): ")
+            eng.poison(e)
+            raise
+        if o is Op.AVG:
+            host_finalize(o, res, self.size)
+        if rec is not None:
+            FlightRecorder.done(rec)
+        return res
+
+    def _netplan(self, dtype: np.dtype, n: int, op: Any):
+        """For ``_net_inline``: (op, signature, header meta, reducer, flight-recorder args,
+        schedule, folded?, algorithm name), decided exactly as ``_submit`` decides; False
+        where the general path must run (unsupported dtype or op, shm_direct asked for, no
+        messages at all)."""
+        if dtype not in _SUPPORTED_DTYPES or (op is not None and (op, dtype) not in _FAST_OPS):
+            return False
+        isz = dtype.itemsize
+        try:
+            if self._direct_wanted("allreduce", n, isz, None):
+                return False
+            alg, sched = self.tuner.plan("allreduce", n, isz, 0, None)
+        except ValueError:
+            return False
+        if sched is None or not sched.steps:
+            return False
+        o = _FAST_OPS[(op, dtype)] if op is not None else None
+        fold = self._folds("allreduce", n, isz, None, sched)
+        tag = FOLD if fold else alg.name
+        return (o, _signature("allreduce", dtype.str, n, o, 0, tag),
+                _board_meta("allreduce", dtype, n, o, 0, tag), reducer(o),
+                (dtype.str, n, o, None), sched, fold, tag)
 
     def _board_inline(self, coll: str, x: np.ndarray, op: Any, root: int,
                       timeout: float | None, out: np.ndarray | None = None,
@@ -1439,11 +1544,17 @@ class Communicator:
             text += (f"\n{shm_direct.NAME}: tried first (S >= its threshold on this one-node "
                      f"communicator; GPURT_SHM_DIRECT*), the choice above where a rank's "
                      f"buffers are out of reach")
-        contrib = int(nbytes) // (self.size if collective in ("allgather", "gather") else 1)
-        if self._fold and collective not in self._tuner_in[2] and contrib <= self._fold:
-            text += (f"\n{FOLD}: the data ({contrib} B per rank) rides in the agreement's "
-                     f"exchange (<= GPURT_NET_FOLD={self._fold} B), one round instead of "
-                     f"the agreement and the choice above (without algo=)")
+        if self._fold:      # decided as a call of float32 elements decides it
+            n = int(nbytes) // 4 // (self.size if collective in _BLOCKED else 1)
+            try:
+                sched = self.tuner.plan(collective, n, 4, 0, None)[1]
+            except ValueError:
+                sched = None
+            if self._folds(collective, n, 4, None, sched):
+                text += (f"\n{FOLD}: the data ({_fold_bytes(collective, self.size, n, 4)} B "
+                         f"per rank) rides in the agreement's exchange (<= GPURT_NET_FOLD="
+                         f"{self._fold} B), one round instead of the agreement and the "
+                         f"choice above (without algo=)")
         return text
 
     def candidates(self, collective: str, nbytes: int) -> list[dict]:
@@ -1520,6 +1631,8 @@ _META_WORDS = 5                        # shm_board.meta_of: the call's arguments
 _HDR_WORDS = 2 + _META_WORDS + callsite.WORDS   # an agreement header: seq, sig, meta, site
 FOLD = "folded"          # the name of a call that ran inside the agreement's exchange
 _FOLD_RANKS = 8          # the most ranks for which agreement messages carry data
+#: collectives whose size S (as nccl-tests and explain() count it) is the whole buffer
+_BLOCKED = ("allgather", "reduce_scatter", "alltoall", "gather", "scatter")
 _FOLD_MAX = 64 << 10     # the most room GPURT_NET_FOLD may give them
 
 

@@ -413,19 +413,34 @@ def test_board_mismatch_names_both_calls(comm, what):
 
 def test_single_copy_is_probed_and_used(comm):
     """Every local rank can read every other's memory here (same user, no Yama), so the
-    probe enables single-copy; a 4 MiB exchange then goes through it, exactly."""
+    probe enables single-copy; a 4 MiB exchange then goes through it, exactly.  (The
+    threshold is set to 1 MiB: ``auto`` follows the last-level cache, which on some hosts
+    of this VM is 300 MiB, and would keep 4 MiB messages double-copy.)"""
     p, r = comm.size, comm.rank
     if p == 1 or comm.nnodes > 1:
         pytest.skip("needs 2 ranks on one node")
-    shm = comm._shm()
-    assert shm.cma_why == "", shm.cma_why
-    ep = shm.endpoints[(r + 1) % p]
-    before = ep.tx[0].acks
-    big = np.arange(1 << 19, dtype=np.float64) * (r + 1)
-    out = comm.allgather(big, algo="ring")
-    for q in range(p):
-        assert (out[q] == np.arange(1 << 19) * (q + 1)).all()
-    assert ep.tx[0].acks > before        # the ring steps went single-copy
+    os.environ["GPURT_SHM_CMA"] = "1M"
+    config.reload()
+    try:
+        c = comm.dup()
+    finally:
+        del os.environ["GPURT_SHM_CMA"]
+        config.reload()
+    try:
+        shm = c._shm()
+        if shm is None:
+            pytest.skip("no shm transport on this communicator (GPURT_TRANSPORTS)")
+        assert shm.cma_why == "", shm.cma_why
+        ep = shm.endpoints[(r + 1) % p]
+        before = ep.tx[0].acks
+        big = np.arange(1 << 19, dtype=np.float64) * (r + 1)
+        out = c.allgather(big, algo="ring")
+        for q in range(p):
+            assert (out[q] == np.arange(1 << 19) * (q + 1)).all()
+        assert ep.tx[0].acks > before        # the ring steps went single-copy
+    finally:
+        c.close()
+        comm.mpi.Barrier()
 
 
 def test_pending_isend_does_not_block_a_small_blocking_collective(comm):
@@ -604,6 +619,36 @@ def test_small_calls_fold_into_the_agreement_exactly(comm, dt):
     assert "folded:" not in comm.explain("allreduce", room + 8)
     comm.allreduce(np.empty(0, dt))
     assert ("folded:" in comm.explain("allreduce", 0)) == (comm.last_algorithm == "folded")
+
+
+@pytest.mark.parametrize("dt", [np.float32, np.int32, np.float64])
+def test_blocking_allreduce_inline_matches_the_general_path(comm, dt):
+    """Across nodes a blocking allreduce on NumPy arrays runs inline (no Request: the
+    plan cached per dtype, count and op); it must give exactly what the non-blocking
+    general path gives, in place and into out, for folded, agreed-then-scheduled and
+    several-step calls, every op (AVG too), and record the same algorithm."""
+    p, r = comm.size, comm.rank
+    inline = comm.board is None and p > 1
+    ops = [gpurt.Op.SUM, gpurt.Op.MAX, gpurt.Op.MIN, "prod"] + \
+        ([gpurt.Op.AVG] if np.dtype(dt).kind == "f" else [])
+    with scratch(comm) as c:
+        for n in (1, 7, 1000, 20000, 300000):
+            for op in ops:
+                x = ((np.arange(n) % 5) + r + 1).astype(dt)
+                want = c.iallreduce(x.copy(), op=op).wait(timeout=60)
+                alg = c.last_algorithm
+                got = x.copy()
+                c.allreduce(got, op=op, timeout=60)               # in place
+                assert np.array_equal(got, want), (n, op)
+                assert c.last_algorithm == alg, (n, op, alg, c.last_algorithm)
+                out = np.full(n, -1, dt)
+                assert c.allreduce(x, out, op=op, timeout=60) is out
+                assert np.array_equal(out, want), (n, op)
+                assert (x == ((np.arange(n) % 5) + r + 1).astype(dt)).all()   # input kept
+        assert bool(c._netplans) == inline
+        if c.flight is not None:
+            recs = c.flight.records()
+            assert recs and all(e["state"] == "done" for e in recs[-6:])
 
 
 @pytest.mark.parametrize("case", ["count", "dtype", "root"])
