@@ -30,6 +30,14 @@ for n in 2 4; do
         | tee "$out/direct-$c$n.txt"
   done
 done
+# several simulated nodes on this machine (MPICH cliques: tcp between them): what the
+# agreement check costs, and the blocking allreduce's inline path against the general one
+for n in 2 4; do
+  MPIR_CVAR_NUM_CLIQUES=2 $B bench allreduce -n "$n" -b 4K -e 1M -f 16 -i $((800 / n)) \
+      --baseline nocheck --repeat 3 | tee "$out/nocheck-2x$((n / 2)).txt"
+  MPIR_CVAR_NUM_CLIQUES=2 mpiexec -n "$n" python benchmarks/inline_ab.py 8,4K,64K,1M \
+      | tee "$out/inline-2x$((n / 2)).txt"
+done
 # several nodes (root only: a virtual cluster of network namespaces)
 if [ "$(id -u)" = 0 ]; then
   python benchmarks/multinode.py --nodes 2 --ppn 2 --rate 1gbit --bytes 64M --iters 5 \
