@@ -1,10 +1,12 @@
-"""Blocking allreduce inline against the general path, alternating inside one launch.
+"""Blocking collectives inline against the general path, alternating inside one launch.
 
-    MPIR_CVAR_NUM_CLIQUES=2 mpiexec -n 2 python benchmarks/inline_ab.py [8,4K,64K,1M] [blocks]
+    MPIR_CVAR_NUM_CLIQUES=2 mpiexec -n 2 python benchmarks/inline_ab.py \
+        [allreduce|broadcast|barrier] [8,4K,64K,1M] [blocks]
 
-Across nodes (no shm board) a blocking ``comm.allreduce`` on NumPy arrays runs inline
-(``Communicator._net_inline``); ``comm.iallreduce(...).wait()`` is the general path (a
-``Request`` through the engine's queue) with the same plan, agreement and schedule.  Each
+Across nodes (no shm board) a blocking ``comm.allreduce``, ``broadcast`` or ``barrier`` on
+NumPy arrays runs inline (``Communicator._net_inline``); ``comm.iallreduce(...).wait()``
+(and so on) is the general path (a ``Request`` through the engine's queue) with the same
+plan, agreement and schedule.  Each
 size's calls run in blocks that alternate between the two (the order turning every
 block); a block's time is the slowest rank's mean per call, and the medians over blocks are
 printed with their ratio (> 1: the inline path is faster).  Results are checked exactly.
@@ -29,8 +31,12 @@ def _bytes(s: str) -> int:
 
 
 def main() -> int:
-    sizes = [_bytes(s) for s in (sys.argv[1] if len(sys.argv) > 1 else "8,4K,64K,1M").split(",")]
-    blocks = int(sys.argv[2]) if len(sys.argv) > 2 else 8
+    args = sys.argv[1:]
+    coll = args.pop(0) if args and args[0].isalpha() else "allreduce"
+    sizes = [_bytes(s) for s in (args[0] if args else "8,4K,64K,1M").split(",")]
+    blocks = int(args[1]) if len(args) > 1 else 8
+    if coll == "barrier":
+        sizes = [0]
     c = gpurt.init()
     world = MPI.COMM_WORLD
     p, r = c.size, c.rank
@@ -39,9 +45,19 @@ def main() -> int:
         n = max(1, nb // 4)
         x = np.full(n, r + 1, np.float32)
         o = np.empty_like(x)
-        want = np.float32(p * (p + 1) // 2)
-        calls = {"inline": lambda: c.allreduce(x, o),
-                 "general": lambda: c.iallreduce(x, o).wait()}
+        if coll == "allreduce":
+            want = np.float32(p * (p + 1) // 2)
+            calls = {"inline": lambda: c.allreduce(x, o),
+                     "general": lambda: c.iallreduce(x, o).wait()}
+        elif coll == "broadcast":      # root 0's x (1) everywhere; o is x here
+            o, want = x, np.float32(1)
+            calls = {"inline": lambda: c.broadcast(x, 0),
+                     "general": lambda: c.ibroadcast(x, 0).wait()}
+        elif coll == "barrier":
+            o, want = x, np.float32(r + 1)
+            calls = {"inline": lambda: c.barrier(), "general": lambda: c.ibarrier().wait()}
+        else:
+            raise SystemExit(f"inline_ab.py: {coll}: allreduce, broadcast or barrier")
         iters = max(20, min(400, int(2e7 // max(nb, 4096))))
         for f in calls.values():
             for _ in range(10):
@@ -52,7 +68,8 @@ def main() -> int:
         for b in range(blocks):
             for k in (names if b % 2 == 0 else names[::-1]):
                 f = calls[k]
-                o.fill(0)
+                if coll == "allreduce":
+                    o.fill(0)
                 c.barrier()
                 t0 = time.perf_counter()
                 for _ in range(iters):
@@ -60,13 +77,13 @@ def main() -> int:
                 dt = (time.perf_counter() - t0) / iters
                 algo[k] = c.last_algorithm
                 if not (o == want).all():
-                    raise SystemExit(f"rank {r}: {k} allreduce of {nb} B gave a wrong result")
+                    raise SystemExit(f"rank {r}: {k} {coll} of {nb} B gave a wrong result")
                 times[k].append(world.allreduce(dt, op=MPI.MAX))
         med = {k: float(np.median(v)) * 1e6 for k, v in times.items()}
         lines.append(f"{nb:>10} B  inline {med['inline']:9.1f} us  general {med['general']:9.1f}"
                      f" us  x{med['general'] / med['inline']:.2f}  ({algo['inline']})")
     if r == 0:
-        print(f"# blocking allreduce inline vs iallreduce().wait(): {p} ranks, "
+        print(f"# blocking {coll} inline vs i{coll}().wait(): {p} ranks, "
               f"{c.nnodes} node(s), {blocks} alternating blocks per size, medians")
         print("\n".join(lines), flush=True)
     return 0

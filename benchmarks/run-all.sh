@@ -35,8 +35,10 @@ done
 for n in 2 4; do
   MPIR_CVAR_NUM_CLIQUES=2 $B bench allreduce -n "$n" -b 4K -e 1M -f 16 -i $((800 / n)) \
       --baseline nocheck --repeat 3 | tee "$out/nocheck-2x$((n / 2)).txt"
-  MPIR_CVAR_NUM_CLIQUES=2 mpiexec -n "$n" python benchmarks/inline_ab.py 8,4K,64K,1M \
-      | tee "$out/inline-2x$((n / 2)).txt"
+  for c in allreduce broadcast barrier; do
+    MPIR_CVAR_NUM_CLIQUES=2 mpiexec -n "$n" python benchmarks/inline_ab.py "$c" 8,4K,64K,1M \
+        | tee "$out/inline-$c-2x$((n / 2)).txt"
+  done
 done
 # several nodes (root only: a virtual cluster of network namespaces)
 if [ "$(id -u)" = 0 ]; then

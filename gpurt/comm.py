@@ -132,7 +132,7 @@ class Communicator:
         self._netcheck = False
         self.flight: FlightRecorder | None = None
         self._fastplans: dict = {}
-        self._netplans: dict = {}         # _net_inline's plans, per (dtype, count, op)
+        self._netplans: dict = {}         # _net_inline's plans, per call shape
         #: the algorithm (or native protocol) the last collective call used
         self.last_algorithm = ""
         try:
@@ -295,7 +295,8 @@ class Communicator:
 
     @property
     def _netpath(self) -> bool:
-        """Blocking allreduces on NumPy arrays may run inline (``_net_inline``)."""
+        """Blocking allreduce, broadcast and barrier on NumPy arrays may run inline
+        (``_net_inline``)."""
         return self.board is None and self.size > 1
 
     def _shm(self):
@@ -956,30 +957,30 @@ class Communicator:
                 return done
         elif self._netpath and stream is None and algo is None and type(x) is np.ndarray \
                 and (out is None or type(out) is np.ndarray):
-            done = self._net_inline(x, out, op, timeout)
+            done = self._net_inline("allreduce", x, out, op, 0, timeout)
             if done is not None:
                 return done
         return self._blocking(self.iallreduce(x, out, op, algo=algo, stream=stream), timeout)
 
-    def _net_inline(self, x: np.ndarray, out: np.ndarray | None, op: Any,
-                    timeout: float | None) -> np.ndarray | None:
-        """The blocking allreduce across nodes (no board) on NumPy arrays, run inline
-        while nothing else is queued: the general path's plan (cached per dtype, count and
-        op), its agreement (or folded call) and its schedule, without a ``Request``.
-        Returns None whenever the general path must decide (which also raises the
-        errors)."""
+    def _net_inline(self, coll: str, x: np.ndarray, out: np.ndarray | None, op: Any,
+                    root: int, timeout: float | None) -> np.ndarray | None:
+        """A blocking allreduce, broadcast or barrier across nodes (no board) on NumPy
+        arrays, run inline while nothing else is queued: the general path's plan (cached
+        per collective, dtype, count, op and root), its agreement (or folded call) and its
+        schedule, without a ``Request``.  Returns None whenever the general path must
+        decide (which also raises the errors)."""
         eng = self.engine
         if self._closed or eng.colls or eng.p2p or eng.poisoned is not None:
             return None   # keep call order; let pending send/recv progress in the queue
         if op is not None and type(op) is not Op and type(op) is not str:
             return None
         dtype, n = x.dtype, x.size
-        key = (dtype, n, op)
+        key = (coll, dtype, n, op, root)
         plan = self._netplans.get(key)
         if plan is None:
             if len(self._netplans) > 4096:
                 self._netplans.clear()
-            plan = self._netplans[key] = self._netplan(dtype, n, op)
+            plan = self._netplans[key] = self._netplan(coll, dtype, n, op, root)
         if not plan:
             return None
         res = x
@@ -989,7 +990,7 @@ class Communicator:
                     out.dtype != dtype or out.size != n or np.may_share_memory(x, out):
                 return None
             res = out
-        else:
+        elif coll != "barrier":
             flags = x.flags
             if not (flags.c_contiguous and flags.writeable):
                 return None
@@ -999,25 +1000,26 @@ class Communicator:
         seq = self._seq
         site = callsite.site()
         fl = self.flight
-        rec = fl.start(seq, "allreduce", fargs, name, site) if fl is not None else None
+        rec = fl.start(seq, coll, fargs, name, site) if fl is not None else None
         xf, rf = x.reshape(-1), res.reshape(-1)
         # one deadline for the whole call, as a Request's wait has
         end = time.monotonic() + (eng._timeout() if timeout is None else timeout)
         try:
             if fold or self._netcheck:
-                eng.run_inline(self._agreement_run(seq, sig, meta, site, xf if fold else None),
-                               "allreduce", seq, timeout)
+                data = xf if fold and _fold_sends(coll, self.rank, root) else None
+                eng.run_inline(self._agreement_run(seq, sig, meta, site, data), coll, seq,
+                               timeout)
                 self._agree(seq, sig, meta, site)
             if fold:
-                self._fold_finish("allreduce", rf, dtype, red, n, 0)
+                self._fold_finish(coll, rf, dtype, red, n, root)
             else:
                 alias = res is x
                 bufs = {"in": rf if alias else xf, "out": rf,
                         "tmp": self._scratch_view(sched.tmp * dtype.itemsize).view(dtype)}
                 eng.run_inline(_Run(sched, bufs, alias, red, self.endpoints, 0, seq, sig),
-                               "allreduce", seq, max(0.0, end - time.monotonic()))
+                               coll, seq, max(0.0, end - time.monotonic()))
         except BaseException as e:
-            eng._annotate(e, f"in allreduce (call #{seq}): ")
+            eng._annotate(e, f"in {coll} (call #{seq}): ")
             eng.poison(e)
             raise
         if o is Op.AVG:
@@ -1026,7 +1028,7 @@ class Communicator:
             FlightRecorder.done(rec)
         return res
 
-    def _netplan(self, dtype: np.dtype, n: int, op: Any):
+    def _netplan(self, coll: str, dtype: np.dtype, n: int, op: Any, root: int):
         """For ``_net_inline``: (op, signature, header meta, reducer, flight-recorder args,
         schedule, folded?, algorithm name), decided exactly as ``_submit`` decides; False
         where the general path must run (unsupported dtype or op, shm_direct asked for, no
@@ -1035,19 +1037,19 @@ class Communicator:
             return False
         isz = dtype.itemsize
         try:
-            if self._direct_wanted("allreduce", n, isz, None):
+            if self._direct_wanted(coll, n, isz, None):
                 return False
-            alg, sched = self.tuner.plan("allreduce", n, isz, 0, None)
+            alg, sched = self.tuner.plan(coll, n, isz, root, None)
         except ValueError:
             return False
         if sched is None or not sched.steps:
             return False
         o = _FAST_OPS[(op, dtype)] if op is not None else None
-        fold = self._folds("allreduce", n, isz, None, sched)
+        fold = self._folds(coll, n, isz, None, sched)
         tag = FOLD if fold else alg.name
-        return (o, _signature("allreduce", dtype.str, n, o, 0, tag),
-                _board_meta("allreduce", dtype, n, o, 0, tag), reducer(o),
-                (dtype.str, n, o, None), sched, fold, tag)
+        return (o, _signature(coll, dtype.str, n, o, root, tag),
+                _board_meta(coll, dtype, n, o, root, tag), reducer(o) if o is not None else None,
+                (dtype.str, n, o, root if coll in _ROOTED else None), sched, fold, tag)
 
     def _board_inline(self, coll: str, x: np.ndarray, op: Any, root: int,
                       timeout: float | None, out: np.ndarray | None = None,
@@ -1230,6 +1232,11 @@ class Communicator:
         if self._fastpath and stream is None and (algo is None or algo == "shm_board") and \
                 type(x) is np.ndarray and type(root) is int and 0 <= root < self.size:
             done = self._board_inline("broadcast", x, None, root, timeout, None, algo)
+            if done is not None:
+                return done
+        elif self._netpath and stream is None and algo is None and type(x) is np.ndarray \
+                and type(root) is int and 0 <= root < self.size:
+            done = self._net_inline("broadcast", x, None, None, root, timeout)
             if done is not None:
                 return done
         return self._blocking(self.ibroadcast(x, root, algo=algo, stream=stream), timeout)
@@ -1428,6 +1435,9 @@ class Communicator:
         if self._fastpath and (algo is None or algo == "shm_board") and \
                 self._board_inline("barrier", _EMPTY_U8, None, 0, timeout, None, algo) \
                 is not None:
+            return
+        if self._netpath and algo is None and \
+                self._net_inline("barrier", _EMPTY_U8, None, None, 0, timeout) is not None:
             return
         self._blocking(self.ibarrier(algo=algo), timeout)
 

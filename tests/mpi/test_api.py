@@ -622,11 +622,12 @@ def test_small_calls_fold_into_the_agreement_exactly(comm, dt):
 
 
 @pytest.mark.parametrize("dt", [np.float32, np.int32, np.float64])
-def test_blocking_allreduce_inline_matches_the_general_path(comm, dt):
-    """Across nodes a blocking allreduce on NumPy arrays runs inline (no Request: the
-    plan cached per dtype, count and op); it must give exactly what the non-blocking
-    general path gives, in place and into out, for folded, agreed-then-scheduled and
-    several-step calls, every op (AVG too), and record the same algorithm."""
+def test_blocking_calls_inline_match_the_general_path(comm, dt):
+    """Across nodes a blocking allreduce, broadcast or barrier on NumPy arrays runs inline
+    (no Request: the plan cached per call shape); it must give exactly what the
+    non-blocking general path gives, in place and into out, for folded,
+    agreed-then-scheduled and several-step calls, every op (AVG too), every root, and
+    record the same algorithm."""
     p, r = comm.size, comm.rank
     inline = comm.board is None and p > 1
     ops = [gpurt.Op.SUM, gpurt.Op.MAX, gpurt.Op.MIN, "prod"] + \
@@ -645,7 +646,23 @@ def test_blocking_allreduce_inline_matches_the_general_path(comm, dt):
                 assert c.allreduce(x, out, op=op, timeout=60) is out
                 assert np.array_equal(out, want), (n, op)
                 assert (x == ((np.arange(n) % 5) + r + 1).astype(dt)).all()   # input kept
+        # broadcast (every root) and barrier take the same inline path
+        for n in (1, 1000, 300000):
+            for root in range(p):
+                want = c.ibroadcast(((np.arange(n) % 7) + r).astype(dt), root=root).wait(
+                    timeout=60)
+                alg = c.last_algorithm
+                got = ((np.arange(n) % 7) + r).astype(dt)
+                assert c.broadcast(got, root=root, timeout=60) is got
+                assert np.array_equal(got, want) and \
+                    np.array_equal(got, ((np.arange(n) % 7) + root).astype(dt)), (n, root)
+                assert c.last_algorithm == alg, (n, root, alg, c.last_algorithm)
+        c.ibarrier().wait(timeout=60)
+        alg = c.last_algorithm
+        assert c.barrier(timeout=60) is None and c.last_algorithm == alg
         assert bool(c._netplans) == inline
+        assert {k[0] for k in c._netplans} == ({"allreduce", "broadcast", "barrier"}
+                                               if inline else set())
         if c.flight is not None:
             recs = c.flight.records()
             assert recs and all(e["state"] == "done" for e in recs[-6:])
