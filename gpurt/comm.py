@@ -983,17 +983,9 @@ class Communicator:
             plan = self._netplans[key] = self._netplan(coll, dtype, n, op, root)
         if not plan:
             return None
-        res = x
-        if out is not None and out is not x:
-            of = out.flags
-            if not (x.flags.c_contiguous and of.c_contiguous and of.writeable) or \
-                    out.dtype != dtype or out.size != n or np.may_share_memory(x, out):
-                return None
-            res = out
-        elif coll != "barrier":
-            flags = x.flags
-            if not (flags.c_contiguous and flags.writeable):
-                return None
+        res = self._inline_res(x, out)
+        if res is None:
+            return None
         o, sig, meta, red, fargs, sched, fold, name = plan
         self.last_algorithm = name
         self._seq += 1
@@ -1068,18 +1060,25 @@ class Communicator:
         fp = self._fastplan_of(coll, dtype, n, op, root, algo)
         if not fp:
             return None
-        res = x
+        res = self._inline_res(x, out)
+        if res is None:
+            return None
+        return self._board_go(coll, fp, x, res, root, n, timeout)
+
+    @staticmethod
+    def _inline_res(x: np.ndarray, out: np.ndarray | None) -> np.ndarray | None:
+        """Where an inline call of x's shape writes its result (``out``, or ``x`` in
+        place), or None when the arrays are not the plain case (not C-contiguous,
+        read-only, another dtype or size, overlapping): the general path then decides,
+        and raises."""
         if out is not None and out is not x:
             of = out.flags
             if not (x.flags.c_contiguous and of.c_contiguous and of.writeable) or \
-                    out.dtype != dtype or out.size != n or np.may_share_memory(x, out):
+                    out.dtype != x.dtype or out.size != x.size or np.may_share_memory(x, out):
                 return None
-            res = out
-        else:
-            flags = x.flags
-            if not (flags.c_contiguous and flags.writeable):
-                return None
-        return self._board_go(coll, fp, x, res, root, n, timeout)
+            return out
+        flags = x.flags
+        return x if flags.c_contiguous and flags.writeable else None
 
     def _board_inline_to(self, coll: str, x: np.ndarray, out: Any, op: Any, root: int,
                          timeout: float | None, algo: str | None) -> Any:
