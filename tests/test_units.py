@@ -197,3 +197,27 @@ def test_relayed_failures_blame_the_failed_rank_not_the_messenger():
     assert relayed_rank("ValueError: bad batch", sender=1) == 1
     assert relayed_rank(relay_text(ValueError("x")), sender=3) == 3
     assert relayed_rank("PeerFailure[rank=zz]: ?", sender=4) == 4
+
+
+def test_cma_threshold_counts_at_most_32_mib_of_cache(monkeypatch):
+    """GPURT_SHM_CMA=auto: the last-level cache / (4 x local ranks), at least 128 KiB; a
+    cache reported larger than 32 MiB (a VM may show its host's whole shared L3) counts as
+    32 MiB; an explicit value is kept; oversubscribed nodes get 128 KiB."""
+    from gpurt import config, memcopy
+    from gpurt.transports import shm
+    monkeypatch.delenv("GPURT_SHM_CMA", raising=False)
+    config.reload()
+    monkeypatch.setattr(shm, "oversubscribed", lambda n: False)
+    for llc, n, want in [(300 << 20, 2, 4 << 20), (32 << 20, 2, 4 << 20), (16 << 20, 2, 2 << 20),
+                         (300 << 20, 4, 2 << 20), (1 << 20, 2, 128 << 10), (0, 2, 4 << 20)]:
+        monkeypatch.setattr(memcopy, "llc_bytes", lambda llc=llc: llc)
+        assert shm.cma_threshold(n) == want, (llc, n)
+    monkeypatch.setattr(shm, "oversubscribed", lambda n: True)
+    assert shm.cma_threshold(5) == 128 << 10
+    monkeypatch.setenv("GPURT_SHM_CMA", "1M")
+    config.reload()
+    try:
+        assert shm.cma_threshold(2) == 1 << 20
+    finally:
+        monkeypatch.delenv("GPURT_SHM_CMA")
+        config.reload()

@@ -80,13 +80,22 @@ def cma_threshold(nlocal: int) -> int:
     except with more local ranks than CPUs, where every chunk through a ring waits for
     the other process to be scheduled and one copy by one process wins: 128 KiB there
     (4 ranks on 2 cores, allreduce of 2 MiB: 2932–4605 µs single-copy against 4736–5080
-    through the rings)."""
+    through the rings).  The cache counted is at most ``_CMA_LLC_MAX`` (32 MiB): a virtual
+    machine may report its host's whole L3, shared with every other guest (300 MiB on one
+    host of this VM), which put the threshold at 37.5 MiB for 2 ranks, and there the rings
+    lost to the single copy from 2 MiB messages on (2 ranks, ring allreduce of 4 MiB
+    1178–1335 µs through the rings against 1078–1135 single-copy, of 16 MiB 5045–6929
+    against 3475–4719; sendrecv of 16 MiB 4155–4949 against 2011–2234)."""
     val = config.get("GPURT_SHM_CMA")
     if val != "auto":
         return int(val)
     if oversubscribed(nlocal):
         return 128 * 1024
-    return max(128 * 1024, (memcopy.llc_bytes() or (32 << 20)) // (4 * max(1, nlocal)))
+    llc = min(memcopy.llc_bytes() or _CMA_LLC_MAX, _CMA_LLC_MAX)
+    return max(128 * 1024, llc // (4 * max(1, nlocal)))
+
+
+_CMA_LLC_MAX = 32 << 20   # the most last-level cache cma_threshold counts on
 
 
 def header_bytes(nlocal: int) -> int:
@@ -633,8 +642,8 @@ class ShmTransport:
         single = cma_threshold(2)
         auto = config.get("GPURT_SHM_CMA") == "auto"
         cma_txt = (f"single-copy (CMA) for messages >= {single / 2**20:g} MiB"
-                   + (" with 2 local ranks (GPURT_SHM_CMA=auto: last-level cache / (4 × "
-                      "local ranks), >= 128 KiB)" if auto else "")
+                   + (" with 2 local ranks (GPURT_SHM_CMA=auto: last-level cache, counted "
+                      "up to 32 MiB, / (4 × local ranks), >= 128 KiB)" if auto else "")
                    + f", probed between ranks at start ({scope})"
                    if single else "single-copy (CMA) off (GPURT_SHM_CMA=0)")
         helpmin = int(config.get("GPURT_SHM_HELP"))
