@@ -194,10 +194,12 @@ def test_section_runner_stops_a_hung_section_and_goes_on():
     still run (so one hung section in the guests fails alone, with its output)."""
     import subprocess
     import time
+    import uuid
+    tag = f"gpurt-selftest-{uuid.uuid4().hex}"     # the children's name: only theirs
     t0 = time.monotonic()
     p = subprocess.run(["bash", str(HERE / "rdma" / "guest_suite.sh"), "selftest"],
                        capture_output=True, text=True, timeout=120, start_new_session=True,
-                       env=dict(os.environ, SECTION_TIMEOUT="2"))
+                       env=dict(os.environ, SECTION_TIMEOUT="2", SELFTEST_TAG=tag))
     took = time.monotonic() - t0
     out = p.stdout + p.stderr
     assert p.returncode == 0 and "=== DONE" in out, out
@@ -207,10 +209,12 @@ def test_section_runner_stops_a_hung_section_and_goes_on():
     assert "=== END quick rc=0" in out, out
     assert took < 30, took
     # the children got the signal with their group; under load their exit may trail the
-    # runner's by a moment, so allow them a few seconds to go
+    # runner's by a moment, so allow them a few seconds to go.  (They are found by their
+    # own name: a bare `pgrep -f "sleep 300"` also caught an unrelated `sleep 300` of
+    # another shell on the machine, twice.)
     deadline = time.monotonic() + 5
     while True:
-        left = subprocess.run(["pgrep", "-f", "sleep 300"], capture_output=True, text=True)
+        left = subprocess.run(["pgrep", "-f", tag], capture_output=True, text=True)
         if left.stdout.strip() == "" or time.monotonic() > deadline:
             break
         time.sleep(0.1)

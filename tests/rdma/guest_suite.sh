@@ -73,11 +73,13 @@ two)
     ;;
 selftest)
     # the section runner itself (no guest needed; tests/test_verbs.py runs it on the host):
-    # a command and a shell function that outlive SECTION_TIMEOUT, each with a child, then
-    # one that ends in time
-    slow_fn() { sleep 300 & wait; }
+    # a command and a shell function that outlive SECTION_TIMEOUT, each with a child (named
+    # $SELFTEST_TAG, so the test finds these and no other sleep on the machine), then one
+    # that ends in time
+    export SELFTEST_TAG=${SELFTEST_TAG:-gpurt-selftest-child}
+    slow_fn() { (exec -a "$SELFTEST_TAG" sleep 300) & wait; }
     export -f slow_fn
-    section slow_cmd bash -c 'sleep 300 & wait'
+    section slow_cmd bash -c '(exec -a "$SELFTEST_TAG" sleep 300) & wait'
     section slow_fn slow_fn
     section quick true
     ;;
