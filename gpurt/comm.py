@@ -385,14 +385,8 @@ class Communicator:
         folded) before the next call starts.  Past the data, the message holds zeros or
         this rank's earlier contributions, which its peers have already had."""
         mine, bufs, sched, rows8 = (self._agree_bufs or self._agreement_buffers())[1:5]
-        key = (sig, meta, site)
-        hdr = self._agree_hdrs.get(key)
-        if hdr is None:
-            if len(self._agree_hdrs) > 1024:
-                self._agree_hdrs.clear()
-            hdr = self._agree_hdrs[key] = np.array(
-                (0, sig & _M64) + meta + callsite.words(site), np.uint64)
-        mine[:_HDR_WORDS] = hdr
+        mine[:_HDR_WORDS] = _cached(self._agree_hdrs, (sig, meta, site), 1024, _agree_header,
+                                    sig, meta, site)
         mine[0] = seq
         if data is not None and data.nbytes:
             rows8[self.rank][:data.nbytes] = data.view(np.uint8)
@@ -429,13 +423,9 @@ class Communicator:
             if coll == "reduce" and r != root:
                 return
             lo = r * nb if coll == "reduce_scatter" else 0
-            key = (lo, nb, dtype)
-            blk = self._fold_views.get(key)
-            if blk is None:
-                if len(self._fold_views) > 256:
-                    self._fold_views.clear()
-                # (p, n): rank k's block, a view into the communicator's own rows
-                blk = self._fold_views[key] = tuple(rows[:, lo:lo + nb].view(dtype))
+            # (p, n): rank k's block, a view into the communicator's own rows
+            blk = _cached(self._fold_views, (lo, nb, dtype), 256, _row_blocks, rows, lo, nb,
+                          dtype)
             red(blk[0], blk[1], out)                  # p >= 2 here (a folded call moves data)
             for k in range(2, p):
                 red(out, blk[k], out)
@@ -975,12 +965,8 @@ class Communicator:
         if op is not None and type(op) is not Op and type(op) is not str:
             return None
         dtype, n = x.dtype, x.size
-        key = (coll, dtype, n, op, root)
-        plan = self._netplans.get(key)
-        if plan is None:
-            if len(self._netplans) > 4096:
-                self._netplans.clear()
-            plan = self._netplans[key] = self._netplan(coll, dtype, n, op, root)
+        plan = _cached(self._netplans, (coll, dtype, n, op, root), _PLANS_MAX, self._netplan,
+                       coll, dtype, n, op, root)
         if not plan:
             return None
         res = self._inline_res(x, out)
@@ -1175,11 +1161,8 @@ class Communicator:
     def _fastplan_of(self, coll: str, dtype: np.dtype, n: int, op: Any, root: int,
                      algo: str | None):
         """``_fastplan``, cached per (collective, dtype, count, op, root, algo)."""
-        key = (coll, dtype, n, op, root, algo)
-        fp = self._fastplans.get(key)
-        if fp is None:
-            fp = self._fastplans[key] = self._fastplan(coll, dtype, n, op, root, algo)
-        return fp
+        return _cached(self._fastplans, (coll, dtype, n, op, root, algo), _PLANS_MAX,
+                       self._fastplan, coll, dtype, n, op, root, algo)
 
     def _fastplan(self, coll: str, dtype: np.dtype, n: int, op: Any, root: int,
                   algo: str | None = None):
@@ -1197,8 +1180,6 @@ class Communicator:
                 return False
         except ValueError:   # e.g. shm_board forced for a call too large for it
             return False
-        if len(self._fastplans) > 4096:
-            self._fastplans.clear()
         o = _FAST_OPS[(op, dtype)] if op is not None else None
         sig = _signature(coll, dtype.str, n, o, root, "shm_board")
         meta = _board_meta(coll, dtype, n, o, root, "shm_board")
@@ -1669,6 +1650,31 @@ def _agreement_schedule(p: int, r: int, n: int) -> Schedule:
     others = [q for q in range(p) if q != r]
     return Schedule.build([[Send(q, Slice("out", r * n, n)) for q in others]
                            + [Recv(q, Slice("out", q * n, n)) for q in others]])
+
+
+_PLANS_MAX = 4096   # call shapes whose plans a communicator keeps (per path)
+
+
+def _cached(cache: dict, key, limit: int, make, *args):
+    """``cache[key]``, made by ``make(*args)`` on a miss.  A cache that holds ``limit``
+    entries is emptied first: a program uses few call shapes, and one that cycles through
+    more stays correct, only slower."""
+    v = cache.get(key)
+    if v is None:
+        if len(cache) >= limit:
+            cache.clear()
+        v = cache[key] = make(*args)
+    return v
+
+
+def _agree_header(sig: int, meta: tuple, site) -> np.ndarray:
+    """An agreement header's words, less the sequence number (word 0)."""
+    return np.array((0, sig & _M64) + meta + callsite.words(site), np.uint64)
+
+
+def _row_blocks(rows: np.ndarray, lo: int, nb: int, dtype: np.dtype) -> tuple:
+    """Each rank's ``nb`` bytes from byte ``lo`` of its row, as ``dtype``: views."""
+    return tuple(rows[:, lo:lo + nb].view(dtype))
 
 
 def _sleep_polling(waiters: list, seconds: float) -> None:
