@@ -568,6 +568,35 @@ class Communicator:
                     coll not in self._tuner_in[2] and
                     _fold_bytes(coll, self.size, n, isz) <= self._fold)
 
+    def _host_plan(self, coll: str, n: int, isz: int, root: int, algo: str | None):
+        """(direct, algorithm, schedule, algo) of a call on host buffers: ``direct`` as
+        ``_direct_wanted`` (1: shm_direct where the buffers allow, 2: forced; 0: not), the
+        tuner's algorithm and schedule (None: the shm board) — for shm_direct the schedule
+        run where a buffer is out of reach — and the algo= that decided it.  The same on
+        every rank for matching calls; the general and the inline paths both ask here."""
+        direct = self._direct_wanted(coll, n, isz, algo)
+        if direct:
+            # where a buffer is out of reach: the cheapest schedule, the same whether this
+            # rank forced shm_direct or the thresholds chose it (a forcing rank takes the
+            # others along)
+            fallback = self.tuner.pick(coll, self.size, shm_direct.collective_bytes(
+                coll, self.size, n, isz), "node")
+            if direct >= 2:
+                algo = fallback
+                direct = 2 if direct == 2 else 0
+        if self.size == 1 and coll == "barrier":
+            alg, sched = None, Schedule()
+        else:
+            try:
+                alg, sched = self.tuner.plan(coll, n, isz, root, algo)
+                if direct == 1 and sched is not None and sched.steps and \
+                        alg.name != fallback:
+                    alg, sched = self.tuner.plan(coll, n, isz, root, fallback)
+            except ValueError as e:   # a bad algo=: nothing has happened yet
+                raise ValueError(_prefix(self.rank, e)) from None
+        direct = direct if sched is not None and sched.steps else 0
+        return direct, alg, sched, algo
+
     def _submit(self, coll: str, xb: Buf | None, ob: Buf | None, n: int, dtype: np.dtype,
                 op: Op | None, root: int, result: Any, algo: str | None = None,
                 finish_root_only: bool = False, stream: Any = None) -> Request:
@@ -578,27 +607,7 @@ class Communicator:
         if stream is not None:
             raise ValueError(f"rank {self.rank}: {coll}: stream= is for device buffers; "
                              f"these are host memory")
-        direct = self._direct_wanted(coll, n, dtype.itemsize, algo)
-        if direct:
-            # where a buffer is out of reach: the cheapest schedule, the same whether this
-            # rank forced shm_direct or the thresholds chose it (a forcing rank takes the
-            # others along)
-            fallback = self.tuner.pick(coll, self.size, shm_direct.collective_bytes(
-                coll, self.size, n, dtype.itemsize), "node")
-            if direct >= 2:
-                algo = fallback
-                direct = 2 if direct == 2 else 0
-        if self.size == 1 and coll == "barrier":
-            alg, sched = None, Schedule()
-        else:
-            try:
-                alg, sched = self.tuner.plan(coll, n, dtype.itemsize, root, algo)
-                if direct == 1 and sched is not None and sched.steps and \
-                        alg.name != fallback:
-                    alg, sched = self.tuner.plan(coll, n, dtype.itemsize, root, fallback)
-            except ValueError as e:   # a bad algo=: nothing has happened yet
-                raise ValueError(_prefix(self.rank, e)) from None
-        direct = direct if sched is not None and sched.steps else 0
+        direct, alg, sched, algo = self._host_plan(coll, n, dtype.itemsize, root, algo)
         # several nodes, checked, a call whose data fits the agreement's messages: one
         # exchange carries both (the tuner's algorithm would be a second round)
         fold = self._folds(coll, n, dtype.itemsize, algo, sched)
@@ -612,6 +621,8 @@ class Communicator:
         sig = _signature(coll, dtype.str, n, op, root, tag)
         site = callsite.site()
         alias = xb is not None and ob is not None and same(xb, ob)
+        xa = xb.array if xb is not None else None
+        oa = ob.array if ob is not None else None
         red = reducer(op) if op is not None else None
         empty = np.empty(0, dtype)
 
@@ -630,7 +641,7 @@ class Communicator:
                 return self._agreement_run(seq, sig, meta, site, xs)
 
         else:
-            start = self._schedule_start(sched, xb, ob, dtype, alias, red, seq, sig)
+            start = self._schedule_start(sched, xa, oa, dtype, alias, red, seq, sig)
             if self._check and sched.steps:
                 # agree first: every rank compares every rank's call before any byte moves
                 data_start = start
@@ -655,7 +666,7 @@ class Communicator:
         if direct:
             start = self._direct_start(coll, xb, ob, dtype, op, root, red, n, seq, sig, meta,
                                        site,
-                                       self._schedule_start(sched, xb, ob, dtype, alias, red,
+                                       self._schedule_start(sched, xa, oa, dtype, alias, red,
                                                             seq, sig), direct == 2)
         name = FOLD if fold else alg.name if alg else "none"
         fl = self.flight
@@ -799,8 +810,7 @@ class Communicator:
         """The start of a call that may run by ``shm_direct`` (``data_start``: the tuner's
         schedule, run where a buffer is out of reach)."""
         empty = np.empty(0, dtype)
-        # the least S for a call whose buffers are shared arrays / reached by CMA
-        mins = (1, 1) if forced else tuple(m or 1 << 62 for m in self._direct_min[coll])
+        mins = self._direct_mins(coll, forced)
         box: dict = {}        # the request and its flight record, once they exist
 
         def chosen(name: str) -> None:       # they and last_algorithm say which ran
@@ -818,14 +828,20 @@ class Communicator:
         start.box = box       # _enqueue puts the request here
         return start
 
-    def _schedule_start(self, sched, xb, ob, dtype, alias, red, seq, sig):
+    def _direct_mins(self, coll: str, forced: bool) -> tuple[int, int]:
+        """The least S for a call whose buffers are shared arrays / reached by CMA."""
+        return (1, 1) if forced else tuple(m or 1 << 62 for m in self._direct_min[coll])
+
+    def _schedule_start(self, sched, x: np.ndarray | None, o: np.ndarray | None, dtype,
+                        alias, red, seq, sig):
+        """The start of ``sched`` on flat host arrays ``x`` (input) and ``o`` (output)."""
         empty = np.empty(0, dtype)
 
         def start() -> _Run | None:
             if not sched.steps:
                 return None
-            bufs = {"in": xb.array.view(dtype) if xb is not None else empty,
-                    "out": ob.array.view(dtype) if ob is not None else empty}
+            bufs = {"in": x.view(dtype) if x is not None else empty,
+                    "out": o.view(dtype) if o is not None else empty}
             if alias:
                 bufs["in"] = bufs["out"]
             bufs["tmp"] = self._scratch_view(sched.tmp * dtype.itemsize).view(dtype) \
@@ -1120,6 +1136,8 @@ class Communicator:
                   n: int, timeout: float | None) -> np.ndarray:
         """Run one inline board call whose arguments were checked: the compiled round
         where built, the Python BoardRun for whatever it hands back."""
+        if type(fp) is _DirectPlan:
+            return self._direct_go(coll, fp, x, res, root, n, timeout)
         o, sig, meta, red, fargs, cplan = fp
         eng = self.engine
         self.last_algorithm = "shm_board"
@@ -1158,6 +1176,56 @@ class Communicator:
             rec[5], rec[6] = time.time(), "done"
         return res
 
+    def _direct_go(self, coll: str, dp: "_DirectPlan", x: np.ndarray, res: np.ndarray,
+                   root: int, n: int, timeout: float | None) -> np.ndarray:
+        """Run one inline shm_direct call whose arguments were checked: the general path's
+        ``DirectRun`` (header round, shares, or the schedule where a buffer is out of
+        reach), driven right here without a ``Request``."""
+        eng = self.engine
+        o, red, dtype = dp.op, dp.red, dp.dtype
+        self.last_algorithm = dp.fallback
+        self._seq += 1
+        seq = self._seq
+        site = callsite.site()
+        fl = self.flight
+        rec = fl.start(seq, coll, dp.fargs, dp.fallback, site) if fl is not None else None
+
+        def chosen(name: str) -> None:
+            if name:
+                self.last_algorithm = name
+                if rec is not None:
+                    rec[flight.ALGO] = name
+
+        xf, rf = x.reshape(-1).view(dtype), res.reshape(-1).view(dtype)
+        fallback = self._schedule_start(dp.sched, xf, rf, dtype, res is x, red, seq, dp.sig)
+        run = shm_direct.DirectRun(self.board, self._direct, coll, seq, dp.sig, dp.meta, xf,
+                                   rf, root, red, n, site, fallback, dp.mins, chosen,
+                                   dp.forced)
+        eng.run_inline(run, coll, seq, timeout)     # (poisons the communicator on failure)
+        if o is Op.AVG and (coll != "reduce" or self.rank == root):
+            host_finalize(o, res, self.size)
+        if rec is not None:
+            FlightRecorder.done(rec)
+        return res
+
+    def _directplan(self, coll: str, dtype: np.dtype, n: int, op: Any, root: int):
+        """For the inline path: a ``_DirectPlan`` when the general path would try
+        shm_direct for this call (decided by the same ``_host_plan``), else None."""
+        isz = dtype.itemsize
+        try:
+            direct, alg, sched, _algo = self._host_plan(coll, n, isz, root, None)
+        except ValueError:
+            return None
+        if not direct or self._folds(coll, n, isz, None, sched):
+            return None
+        o = _FAST_OPS[(op, dtype)] if op is not None else None
+        tag = f"{shm_direct.NAME}/{alg.name}"
+        return _DirectPlan(o, reducer(o) if o is not None else None, dtype,
+                           _signature(coll, dtype.str, n, o, root, tag),
+                           _board_meta(coll, dtype, n, o, root, tag),
+                           (dtype.str, n, o, root if coll in _ROOTED else None), sched,
+                           alg.name, self._direct_mins(coll, direct == 2), direct == 2)
+
     def _fastplan_of(self, coll: str, dtype: np.dtype, n: int, op: Any, root: int,
                      algo: str | None):
         """``_fastplan``, cached per (collective, dtype, count, op, root, algo)."""
@@ -1166,11 +1234,16 @@ class Communicator:
 
     def _fastplan(self, coll: str, dtype: np.dtype, n: int, op: Any, root: int,
                   algo: str | None = None):
-        """For the inline path: (op, signature, header meta, reducer) when this call goes
-        to the board, else False (then the general path decides, and raises the errors).
+        """For the inline path: (op, signature, header meta, reducer, flight-recorder args,
+        compiled plan) when this call goes to the board, a ``_DirectPlan`` when it tries
+        shm_direct, else False (then the general path decides, and raises the errors).
         Cached per (collective, dtype, count, op, root): the choice depends on nothing else."""
         if dtype not in _SUPPORTED_DTYPES or (op is not None and (op, dtype) not in _FAST_OPS):
             return False
+        if algo is None and self._direct is not None and coll in shm_direct.COLLS:
+            dp = self._directplan(coll, dtype, n, op, root)
+            if dp is not None:
+                return dp
         if algo is None and shm_direct.NAME in (
                 self._tuner_in[2].get(coll), self.tuner.profile_winner(
                     coll, shm_direct.collective_bytes(coll, self.size, n, dtype.itemsize))):
@@ -1650,6 +1723,19 @@ def _agreement_schedule(p: int, r: int, n: int) -> Schedule:
     others = [q for q in range(p) if q != r]
     return Schedule.build([[Send(q, Slice("out", r * n, n)) for q in others]
                            + [Recv(q, Slice("out", q * n, n)) for q in others]])
+
+
+class _DirectPlan:
+    """An inline shm_direct call's plan (``Communicator._directplan``): what ``_submit``
+    would decide for the same call, computed once per call shape."""
+
+    __slots__ = ("op", "red", "dtype", "sig", "meta", "fargs", "sched", "fallback", "mins",
+                 "forced")
+
+    def __init__(self, op, red, dtype, sig, meta, fargs, sched, fallback, mins, forced):
+        self.op, self.red, self.dtype, self.sig, self.meta = op, red, dtype, sig, meta
+        self.fargs, self.sched, self.fallback = fargs, sched, fallback
+        self.mins, self.forced = mins, forced
 
 
 _PLANS_MAX = 4096   # call shapes whose plans a communicator keeps (per path)

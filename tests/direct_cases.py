@@ -12,7 +12,11 @@ straight into its peers' buffers — with exact data in every case.
   (``DIRECT_EXPECT=yes|no``);
 * in ``shared`` mode with the default thresholds: a 2 MiB allreduce is chosen as
   shm_direct, a 64 KiB one is not;
-* last, a call with different counts on one rank: CollectiveMismatchError on every rank.
+* with the default thresholds (no algo=): every collective at 4 MiB, even ranks blocking
+  (run inline, without a Request), odd ranks on the i-variant: the two paths meet;
+* last, a call with different counts on one rank: CollectiveMismatchError on every rank
+  (forced, or with ``DIRECT_MISMATCH=auto`` chosen by the thresholds, inline and
+  i-variant meeting).
 
 Prints ``ok ... on N ranks`` on rank 0; exits non-zero on a failure.
 """
@@ -163,18 +167,111 @@ if mode == "numpy" and want_direct and os.environ.get("GPURT_SHM_DIRECT_CMA", "a
     if comm.last_algorithm != D:
         bad.append(f"rank {r}: a 2 MiB allreduce on NumPy arrays ran {comm.last_algorithm}")
 
+# the thresholds' choice (no algo=): blocking calls run shm_direct inline (without a
+# Request), the i-variants through the engine; even ranks block, odd ranks wait on a
+# request, so the two paths meet in every call — exact, and the same path everywhere
+auto = all(os.environ.get(v, "auto") == "auto" for v in ("GPURT_SHM_DIRECT",
+                                                          "GPURT_SHM_DIRECT_CMA"))
+if auto and mode in ("numpy", "shared", "mixed"):
+    inline = r % 2 == 0
+    n = (1 << 20) // p + 3                    # every S >= 4 MiB: above every threshold
+    for dt, op in ((np.float32, Op.SUM), (np.float64, Op.AVG), (np.int32, Op.MAX)):
+        dt = np.dtype(dt)
+        tag = f"{dt.name} {op.name} n={n} ({'blocking' if inline else 'i-variant'})"
+        m = n * p
+        ins = [vals(m, k, 7, dt) for k in range(p)]
+        want = ref(op, ins)
+        x, y = alloc(m, dt), alloc(m, dt)
+        x[:] = ins[r]
+        if inline:
+            comm.allreduce(x, y, op)
+        else:
+            comm.iallreduce(x, y, op).wait()
+        expect(f"auto allreduce {tag}", y, want)
+        ran(f"auto allreduce {tag}")
+        if inline:
+            comm.allreduce(x, op=op)
+        else:
+            comm.iallreduce(x, op=op).wait()
+        expect(f"auto allreduce in place {tag}", x, want)
+        for root in range(p):
+            x[:] = ins[r]
+            y[:] = 0
+            if inline:
+                comm.reduce(x, y, op, root=root)
+            else:
+                comm.ireduce(x, y, op, root=root).wait()
+            if r == root:
+                expect(f"auto reduce root={root} {tag}", y, want)
+            else:
+                expect(f"auto reduce root={root} leaves out alone {tag}", y,
+                       np.zeros(m, dt))
+            ran(f"auto reduce {tag}")
+            x[:] = ins[r]
+            if inline:
+                comm.broadcast(x, root=root)
+            else:
+                comm.ibroadcast(x, root=root).wait()
+            expect(f"auto broadcast root={root} {tag}", x, ins[root])
+            ran(f"auto broadcast {tag}")
+        x[:] = ins[r]
+        rs = alloc(n, dt)
+        if inline:
+            comm.reduce_scatter(x, rs, op)
+        else:
+            comm.ireduce_scatter(x, rs, op).wait()
+        expect(f"auto reduce_scatter {tag}", rs, want[r * n:(r + 1) * n])
+        ran(f"auto reduce_scatter {tag}")
+        xg = alloc(n, dt)
+        xg[:] = ins[r][:n]
+        if inline:
+            comm.allgather(xg, y)
+        else:
+            comm.iallgather(xg, y).wait()
+        expect(f"auto allgather {tag}", y, np.concatenate([a[:n] for a in ins]))
+        ran(f"auto allgather {tag}")
+        if inline:
+            comm.alltoall(x, y)
+        else:
+            comm.ialltoall(x, y).wait()
+        expect(f"auto alltoall {tag}", y, np.concatenate([ins[k][r * n:(r + 1) * n]
+                                                          for k in range(p)]))
+        ran(f"auto alltoall {tag}")
+        del x, y, rs, xg
+    # blocking with out=None: results allocated as the general path allocates them (NumPy
+    # arrays: which path runs depends on CMA, so only that every rank took the same one)
+    xa = np.full((p, n), r + 1, np.int32)
+    got = comm.alltoall(xa)
+    expect("auto alltoall out=None", got, np.tile(np.arange(1, p + 1, dtype=np.int32)[:, None],
+                                                  (1, n)))
+    paths.append(comm.last_algorithm)
+    if got.shape != (p, n):
+        bad.append(f"rank {r}: alltoall(out=None) returned shape {got.shape}")
+    got = comm.allgather(xa[0])
+    expect("auto allgather out=None", got, np.tile(np.arange(1, p + 1, dtype=np.int32)[:, None],
+                                                   (1, n)))
+    paths.append(comm.last_algorithm)
+    if got.shape != (p, n):
+        bad.append(f"rank {r}: allgather(out=None) returned shape {got.shape}")
+
 # a different count on the last rank: every rank raises, naming both calls, and nothing
-# was written
-n = 1 << 18
+# was written.  DIRECT_MISMATCH=auto: chosen by the thresholds, even ranks blocking (the
+# inline path), odd ranks on a request; else forced with algo=
+n = 1 << 18 if os.environ.get("DIRECT_MISMATCH") != "auto" else 1 << 20
 x = alloc(n + (4 if r == p - 1 else 0), np.float32)
 x[:] = 7
 try:
-    comm.allreduce(x, algo=D, timeout=30)
+    if os.environ.get("DIRECT_MISMATCH") != "auto":
+        comm.allreduce(x, algo=D, timeout=30)
+    elif r % 2 == 0:
+        comm.allreduce(x, timeout=30)
+    else:
+        comm.iallreduce(x).wait(timeout=30)
     if p > 1:
         bad.append(f"rank {r}: mismatched counts were not detected")
 except CollectiveMismatchError as e:
     chk.count += 1
-    if "count=262144" not in str(e) or "count=262148" not in str(e):
+    if f"count={n}" not in str(e) or f"count={n + 4}" not in str(e):
         bad.append(f"rank {r}: the mismatch error does not show both counts: {e}")
     if not np.all(x == 7):
         bad.append(f"rank {r}: a mismatched call wrote its buffer")

@@ -54,6 +54,8 @@ def test_direct_on_shared_arrays(n):
 
 @pytest.mark.parametrize("n,mode,env,direct", [
     (3, "numpy", {}, True),                                    # CMA (readv/writev)
+    (2, "numpy", {"DIRECT_MISMATCH": "auto"}, True),           # ... the inline path's
+    (5, "shared", {"DIRECT_MISMATCH": "auto"}, True),          #     mismatch
     (2, "mixed", {}, True),                                    # mapped and CMA in one call
     (3, "numpy", {"GPURT_SHM_DIRECT_CMA": "0"}, False),        # NumPy buffers out of reach
     (3, "mixed", {"GPURT_SHM_DIRECT_CMA": "0"}, False),        # one rank's out of reach
