@@ -108,8 +108,8 @@ VARIABLES: tuple[Var, ...] = (
     Var("GPURT_NT_COPY", "auto", _bytes_or_auto,
         "Host copies of at least this many bytes (a local copy of a collective, a receive "
         "from a peer's shared array, a helping sender's chunks of one) use non-temporal "
-        "stores (gpurt._fastboard, x86-64); auto: the last-level cache / (2 × ranks on the "
-        "node), at least 1M; 0 disables."),
+        "stores (gpurt._fastboard, x86-64); auto: the last-level cache (counted up to 128M) "
+        "/ (2 × ranks on the node), at least 1M; 0 disables."),
     Var("GPURT_SHM_SHARED", "1", _flag,
         "shm: single-copy messages from an array of gpurt.empty/zeros (comm.empty) are read "
         "through a mapping of the sender's shared memory (memcpy, and reductions in place), "

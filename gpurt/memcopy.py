@@ -15,6 +15,15 @@ by twice the number of ranks sharing it (source and destination of every rank fi
 below that), at least 1 MiB; ``GPURT_NT_COPY`` overrides, 0 turns it off — goes through
 ``gpurt._fastboard.stream_copy``; smaller ones, and everything when the extension is
 not built, through ``np.copyto``.  The result is the same bytes either way.
+
+The cache counted is at most ``LLC_MAX`` (128 MiB): a virtual machine may report its
+host's whole L3, shared with every other guest — 300 MiB on one host of this VM (Xeon),
+which put the threshold at 75 MiB for 2 ranks.  Measured there (2 ranks, allreduce on
+``comm.empty`` arrays, the settings alternating in one launch): 64 MiB took 14225 µs
+with cached stores against 12811–12982 streamed, 32 MiB 6446 against 5834–5931, while
+16 MiB was better cached (2524–2604 against 2693–2717); 4 ranks, 16 MiB: 7630 cached
+against 6276 streamed.  With 128 MiB counted the thresholds are 32 MiB (2 ranks) and
+16 MiB (4 ranks); on a machine whose whole L3 is at most that, nothing changes.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ import numpy as np
 
 from . import config
 
+LLC_MAX = 128 << 20   # the most last-level cache the streaming threshold counts on
 _local = 1          # the most ranks of one node seen sharing the cache (transports set it)
 
 
@@ -66,7 +76,7 @@ def _threshold() -> int:
     fixed = config.get("GPURT_NT_COPY")
     if fixed != "auto":
         return int(fixed)
-    llc = llc_bytes() or (32 << 20)
+    llc = min(llc_bytes() or (32 << 20), LLC_MAX)
     return max(1 << 20, llc // (2 * _local))
 
 

@@ -246,7 +246,7 @@ def _host_memory() -> dict:
             "streaming_why": nt or (
                 f"host copies of >= {memcopy.threshold() / 2**20:g} MiB use non-temporal "
                 f"stores (GPURT_NT_COPY={config.get('GPURT_NT_COPY')}; last-level cache "
-                f"{llc / 2**20:g} MiB, shared by the ranks of a node: the threshold is "
+                f"{llc / 2**20:g} MiB, counted up to {memcopy.LLC_MAX >> 20} MiB, shared by the ranks of a node: the threshold is "
                 f"divided by the local ranks once a communicator exists)")}
 
 

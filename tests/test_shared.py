@@ -172,8 +172,17 @@ def test_threshold_rule(monkeypatch):
         memcopy._threshold.cache_clear()
         if memcopy.streaming_why():
             pytest.skip(memcopy.streaming_why())
-        llc = memcopy.llc_bytes() or (32 << 20)
+        llc = min(memcopy.llc_bytes() or (32 << 20), 128 << 20)
         assert memcopy.threshold() == max(1 << 20, llc // (2 * memcopy._local))
+        # a cache reported larger than 128 MiB (a VM may show its host's whole shared L3)
+        # counts as 128 MiB; none reported counts as 32 MiB
+        for reported, local, want in [(300 << 20, 2, 32 << 20), (300 << 20, 4, 16 << 20),
+                                      (32 << 20, 2, 8 << 20), (0, 2, 8 << 20),
+                                      (4 << 20, 4, 1 << 20)]:
+            monkeypatch.setattr(memcopy, "llc_bytes", lambda v=reported: v)
+            monkeypatch.setattr(memcopy, "_local", local)
+            memcopy._threshold.cache_clear()
+            assert memcopy.threshold() == want, (reported, local)
     finally:
         monkeypatch.delenv("GPURT_NT_COPY")
         config.reload()
