@@ -54,6 +54,7 @@ def main() -> None:
                 for v in ("shm_direct", "schedule"):
                     on = (1, 1) if v == "shm_direct" else (0, 0)
                     comm._direct_min = {c: on for c in shm_direct.COLLS}
+                    comm._fastplans.clear()     # the inline path's plans decided on them
                     its = max(3, min(40, (64 << 20) // max(S, 1)))
                     ts = []
                     for _ in range(its + 2):
