@@ -156,8 +156,10 @@ class Communicator:
             # several nodes (or no board): agree through the endpoints instead
             self._netcheck = bool(check) and self.board is None and self.size > 1
             # the agreement's room for data (bytes, a multiple of 8): the same on every rank
-            self._fold = -(-fold // 8) * 8 if self._netcheck and self.size <= _FOLD_RANKS \
-                else 0
+            # (the most bytes of one rank's contribution: GPURT_NET_FOLD is what a rank may
+            # send to all the others, one message each)
+            self._fold = fold // (self.size - 1) // 8 * 8 \
+                if self._netcheck and self.size <= _FOLD_RANKS else 0
             self.tuner = Tuner(self.size, self.rank, tuple(range(self.size)), cost,
                                natives, self.nnodes, forced, profile,
                                shape=Shape.of(self.topo.local_ranks), levels=levels)
@@ -375,21 +377,26 @@ class Communicator:
                        data: np.ndarray | None = None) -> _Run:
         """Multi-node (no board): every rank's header (call number, signature, arguments,
         call site) to every rank by a small allgather over the endpoints, before the data
-        moves.  On communicators with ``_fold`` room, every message is that much longer
-        (the same length for every call, so a rejected call's header still fits the
-        others' receives) and carries ``data``'s bytes after the header: a folded call's
-        contribution.
+        moves.  On communicators with ``_fold`` room, a message carries ``data``'s bytes
+        after the header (a folded call's contribution) and the receives take up to that
+        room (``upto``): a message is as long as its own call needs, and a rejected or
+        mismatched call's header still fits the others' receives.
 
-        The message and the rows it gathers are the communicator's own, allocated (and
-        zeroed) once: collectives run one at a time, and a call's rows are read (agreed,
-        folded) before the next call starts.  Past the data, the message holds zeros or
-        this rank's earlier contributions, which its peers have already had."""
-        mine, bufs, sched, rows8 = (self._agree_bufs or self._agreement_buffers())[1:5]
+        The message and the rows it gathers are the communicator's own, allocated once:
+        collectives run one at a time, and a call's rows are read (agreed, folded) before
+        the next call starts.  Only the agreed length of a row is read; past it a row
+        holds what an earlier, longer message left."""
+        mine, bufs, scheds, rows8 = (self._agree_bufs or self._agreement_buffers())[1:5]
         mine[:_HDR_WORDS] = _cached(self._agree_hdrs, (sig, meta, site), 1024, _agree_header,
                                     sig, meta, site)
         mine[0] = seq
+        m = _HDR_WORDS
         if data is not None and data.nbytes:
             rows8[self.rank][:data.nbytes] = data.view(np.uint8)
+            m += -(-data.nbytes // 8)
+        sched = scheds.get(m)
+        if sched is None:
+            sched = scheds[m] = _agreement_schedule(self.size, self.rank, len(mine), m)
         return _Run(sched, bufs, False, None, self.endpoints, 0, seq, _AGREE_SIG, dtype=_U64)
 
     def _agreement_buffers(self) -> tuple:
@@ -397,7 +404,7 @@ class Communicator:
         # every rank's message, one row each; this rank's own row is what it sends (where
         # the schedule copies a message in, a separate one)
         every = np.zeros(self.size * words, np.uint64)   # no stale bytes of this process go out
-        sched = _agreement_schedule(self.size, self.rank, words)
+        sched = _agreement_schedule(self.size, self.rank, words, _HDR_WORDS)
         r = self.rank
         direct = not any(isinstance(o, Copy) for st in sched.steps for o in st)
         mine = every[r * words:(r + 1) * words] if direct else np.zeros(words, np.uint64)
@@ -408,7 +415,10 @@ class Communicator:
         rows = every.reshape(self.size, words)
         rows8 = rows[:, _HDR_WORDS:].view(np.uint8)
         # the compared words of every header (seq, sig, meta), one strided view
-        self._agree_bufs = (rows, mine, bufs, sched, rows8, rows[:, :2 + _META_WORDS])
+        # the exchange's schedules by the length this rank sends (header, + a folded call's
+        # data), in words
+        self._agree_bufs = (rows, mine, bufs, {_HDR_WORDS: sched}, rows8,
+                            rows[:, :2 + _META_WORDS])
         return self._agree_bufs
 
     def _fold_finish(self, coll: str, out: np.ndarray | None, dtype: np.dtype, red, n: int,
@@ -1615,9 +1625,9 @@ class Communicator:
                 sched = None
             if self._folds(collective, n, 4, None, sched):
                 text += (f"\n{FOLD}: the data ({_fold_bytes(collective, self.size, n, 4)} B "
-                         f"per rank) rides in the agreement's exchange (<= GPURT_NET_FOLD="
-                         f"{self._fold} B), one round instead of the agreement and the "
-                         f"choice above (without algo=)")
+                         f"per rank, <= {self._fold} B: GPURT_NET_FOLD / (ranks - 1)) rides "
+                         f"in the agreement's exchange, one round instead of the agreement "
+                         f"and the choice above (without algo=)")
         return text
 
     def candidates(self, collective: str, nbytes: int) -> list[dict]:
@@ -1696,7 +1706,8 @@ FOLD = "folded"          # the name of a call that ran inside the agreement's ex
 _FOLD_RANKS = 8          # the most ranks for which agreement messages carry data
 #: collectives whose size S (as nccl-tests and explain() count it) is the whole buffer
 _BLOCKED = ("allgather", "reduce_scatter", "alltoall", "gather", "scatter")
-_FOLD_MAX = 64 << 10     # the most room GPURT_NET_FOLD may give them
+_FOLD_MAX = 64 << 10     # the most GPURT_NET_FOLD may be (an agreement message stays
+                         # under transports.base.UPTO_MAX)
 
 
 def _fold_bytes(coll: str, p: int, n: int, isz: int) -> int:
@@ -1712,17 +1723,23 @@ def _fold_sends(coll: str, r: int, root: int) -> bool:
     return coll != "barrier" and (coll not in ("broadcast", "scatter") or r == root)
 
 
-@lru_cache(maxsize=64)
-def _agreement_schedule(p: int, r: int, n: int) -> Schedule:
+@lru_cache(maxsize=256)
+def _agreement_schedule(p: int, r: int, n: int, m: int | None = None) -> Schedule:
     """The allgather that carries the headers of the agreement check: every rank's header
     straight to every rank up to 32 ranks (so a rank that times out in it can name every
-    rank that has not arrived), Bruck's ⌈lg p⌉ rounds beyond."""
+    rank that has not arrived), Bruck's ⌈lg p⌉ rounds beyond.  Rows of ``n`` words; this
+    rank sends the first ``m`` (default all) of its own, and where the rows have room for
+    more than a header (folded calls: up to 32 ranks) every receive takes up to ``n``."""
+    m = n if m is None else m
     if p > 32:
+        if m != n:
+            raise ValueError("the agreement's Bruck exchange moves whole rows")
         return REGISTRY["allgather"]["bruck"].build(p, r, n, 0)
     # direct, from this rank's own row of the output (no copy in)
     others = [q for q in range(p) if q != r]
-    return Schedule.build([[Send(q, Slice("out", r * n, n)) for q in others]
-                           + [Recv(q, Slice("out", q * n, n)) for q in others]])
+    upto = n > _HDR_WORDS
+    return Schedule.build([[Send(q, Slice("out", r * n, m)) for q in others]
+                           + [Recv(q, Slice("out", q * n, n), upto) for q in others]])
 
 
 class _DirectPlan:

@@ -71,12 +71,12 @@ VARIABLES: tuple[Var, ...] = (
     Var("GPURT_CHECK", "1", _flag,
         "Before a collective moves data by a schedule, every rank checks that every rank "
         "made the same call (one shm-board round on one-node communicators); 0 skips it."),
-    Var("GPURT_NET_FOLD", "4K", _bytes,
-        "Several nodes, with GPURT_CHECK=1, up to 8 ranks: the agreement messages have room "
-        "for this many bytes of a call's data; a collective whose per-rank data fits runs "
-        "in that one exchange (agreement and data together) instead of the agreement then "
-        "a schedule (0: never, at most 64K; decided on rank 0; keep it below GPURT_IB_EAGER "
-        "so the agreement stays on verbs' eager path)."),
+    Var("GPURT_NET_FOLD", "64K", _bytes,
+        "Several nodes, with GPURT_CHECK=1, up to 8 ranks: a collective whose data a rank "
+        "would send to all the others in at most this many bytes ((ranks - 1) x its "
+        "contribution) runs inside the agreement's exchange (agreement and data together, "
+        "one round) instead of the agreement then a schedule; each agreement message is as "
+        "long as its call needs (0: never, at most 64K; decided on rank 0)."),
     Var("GPURT_PEER_STOPPED", "5", float,
         "Seconds a local peer may stay stopped (SIGSTOP, a debugger) while others wait for "
         "it before they raise PeerFailure."),
@@ -141,7 +141,7 @@ VARIABLES: tuple[Var, ...] = (
         "tcp: connections per pair of ranks; messages of at least GPURT_TCP_STRIPE_MIN bytes "
         "are split over all of them (rank 0's value is used everywhere)."),
     Var("GPURT_TCP_STRIPE_MIN", "1M", _bytes,
-        "tcp: messages of at least this many bytes are striped (64K at least; rank 0's "
+        "tcp: messages of at least this many bytes are striped (128K at least; rank 0's "
         "value is used everywhere)."),
     Var("GPURT_TCP_USER_TIMEOUT", "10", float,
         "tcp: seconds of unacknowledged data (TCP_USER_TIMEOUT) or silence (keepalive) after "

@@ -130,6 +130,8 @@ class _Run:
             if type(op) is Send:
                 s = op.src
                 pend.append(ep.send(bufs[s.buf][s.off:s.off + s.n].view(_U8), lane, tag, sig))
+            elif type(op) is Recv and op.upto:
+                pend.append(ep.recv(op.dst.n * isz, self._sink(op), lane, tag, sig, upto=True))
             else:
                 pend.append(ep.recv(op.dst.n * isz, self._sink(op), lane, tag, sig))
 

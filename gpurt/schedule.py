@@ -67,8 +67,13 @@ class Send:
 
 @dataclass(frozen=True)
 class Recv:
+    """``upto``: the message may be shorter than ``dst`` (at most ``dst.n`` elements; the
+    rest of ``dst`` keeps what it held) — the agreement check's messages, whose length
+    depends on the call."""
+
     peer: int
     dst: Slice
+    upto: bool = False
 
 
 @dataclass(frozen=True)
@@ -329,7 +334,8 @@ def _simulate(spec: CollSpec, p: int, n: int, scheds: Sequence[Schedule], root: 
             raise ScheduleError(f"{where}: {len(s)} sends but {len(d)} receives from rank "
                                 f"{ch[0]} to rank {ch[1]}")
         for ks, kr in zip(s, d):
-            if ops[ks].src.n != ops[kr].dst.n:
+            if ops[ks].src.n != ops[kr].dst.n and not (
+                    getattr(ops[kr], "upto", False) and ops[ks].src.n <= ops[kr].dst.n):
                 raise ScheduleError(f"{where}: rank {ch[0]} step {ks[1]} sends {ops[ks].src.n} "
                                     f"elements, rank {ch[1]} step {kr[1]} expects {ops[kr].dst.n}")
             partner[ks], partner[kr] = kr, ks
@@ -375,7 +381,9 @@ def _simulate(spec: CollSpec, p: int, n: int, scheds: Sequence[Schedule], root: 
                     data, known = snaps[partner[(r, k, j)]]
                     states[r].known |= known
                     if isinstance(o, Recv):
-                        wr(r, o.dst, list(data))
+                        dst = o.dst if len(data) == o.dst.n else Slice(o.dst.buf, o.dst.off,
+                                                                       len(data))
+                        wr(r, dst, list(data))
                     else:
                         wr(r, o.dst, combine(r, rd(r, o.acc or o.dst), data, f"{o}"))
         for r in ready:

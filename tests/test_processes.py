@@ -68,6 +68,17 @@ def test_api_under_mpi_on_two_nodes():
     assert " passed" in proc.stdout
 
 
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_upto_receives_take_shorter_messages_and_refuse_longer(transport):
+    """The agreement check's receives accept a message up to their size (each message as
+    long as its call needs): shorter ones arrive exactly, posted before or after the send,
+    into a plain destination or a reduction's sink; a longer one is a
+    CollectiveMismatchError saying "at most".  (verbs: in the Soft-RoCE guest suite.)"""
+    out = run_mpi(2, ["tests/upto_cases.py"], env={"GPURT_TRANSPORTS": transport}).stdout
+    for r in (0, 1):
+        assert f"upto ok on rank {r} ({transport})" in out, out
+
+
 @pytest.mark.parametrize("n", [1, 3, 4])
 def test_example_collectives(n):
     proc = run_mpi(n, ["examples/collectives.py"])

@@ -220,3 +220,18 @@ def test_agreement_exchange_proven(p: int) -> None:
             s = Schedule.build([[Copy(Slice("in", 0, n), Slice("out", r * n, n))]]).then(s)
         scheds.append(s)
     simulate("allgather", p, n, scheds)
+
+
+def test_upto_receive_takes_a_shorter_message_only() -> None:
+    """A ``Recv(..., upto=True)`` (the agreement's receives) matches a send of at most its
+    size; a longer send is a size mismatch, as for an exact receive."""
+    def pair(sent: int, room: int, upto: bool) -> list[Schedule]:
+        return [Schedule.build([[Send(1 - r, Slice("tmp", 0, sent)),
+                                 Recv(1 - r, Slice("tmp", 8, room), upto)]], tmp=16)
+                for r in range(2)]
+    simulate("barrier", 2, 0, pair(3, 5, True))
+    simulate("barrier", 2, 0, pair(5, 5, True))
+    with pytest.raises(ScheduleError, match="sends 6 elements"):
+        simulate("barrier", 2, 0, pair(6, 5, True))
+    with pytest.raises(ScheduleError, match="sends 3 elements"):
+        simulate("barrier", 2, 0, pair(3, 5, False))

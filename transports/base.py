@@ -21,6 +21,11 @@ LANE_P2P = 1
 LANES = 2
 LANE_NAMES = ("collective", "point-to-point")
 
+# a receive that accepts a shorter message (``upto``: the agreement check's headers, with
+# or without a folded call's data) is for messages below this size: every transport then
+# moves it as one piece (one tcp frame, eager or one rendezvous on verbs, rings on shm)
+UPTO_MAX = 128 << 10
+
 # sink(offset_in_bytes, chunk_bytes_view): consumes one arriving chunk (copy or reduce)
 Sink = Callable[[int, np.ndarray], None]
 
@@ -41,9 +46,12 @@ class Endpoint(Protocol):
         """Queue ``src`` (a uint8 view) for the peer; the completion tests True once the
         bytes have left ``src`` (the caller may then reuse it)."""
 
-    def recv(self, nbytes: int, sink: Sink, lane: int, tag: int, sig: int) -> Completion:
+    def recv(self, nbytes: int, sink: Sink, lane: int, tag: int, sig: int,
+             upto: bool = False) -> Completion:
         """Receive the next message of ``lane`` from the peer; it must be ``nbytes`` long
-        and carry ``tag`` and ``sig``.  ``sink`` is called once per arriving chunk."""
+        (``upto``: at most ``nbytes``, fewer bytes arrive — only for messages under
+        ``UPTO_MAX``) and carry ``tag`` and ``sig``.  ``sink`` is called once per
+        arriving chunk."""
 
     def check(self) -> None:
         """Raise ``PeerFailure`` if the peer is known to be gone (cheap; called while
@@ -80,17 +88,22 @@ def registered() -> list[tuple[str, Callable[[], type]]]:
 
 
 def mismatch_detail(lane: int, tag: int, sig: int, total: int,
-                    want_tag: int, want_sig: int, want_total: int) -> str | None:
+                    want_tag: int, want_sig: int, want_total: int,
+                    upto: bool = False) -> str | None:
     """How an arriving message's header differs from the receive posted for it, in words
-    (None if tag, signature and size agree): shared by the transports' mismatch errors."""
+    (None if tag, signature and size agree — for an ``upto`` receive, a size of at most
+    ``want_total``): shared by the transports' mismatch errors."""
     what = "collective call #" if lane == LANE_COLL else "tag "
     if tag != want_tag:
         return f"it carries {what}{tag}, this rank expects {what}{want_tag}"
     if sig != want_sig:
         return (f"both are {what}{tag} but the calls differ (dtype, count, op, root or "
                 f"collective; signature {sig:#x} vs {want_sig:#x})")
+    if upto and total <= want_total:
+        return None
     if total != want_total:
-        return f"it is {total} bytes long, this rank expects {want_total} bytes"
+        return (f"it is {total} bytes long, this rank expects "
+                f"{'at most ' if upto else ''}{want_total} bytes")
     return None
 
 

@@ -432,7 +432,9 @@ class HostInOrder:
     def send(self, src, lane: int, tag: int, sig: int):
         return self.staged.ordered(lane, lambda: self.host_ep.send(src, lane, tag, sig))
 
-    def recv(self, nbytes: int, sink, lane: int, tag: int, sig: int):
+    def recv(self, nbytes: int, sink, lane: int, tag: int, sig: int, upto: bool = False):
+        if upto:
+            return self.host_ep.recv(nbytes, sink, lane, tag, sig, upto=True)
         return self.host_ep.recv(nbytes, sink, lane, tag, sig)
 
     def check(self) -> None:

@@ -53,7 +53,7 @@ from gpurt.errors import (CollectiveMismatchError, PeerFailure, ResourceError, T
 from . import cma, shm_board
 from .fence import ORDERED, WHY_NOT
 from .fence import fence as _fence
-from .base import LANE_NAMES, LANES, Sink, mismatch_detail
+from .base import LANE_NAMES, LANES, UPTO_MAX, Sink, mismatch_detail
 
 log = logging.getLogger("gpurt.shm")
 
@@ -245,7 +245,7 @@ class _Msg:
     """One message in flight on a ring (either direction)."""
 
     __slots__ = ("peer", "data", "sink", "total", "tag", "sig", "off", "started", "done",
-                 "ring", "lane", "ack", "remote", "src", "help")
+                 "ring", "lane", "ack", "remote", "src", "help", "upto")
 
     def __init__(self, ring, peer: int, lane: int, total: int, tag: int, sig: int,
                  data: np.ndarray | None = None, sink: Sink | None = None):
@@ -257,6 +257,7 @@ class _Msg:
         self.remote = 0     # receiver, single copy: the sender's address
         self.src = None     # receiver, single copy from a peer's shared array: its bytes
         self.help = None    # receiver, cooperative single copy: (gen, chunks, chunk, bytes)
+        self.upto = False   # receiver: a message of at most ``total`` bytes is accepted
 
     def test(self) -> bool:
         if not self.done:
@@ -379,7 +380,11 @@ class _Ring:
                 h = self.hdr_i[k]
                 tag, sig, total, off, n = q[h], q[h + 1], q[h + 2], q[h + 3], q[h + 4]
                 if tag != m.tag or sig != m.sig or total != m.total or off != m.off:
-                    self._mismatch(m, tag, sig, total, off)
+                    if m.upto and not m.off and not off and tag == m.tag and \
+                            sig == m.sig and total <= m.total:
+                        m.total = total         # the shorter message this receive accepts
+                    else:
+                        self._mismatch(m, tag, sig, total, off)
                 remote = q[h + 5]
                 if remote:
                     m.remote = remote   # single copy: read from the sender's memory below
@@ -557,7 +562,8 @@ class _Ring:
 
     def _mismatch(self, m: _Msg, tag: int, sig: int, total: int, off: int) -> None:
         lane = LANE_NAMES[self.lane]
-        detail = mismatch_detail(self.lane, tag, sig, total, m.tag, m.sig, m.total) or \
+        detail = mismatch_detail(self.lane, tag, sig, total, m.tag, m.sig, m.total,
+                                 m.upto) or \
             f"chunk at byte {off}, expected byte {m.off}"
         raise CollectiveMismatchError(
             f"message from rank {m.peer} on the shm {lane} lane does not match the "
@@ -583,9 +589,13 @@ class ShmEndpoint:
         ring._push()
         return m
 
-    def recv(self, nbytes: int, sink: Sink, lane: int, tag: int, sig: int) -> _Msg:
+    def recv(self, nbytes: int, sink: Sink, lane: int, tag: int, sig: int,
+             upto: bool = False) -> _Msg:
+        if upto and nbytes >= UPTO_MAX:
+            raise ValueError(f"an upto receive is for messages under {UPTO_MAX} bytes")
         ring = self.rx[lane]
         m = _Msg(ring, self.peer, lane, nbytes, tag, sig, sink=sink)
+        m.upto = upto
         ring.queue.append(m)
         ring._pull()
         return m

@@ -110,7 +110,7 @@ import numpy as np
 from gpurt import config
 from gpurt.errors import CollectiveMismatchError, PeerFailure, TransportError, relayed_rank
 
-from .base import LANE_NAMES, LANES, Sink, mismatch_detail, unpaired
+from .base import LANE_NAMES, LANES, UPTO_MAX, Sink, mismatch_detail, unpaired
 from .heartbeat import Heartbeat
 
 log = logging.getLogger("gpurt.tcp")
@@ -206,7 +206,8 @@ def _settings() -> tuple[int, int]:
     stripes = int(config.get("GPURT_TCP_STRIPES"))
     if not 1 <= stripes <= 64:
         raise ValueError(f"GPURT_TCP_STRIPES={stripes} must be between 1 and 64")
-    smin = max(int(config.get("GPURT_TCP_STRIPE_MIN")), 64 * 1024)
+    # (never below UPTO_MAX: a message an upto receive may take travels as one frame)
+    smin = max(int(config.get("GPURT_TCP_STRIPE_MIN")), UPTO_MAX)
     return stripes, smin
 
 
@@ -282,10 +283,11 @@ class _Recv:
     """Completion of a receive of ``total`` bytes with ``tag``/``sig`` on ``lane``."""
 
     __slots__ = ("peer", "ep", "lane", "tag", "sig", "total", "sink", "dst", "left", "done",
-                 "error", "parts")
+                 "error", "parts", "upto")
 
-    def __init__(self, ep: "TcpEndpoint", lane: int, tag: int, sig: int, total: int, sink: Sink):
-        self.peer, self.ep, self.lane = ep.peer, ep, lane
+    def __init__(self, ep: "TcpEndpoint", lane: int, tag: int, sig: int, total: int, sink: Sink,
+                 upto: bool = False):
+        self.peer, self.ep, self.lane, self.upto = ep.peer, ep, lane, upto
         self.tag, self.sig, self.total = tag & _M64, sig & _M64, total
         dst = getattr(sink, "dst", None)
         # a plain receive: its destination is written directly (recv_into)
@@ -567,7 +569,11 @@ class _Conn:
         m = part.msg
         if tag == m.tag and sig == m.sig and total == m.total and off == part.off and n == part.n:
             return True
-        detail = mismatch_detail(m.lane, tag, sig, total, m.tag, m.sig, m.total) or \
+        if m.upto and tag == m.tag and sig == m.sig and total <= m.total and not off and \
+                n == total:          # (one part: an upto receive is below the stripe size)
+            part.n = m.total = total
+            return True
+        detail = mismatch_detail(m.lane, tag, sig, total, m.tag, m.sig, m.total, m.upto) or \
             (f"part at byte {off} ({n} bytes) on connection {self.stripe}, expected "
              f"byte {part.off} ({part.n} bytes)")
         ep = self.ep
@@ -623,9 +629,12 @@ class TcpEndpoint:
             self.conns[ci].push([hdr, mv[off:off + n]] if n else [hdr], m)
         return m
 
-    def recv(self, nbytes: int, sink: Sink, lane: int, tag: int, sig: int) -> _Recv:
-        m = _Recv(self, lane, tag, sig, nbytes, sink)
-        parts = _split(nbytes, self.stripes, self.smin)
+    def recv(self, nbytes: int, sink: Sink, lane: int, tag: int, sig: int,
+             upto: bool = False) -> _Recv:
+        if upto and nbytes >= UPTO_MAX:
+            raise ValueError(f"an upto receive is for messages under {UPTO_MAX} bytes")
+        m = _Recv(self, lane, tag, sig, nbytes, sink, upto)
+        parts = [(0, 0, nbytes)] if upto else _split(nbytes, self.stripes, self.smin)
         m.left = len(parts)
         for ci, off, n in parts:
             part = _Part(m, off, n, self.conns[ci])

@@ -80,7 +80,7 @@ from gpurt import config
 from gpurt.errors import (CollectiveMismatchError, PeerFailure, ResourceError, TransportError,
                           relayed_rank)
 
-from .base import LANE_NAMES, LANES, Sink, mismatch_detail, unpaired
+from .base import LANE_NAMES, LANES, UPTO_MAX, Sink, mismatch_detail, unpaired
 from .heartbeat import Heartbeat
 
 log = logging.getLogger("gpurt.verbs")
@@ -281,11 +281,12 @@ class _Send(_Done):
 
 class _Recv(_Done):
     __slots__ = ("peer", "ep", "done", "error", "lane", "tag", "sig", "total", "sink", "dst",
-                 "scratch", "reg", "into")
+                 "scratch", "reg", "into", "upto")
 
     def __init__(self, ep: "VerbsEndpoint", nbytes: int, sink: Sink | None, lane: int,
-                 tag: int, sig: int, into: tuple | None = None):
+                 tag: int, sig: int, into: tuple | None = None, upto: bool = False):
         self.peer, self.ep, self.total, self.sink = ep.peer, ep, nbytes, sink
+        self.upto = upto        # a message of at most ``nbytes`` is accepted
         self.lane, self.tag, self.sig = lane, tag & _M64, sig & _M64
         dst = getattr(sink, "dst", None)
         self.dst = dst if (isinstance(dst, np.ndarray) and dst.dtype == np.uint8 and
@@ -529,8 +530,10 @@ class VerbsEndpoint:
         return self.recv(nbytes, None, lane, tag, sig, into=(addr, rkey))
 
     def recv(self, nbytes: int, sink: Sink | None, lane: int, tag: int, sig: int,
-             into: tuple | None = None) -> _Recv:
-        m = _Recv(self, nbytes, sink, lane, tag, sig, into)
+             into: tuple | None = None, upto: bool = False) -> _Recv:
+        if upto and (nbytes >= UPTO_MAX or into is not None):
+            raise ValueError(f"an upto receive is for host messages under {UPTO_MAX} bytes")
+        m = _Recv(self, nbytes, sink, lane, tag, sig, into, upto)
         if self.unexp[lane]:
             self._match(m, *self.unexp[lane].popleft())
         else:
@@ -681,7 +684,9 @@ class VerbsEndpoint:
 
     def _match(self, m: _Recv, kind: int, msgid: int, tag: int, sig: int, total: int,
                payload) -> None:
-        detail = mismatch_detail(m.lane, tag, sig, total, m.tag, m.sig, m.total)
+        detail = mismatch_detail(m.lane, tag, sig, total, m.tag, m.sig, m.total, m.upto)
+        if detail is None and total != m.total:      # shorter, and the receive takes it
+            m.total = total
         if detail is not None:
             text = (f"message from rank {self.peer} ({self.host}) on the verbs "
                     f"{LANE_NAMES[m.lane]} lane does not match the receive posted here: "

@@ -553,6 +553,12 @@ def _folds(c) -> bool:
         config.get("GPURT_NET_FOLD") > 0 and c.size <= 8
 
 
+def _fold_room(c) -> int:
+    """The most bytes of one rank's contribution that fold: GPURT_NET_FOLD is what a rank
+    may send to all the others, one message each (whole 8-byte words)."""
+    return config.get("GPURT_NET_FOLD") // max(1, c.size - 1) // 8 * 8
+
+
 @pytest.mark.parametrize("dt", [np.float32, np.int64, np.float64])
 def test_small_calls_fold_into_the_agreement_exactly(comm, dt):
     """Across nodes, a checked collective whose data fits the agreement's messages
@@ -562,7 +568,7 @@ def test_small_calls_fold_into_the_agreement_exactly(comm, dt):
     p, r = comm.size, comm.rank
     fold = _folds(comm)
     isz = np.dtype(dt).itemsize
-    lim = config.get("GPURT_NET_FOLD") // isz
+    lim = _fold_room(comm) // isz
     bad = []
 
     def want(ok, what):
@@ -614,7 +620,7 @@ def test_small_calls_fold_into_the_agreement_exactly(comm, dt):
     want(True, "barrier")
     assert not bad, bad[:10]
     # explain says which calls fold (an empty one too: its exchange is still the check)
-    room = config.get("GPURT_NET_FOLD")
+    room = _fold_room(comm)
     assert ("folded:" in comm.explain("allreduce", 64)) == fold
     assert "folded:" not in comm.explain("allreduce", room + 8)
     comm.allreduce(np.empty(0, dt))
@@ -668,11 +674,14 @@ def test_blocking_calls_inline_match_the_general_path(comm, dt):
             assert recs and all(e["state"] == "done" for e in recs[-6:])
 
 
-@pytest.mark.parametrize("case", ["count", "dtype", "root"])
+@pytest.mark.parametrize("case", ["count", "dtype", "root", "unfolded"])
 def test_folded_call_mismatch_names_both_calls_and_writes_nothing(comm, case):
     """A mismatch in a folded call is found from the headers before any result is
     computed: every rank raises CollectiveMismatchError naming the differing field, and no
-    output is written (the data rode along, unused)."""
+    output is written (the data rode along, unused).  ``unfolded``: the last rank's call
+    is too large to fold, so its agreement message is a header alone while the others'
+    carry data — the receives take messages up to their room, so the headers still
+    meet and name both counts."""
     p, r = comm.size, comm.rank
     if not _folds(comm):
         pytest.skip("no folding on this communicator (one node, or checking off)")
@@ -686,10 +695,15 @@ def test_folded_call_mismatch_names_both_calls_and_writes_nothing(comm, case):
             elif case == "dtype":
                 xd = x.astype(np.float64) if odd else x
                 c.allreduce(xd, np.full(8, -1, xd.dtype) if odd else out, timeout=20)
-            else:
+            elif case == "root":
                 c.reduce(x, out, root=1 if odd else 0, timeout=20)
+            else:
+                big = np.ones(1 << 20, np.float32)
+                c.allreduce(big if odd else x, np.full(1 << 20, -1, np.float32) if odd
+                            else out, timeout=20)
         msg = str(ei.value)
-        field = {"count": "count=7", "dtype": "float64", "root": "root=1"}[case]
+        field = {"count": "count=7", "dtype": "float64", "root": "root=1",
+                 "unfolded": "count=1048576"}[case]
         assert field in msg and "test_api.py:" in msg, msg
         assert (out == -1).all()
 
