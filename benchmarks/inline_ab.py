@@ -1,10 +1,11 @@
 """Blocking collectives inline against the general path, alternating inside one launch.
 
     MPIR_CVAR_NUM_CLIQUES=2 mpiexec -n 2 python benchmarks/inline_ab.py \
-        [allreduce|broadcast|barrier] [8,4K,64K,1M] [blocks]
+        [allreduce|broadcast|barrier|reduce|allgather|reduce_scatter|alltoall|gather]
+        [8,4K,64K,1M] [blocks]
 
-Across nodes (no shm board) a blocking ``comm.allreduce``, ``broadcast`` or ``barrier`` on
-NumPy arrays runs inline (``Communicator._net_inline``); ``comm.iallreduce(...).wait()``
+Across nodes (no shm board) a blocking collective on NumPy arrays runs inline
+(``Communicator._net_inline``, ``_inline_to``); ``comm.iallreduce(...).wait()``
 (and so on) is the general path (a ``Request`` through the engine's queue) with the same
 plan, agreement and schedule.  Each
 size's calls run in blocks that alternate between the two (the order turning every
@@ -32,7 +33,7 @@ def _bytes(s: str) -> int:
 
 def main() -> int:
     args = sys.argv[1:]
-    coll = args.pop(0) if args and args[0].isalpha() else "allreduce"
+    coll = args.pop(0) if args and args[0][:1].isalpha() else "allreduce"
     sizes = [_bytes(s) for s in (args[0] if args else "8,4K,64K,1M").split(",")]
     blocks = int(args[1]) if len(args) > 1 else 8
     if coll == "barrier":
@@ -56,8 +57,34 @@ def main() -> int:
         elif coll == "barrier":
             o, want = x, np.float32(r + 1)
             calls = {"inline": lambda: c.barrier(), "general": lambda: c.ibarrier().wait()}
+        elif coll == "reduce":     # into o on root 0; elsewhere o stays as filled (0)
+            want = np.float32(p * (p + 1) // 2 if r == 0 else 0)
+            calls = {"inline": lambda: c.reduce(x, o, root=0),
+                     "general": lambda: c.ireduce(x, o, root=0).wait()}
+        elif coll in ("allgather", "gather"):   # S = the gathered whole: x is S / p
+            x = np.full(max(1, n // p), 1, np.float32)
+            o = np.empty(x.size * p, np.float32)
+            want = np.float32(1 if coll == "allgather" or r == 0 else 0)
+            if coll == "allgather":
+                calls = {"inline": lambda: c.allgather(x, o),
+                         "general": lambda: c.iallgather(x, o).wait()}
+            else:
+                oo = o if r == 0 else None
+                calls = {"inline": lambda: c.gather(x, oo, root=0),
+                         "general": lambda: c.igather(x, oo, root=0).wait()}
+        elif coll in ("reduce_scatter", "alltoall"):     # x is S
+            x = np.full(max(p, n // p * p), r + 1, np.float32)
+            if coll == "reduce_scatter":
+                o = np.empty(x.size // p, np.float32)
+                want = np.float32(p * (p + 1) // 2)
+                calls = {"inline": lambda: c.reduce_scatter(x, o),
+                         "general": lambda: c.ireduce_scatter(x, o).wait()}
+            else:
+                o, want = np.empty_like(x), None
+                calls = {"inline": lambda: c.alltoall(x, o),
+                         "general": lambda: c.ialltoall(x, o).wait()}
         else:
-            raise SystemExit(f"inline_ab.py: {coll}: allreduce, broadcast or barrier")
+            raise SystemExit(f"inline_ab.py: {coll}: not one of this script's collectives")
         iters = max(20, min(400, int(2e7 // max(nb, 4096))))
         for f in calls.values():
             for _ in range(10):
@@ -68,7 +95,7 @@ def main() -> int:
         for b in range(blocks):
             for k in (names if b % 2 == 0 else names[::-1]):
                 f = calls[k]
-                if coll == "allreduce":
+                if coll in ("allreduce", "reduce", "gather", "allgather", "reduce_scatter"):
                     o.fill(0)
                 c.barrier()
                 t0 = time.perf_counter()
@@ -76,7 +103,9 @@ def main() -> int:
                     f()
                 dt = (time.perf_counter() - t0) / iters
                 algo[k] = c.last_algorithm
-                if not (o == want).all():
+                ok = (o.reshape(p, -1) == np.arange(1, p + 1, dtype=np.float32)[:, None]
+                      ).all() if coll == "alltoall" else (o == want).all()
+                if not ok:
                     raise SystemExit(f"rank {r}: {k} {coll} of {nb} B gave a wrong result")
                 times[k].append(world.allreduce(dt, op=MPI.MAX))
         med = {k: float(np.median(v)) * 1e6 for k, v in times.items()}

@@ -295,10 +295,18 @@ class Communicator:
     def _fastpath(self) -> bool:
         return self.board is not None
 
+    def _inlines(self, algo: str | None) -> bool:
+        """May a blocking call naming ``algo`` try an inline path (``_inline_to``): the
+        board's (one node; algo None or shm_board) or the network's (no algo=)?"""
+        if self.board is not None:
+            return algo is None or algo == "shm_board"
+        return algo is None and self.size > 1
+
     @property
     def _netpath(self) -> bool:
-        """Blocking allreduce, broadcast and barrier on NumPy arrays may run inline
-        (``_net_inline``)."""
+        """Blocking collectives on NumPy arrays may run inline across nodes
+        (``_net_inline``; reduce, gather, allgather, reduce_scatter and alltoall through
+        ``_inline_to``)."""
         return self.board is None and self.size > 1
 
     def _shm(self):
@@ -998,6 +1006,14 @@ class Communicator:
         res = self._inline_res(x, out)
         if res is None:
             return None
+        return self._net_go(coll, plan, x, res, root, n, timeout)
+
+    def _net_go(self, coll: str, plan: tuple, x: np.ndarray, res: np.ndarray | None,
+                root: int, n: int, timeout: float | None) -> np.ndarray | None:
+        """Run one inline call across nodes whose arguments were checked (``res``: where
+        the result goes; None for a gather off the root, which writes nothing)."""
+        eng = self.engine
+        dtype = x.dtype
         o, sig, meta, red, fargs, sched, fold, name = plan
         self.last_algorithm = name
         self._seq += 1
@@ -1005,7 +1021,8 @@ class Communicator:
         site = callsite.site()
         fl = self.flight
         rec = fl.start(seq, coll, fargs, name, site) if fl is not None else None
-        xf, rf = x.reshape(-1), res.reshape(-1)
+        xf = x.reshape(-1)
+        rf = res.reshape(-1) if res is not None else None
         # one deadline for the whole call, as a Request's wait has
         end = time.monotonic() + (eng._timeout() if timeout is None else timeout)
         try:
@@ -1018,7 +1035,8 @@ class Communicator:
                 self._fold_finish(coll, rf, dtype, red, n, root)
             else:
                 alias = res is x
-                bufs = {"in": rf if alias else xf, "out": rf,
+                bufs = {"in": rf if alias else xf,
+                        "out": rf if rf is not None else np.empty(0, dtype),
                         "tmp": self._scratch_view(sched.tmp * dtype.itemsize).view(dtype)}
                 eng.run_inline(_Run(sched, bufs, alias, red, self.endpoints, 0, seq, sig),
                                coll, seq, max(0.0, end - time.monotonic()))
@@ -1026,7 +1044,7 @@ class Communicator:
             eng._annotate(e, f"in {coll} (call #{seq}): ")
             eng.poison(e)
             raise
-        if o is Op.AVG:
+        if o is Op.AVG and (coll != "reduce" or self.rank == root):
             host_finalize(o, res, self.size)
         if rec is not None:
             FlightRecorder.done(rec)
@@ -1092,12 +1110,13 @@ class Communicator:
         flags = x.flags
         return x if flags.c_contiguous and flags.writeable else None
 
-    def _board_inline_to(self, coll: str, x: np.ndarray, out: Any, op: Any, root: int,
-                         timeout: float | None, algo: str | None) -> Any:
+    def _inline_to(self, coll: str, x: np.ndarray, out: Any, op: Any, root: int,
+                   timeout: float | None, algo: str | None) -> Any:
         """The inline path of the collectives whose result is not x's shape (reduce,
-        allgather, gather, reduce_scatter, alltoall): only C-contiguous NumPy arrays and the
-        plain cases; ``_NO`` sends the call down the general path, which also raises every
-        error (so the rules are written once, in the i-variants)."""
+        allgather, gather, reduce_scatter, alltoall) — on the board (one node) or across
+        nodes (``_net_go``; no algo=): only C-contiguous NumPy arrays and the plain cases;
+        ``_NO`` sends the call down the general path, which also raises every error (so
+        the rules are written once, in the i-variants)."""
         eng = self.engine
         if self._closed or eng.colls or eng.p2p or eng.poisoned is not None or \
                 not x.flags.c_contiguous or (out is not None and type(out) is not np.ndarray):
@@ -1110,7 +1129,14 @@ class Communicator:
             if xs % p:
                 return _NO
             n = xs // p
-        fp = self._fastplan_of(coll, dtype, n, op, root, algo)
+        board = self.board is not None
+        if board:
+            fp = self._fastplan_of(coll, dtype, n, op, root, algo)
+        elif algo is None:
+            fp = _cached(self._netplans, (coll, dtype, n, op, root), _PLANS_MAX,
+                         self._netplan, coll, dtype, n, op, root)
+        else:
+            return _NO
         if not fp:
             return _NO
         mine = self.rank == root
@@ -1119,6 +1145,8 @@ class Communicator:
                     out.flags.c_contiguous and out.dtype in _SUPPORTED_DTYPES):
                 return _NO        # ireduce checks out= on every rank (and raises)
             res, ret = x, (None if coll == "gather" else (x if out is None else out))
+            if coll == "gather" and not board:
+                res = None            # (the board reads x's shape from it; a schedule no)
         elif coll == "reduce" and (out is None or out is x):
             if not x.flags.writeable:
                 return _NO
@@ -1139,7 +1167,10 @@ class Communicator:
                         out.size != want or np.may_share_memory(x, out):
                     return _NO
             res = ret = out
-        self._board_go(coll, fp, x, res, root, n, timeout)
+        if board:
+            self._board_go(coll, fp, x, res, root, n, timeout)
+        else:
+            self._net_go(coll, fp, x, res, root, n, timeout)
         return ret
 
     def _board_go(self, coll: str, fp: tuple, x: np.ndarray, res: np.ndarray, root: int,
@@ -1334,9 +1365,9 @@ class Communicator:
     def reduce(self, x: Any, out: Any = None, op: Any = Op.SUM, root: int = 0, *,
                timeout: float | None = None, algo: str | None = None, stream: Any = None) -> Any:
         timeout = self._timeout_arg(timeout, "reduce")
-        if self._fastpath and stream is None and (algo is None or algo == "shm_board") and \
+        if stream is None and self._inlines(algo) and \
                 type(x) is np.ndarray and type(root) is int and 0 <= root < self.size:
-            done = self._board_inline_to("reduce", x, out, op, root, timeout, algo)
+            done = self._inline_to("reduce", x, out, op, root, timeout, algo)
             if done is not _NO:
                 return done
         return self._blocking(self.ireduce(x, out, op, root, algo=algo, stream=stream), timeout)
@@ -1357,9 +1388,9 @@ class Communicator:
     def allgather(self, x: Any, out: Any = None, *, timeout: float | None = None,
                   algo: str | None = None, stream: Any = None) -> Any:
         timeout = self._timeout_arg(timeout, "allgather")
-        if self._fastpath and stream is None and (algo is None or algo == "shm_board") and \
+        if stream is None and self._inlines(algo) and \
                 type(x) is np.ndarray:
-            done = self._board_inline_to("allgather", x, out, None, 0, timeout, algo)
+            done = self._inline_to("allgather", x, out, None, 0, timeout, algo)
             if done is not _NO:
                 return done
         return self._blocking(self.iallgather(x, out, algo=algo, stream=stream), timeout)
@@ -1382,9 +1413,9 @@ class Communicator:
     def reduce_scatter(self, x: Any, out: Any = None, op: Any = Op.SUM, *,
                        timeout: float | None = None, algo: str | None = None, stream: Any = None) -> Any:
         timeout = self._timeout_arg(timeout, "reduce_scatter")
-        if self._fastpath and stream is None and (algo is None or algo == "shm_board") and \
+        if stream is None and self._inlines(algo) and \
                 type(x) is np.ndarray:
-            done = self._board_inline_to("reduce_scatter", x, out, op, 0, timeout, algo)
+            done = self._inline_to("reduce_scatter", x, out, op, 0, timeout, algo)
             if done is not _NO:
                 return done
         return self._blocking(self.ireduce_scatter(x, out, op, algo=algo, stream=stream), timeout)
@@ -1411,9 +1442,9 @@ class Communicator:
     def alltoall(self, x: Any, out: Any = None, *, timeout: float | None = None,
                  algo: str | None = None, stream: Any = None) -> Any:
         timeout = self._timeout_arg(timeout, "alltoall")
-        if self._fastpath and stream is None and (algo is None or algo == "shm_board") and \
+        if stream is None and self._inlines(algo) and \
                 type(x) is np.ndarray:
-            done = self._board_inline_to("alltoall", x, out, None, 0, timeout, algo)
+            done = self._inline_to("alltoall", x, out, None, 0, timeout, algo)
             if done is not _NO:
                 return done
         return self._blocking(self.ialltoall(x, out, algo=algo, stream=stream), timeout)
@@ -1440,9 +1471,9 @@ class Communicator:
     def gather(self, x: Any, out: Any = None, root: int = 0, *, timeout: float | None = None,
                algo: str | None = None, stream: Any = None) -> Any:
         timeout = self._timeout_arg(timeout, "gather")
-        if self._fastpath and stream is None and (algo is None or algo == "shm_board") and \
+        if stream is None and self._inlines(algo) and \
                 type(x) is np.ndarray and type(root) is int and 0 <= root < self.size:
-            done = self._board_inline_to("gather", x, out, None, root, timeout, algo)
+            done = self._inline_to("gather", x, out, None, root, timeout, algo)
             if done is not _NO:
                 return done
         return self._blocking(self.igather(x, out, root, algo=algo, stream=stream), timeout)

@@ -629,11 +629,11 @@ def test_small_calls_fold_into_the_agreement_exactly(comm, dt):
 
 @pytest.mark.parametrize("dt", [np.float32, np.int32, np.float64])
 def test_blocking_calls_inline_match_the_general_path(comm, dt):
-    """Across nodes a blocking allreduce, broadcast or barrier on NumPy arrays runs inline
-    (no Request: the plan cached per call shape); it must give exactly what the
-    non-blocking general path gives, in place and into out, for folded,
-    agreed-then-scheduled and several-step calls, every op (AVG too), every root, and
-    record the same algorithm."""
+    """Across nodes a blocking collective on NumPy arrays runs inline (no Request: the
+    plan cached per call shape); it must give exactly what the non-blocking general path
+    gives, in place and into out (allocated when out=None), for folded,
+    agreed-then-scheduled and several-step calls, every op (AVG too), every root, leave
+    the other ranks' buffers of a rooted call alone, and record the same algorithm."""
     p, r = comm.size, comm.rank
     inline = comm.board is None and p > 1
     ops = [gpurt.Op.SUM, gpurt.Op.MAX, gpurt.Op.MIN, "prod"] + \
@@ -666,9 +666,49 @@ def test_blocking_calls_inline_match_the_general_path(comm, dt):
         c.ibarrier().wait(timeout=60)
         alg = c.last_algorithm
         assert c.barrier(timeout=60) is None and c.last_algorithm == alg
+        # reduce (every root, into out and in place), gather, allgather, reduce_scatter,
+        # alltoall: blocking against the i-variant
+        for n in (1, 1000, 100000):
+            x = ((np.arange(n) % 5) + r + 1).astype(dt)
+            xs = ((np.arange(p * n) % 11) + 3 * r).astype(dt)
+            for root in range(p):
+                for op in (gpurt.Op.SUM, gpurt.Op.MAX):
+                    want = np.full(n, -1, dt)
+                    c.ireduce(x, want, op=op, root=root).wait(timeout=60)
+                    alg = c.last_algorithm
+                    out = np.full(n, -1, dt)
+                    assert c.reduce(x, out, op=op, root=root, timeout=60) is out
+                    assert np.array_equal(out, want), (n, root, op)   # (-1 off the root)
+                    assert c.last_algorithm == alg, (n, root, alg, c.last_algorithm)
+                    y = x.copy()
+                    assert c.reduce(y, op=op, root=root, timeout=60) is y
+                    assert np.array_equal(y, want if r == root else x), (n, root, op)
+                want = c.igather(x, root=root).wait(timeout=60)
+                alg = c.last_algorithm
+                got = c.gather(x, root=root, timeout=60)
+                assert (got is None) == (r != root) and c.last_algorithm == alg
+                if r == root:
+                    assert got.shape == (p, n) and np.array_equal(got, want), (n, root)
+            want = c.iallgather(x).wait(timeout=60)
+            alg = c.last_algorithm
+            got = c.allgather(x, timeout=60)
+            assert got.shape == (p, n) and np.array_equal(got, want), n
+            assert c.last_algorithm == alg
+            for op in (gpurt.Op.SUM, gpurt.Op.MIN):
+                want = c.ireduce_scatter(xs, op=op).wait(timeout=60)
+                alg = c.last_algorithm
+                out = np.full(n, -1, dt)
+                assert c.reduce_scatter(xs, out, op=op, timeout=60) is out
+                assert np.array_equal(out, want) and c.last_algorithm == alg, (n, op)
+            want = c.ialltoall(xs).wait(timeout=60)
+            alg = c.last_algorithm
+            out = np.full(p * n, -1, dt)
+            assert c.alltoall(xs, out, timeout=60) is out
+            assert np.array_equal(out, want) and c.last_algorithm == alg, n
         assert bool(c._netplans) == inline
-        assert {k[0] for k in c._netplans} == ({"allreduce", "broadcast", "barrier"}
-                                               if inline else set())
+        assert {k[0] for k in c._netplans} == (
+            {"allreduce", "broadcast", "barrier", "reduce", "gather", "allgather",
+             "reduce_scatter", "alltoall"} if inline else set())
         if c.flight is not None:
             recs = c.flight.records()
             assert recs and all(e["state"] == "done" for e in recs[-6:])
