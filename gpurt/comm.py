@@ -1044,11 +1044,7 @@ class Communicator:
             eng._annotate(e, f"in {coll} (call #{seq}): ")
             eng.poison(e)
             raise
-        if o is Op.AVG and (coll != "reduce" or self.rank == root):
-            host_finalize(o, res, self.size)
-        if rec is not None:
-            FlightRecorder.done(rec)
-        return res
+        return self._inline_end(coll, o, res, root, rec)
 
     def _netplan(self, coll: str, dtype: np.dtype, n: int, op: Any, root: int):
         """For ``_net_inline``: (op, signature, header meta, reducer, flight-recorder args,
@@ -1211,10 +1207,15 @@ class Communicator:
             # any failure inside a call
             eng.poison(e)
             raise
-        if o is Op.AVG and (coll != "reduce" or self.rank == root):
+        return self._inline_end(coll, o, res, root, rec if fl is not None else None)
+
+    def _inline_end(self, coll: str, o: Op | None, res, root: int, rec: list | None):
+        """An inline call's last steps, as the general path's ``finish``: AVG's division
+        (a reduce's on the root only) and the flight record; returns ``res``."""
+        if o is Op.AVG and res is not None and (coll != "reduce" or self.rank == root):
             host_finalize(o, res, self.size)
-        if fl is not None:
-            rec[5], rec[6] = time.time(), "done"
+        if rec is not None:
+            FlightRecorder.done(rec)
         return res
 
     def _direct_go(self, coll: str, dp: "_DirectPlan", x: np.ndarray, res: np.ndarray,
@@ -1243,11 +1244,7 @@ class Communicator:
                                    rf, root, red, n, site, fallback, dp.mins, chosen,
                                    dp.forced)
         eng.run_inline(run, coll, seq, timeout)     # (poisons the communicator on failure)
-        if o is Op.AVG and (coll != "reduce" or self.rank == root):
-            host_finalize(o, res, self.size)
-        if rec is not None:
-            FlightRecorder.done(rec)
-        return res
+        return self._inline_end(coll, o, res, root, rec)
 
     def _directplan(self, coll: str, dtype: np.dtype, n: int, op: Any, root: int):
         """For the inline path: a ``_DirectPlan`` when the general path would try
