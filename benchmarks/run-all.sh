@@ -35,7 +35,7 @@ done
 for n in 2 4; do
   MPIR_CVAR_NUM_CLIQUES=2 $B bench allreduce -n "$n" -b 4K -e 1M -f 16 -i $((800 / n)) \
       --baseline nocheck --repeat 3 | tee "$out/nocheck-2x$((n / 2)).txt"
-  for c in allreduce broadcast barrier; do
+  for c in allreduce broadcast barrier reduce allgather reduce_scatter alltoall gather; do
     MPIR_CVAR_NUM_CLIQUES=2 mpiexec -n "$n" python benchmarks/inline_ab.py "$c" 8,4K,64K,1M \
         | tee "$out/inline-$c-2x$((n / 2)).txt"
   done
