@@ -402,9 +402,7 @@ class Communicator:
         if data is not None and data.nbytes:
             rows8[self.rank][:data.nbytes] = data.view(np.uint8)
             m += -(-data.nbytes // 8)
-        sched = scheds.get(m)
-        if sched is None:
-            sched = scheds[m] = _agreement_schedule(self.size, self.rank, len(mine), m)
+        sched = _cached(scheds, m, 256, _agreement_schedule, self.size, self.rank, len(mine), m)
         return _Run(sched, bufs, False, None, self.endpoints, 0, seq, _AGREE_SIG, dtype=_U64)
 
     def _agreement_buffers(self) -> tuple:
@@ -1051,8 +1049,9 @@ class Communicator:
         schedule, folded?, algorithm name), decided exactly as ``_submit`` decides; False
         where the general path must run (unsupported dtype or op, shm_direct asked for, no
         messages at all)."""
-        if dtype not in _SUPPORTED_DTYPES or (op is not None and (op, dtype) not in _FAST_OPS):
-            return False
+        if dtype not in _SUPPORTED_DTYPES or (op is not None and (op, dtype) not in _FAST_OPS) \
+                or (op is None and coll in _REDUCING):
+            return False      # (op=None on a reduction: the general path raises)
         isz = dtype.itemsize
         try:
             if self._direct_wanted(coll, n, isz, None):
@@ -1238,12 +1237,17 @@ class Communicator:
                 if rec is not None:
                     rec[flight.ALGO] = name
 
-        xf, rf = x.reshape(-1).view(dtype), res.reshape(-1).view(dtype)
-        fallback = self._schedule_start(dp.sched, xf, rf, dtype, res is x, red, seq, dp.sig)
-        run = shm_direct.DirectRun(self.board, self._direct, coll, seq, dp.sig, dp.meta, xf,
-                                   rf, root, red, n, site, fallback, dp.mins, chosen,
-                                   dp.forced)
-        eng.run_inline(run, coll, seq, timeout)     # (poisons the communicator on failure)
+        try:     # (the call counts from here: any failure leaves the ranks out of step)
+            xf, rf = x.reshape(-1).view(dtype), res.reshape(-1).view(dtype)
+            fallback = self._schedule_start(dp.sched, xf, rf, dtype, res is x, red, seq,
+                                            dp.sig)
+            run = shm_direct.DirectRun(self.board, self._direct, coll, seq, dp.sig, dp.meta,
+                                       xf, rf, root, red, n, site, fallback, dp.mins, chosen,
+                                       dp.forced)
+            eng.run_inline(run, coll, seq, timeout)
+        except BaseException as e:
+            eng.poison(e)           # (run_inline has annotated and poisoned what it ran)
+            raise
         return self._inline_end(coll, o, res, root, rec)
 
     def _directplan(self, coll: str, dtype: np.dtype, n: int, op: Any, root: int):
@@ -1276,8 +1280,9 @@ class Communicator:
         compiled plan) when this call goes to the board, a ``_DirectPlan`` when it tries
         shm_direct, else False (then the general path decides, and raises the errors).
         Cached per (collective, dtype, count, op, root): the choice depends on nothing else."""
-        if dtype not in _SUPPORTED_DTYPES or (op is not None and (op, dtype) not in _FAST_OPS):
-            return False
+        if dtype not in _SUPPORTED_DTYPES or (op is not None and (op, dtype) not in _FAST_OPS) \
+                or (op is None and coll in _REDUCING):
+            return False      # (op=None on a reduction: the general path raises)
         if algo is None and self._direct is not None and coll in shm_direct.COLLS:
             dp = self._directplan(coll, dtype, n, op, root)
             if dp is not None:
@@ -1733,6 +1738,7 @@ _HDR_WORDS = 2 + _META_WORDS + callsite.WORDS   # an agreement header: seq, sig,
 FOLD = "folded"          # the name of a call that ran inside the agreement's exchange
 _FOLD_RANKS = 8          # the most ranks for which agreement messages carry data
 #: collectives whose size S (as nccl-tests and explain() count it) is the whole buffer
+_REDUCING = frozenset({"allreduce", "reduce", "reduce_scatter"})
 _BLOCKED = ("allgather", "reduce_scatter", "alltoall", "gather", "scatter")
 _FOLD_MAX = 64 << 10     # the most GPURT_NET_FOLD may be (an agreement message stays
                          # under transports.base.UPTO_MAX)

@@ -118,7 +118,7 @@ def _map_op(op: Op, peers: Callable[[int], int] | None,
     if isinstance(op, Send):
         return Send(peers(op.peer) if peers else op.peer, _map_slice(op.src, m))
     if isinstance(op, Recv):
-        return Recv(peers(op.peer) if peers else op.peer, _map_slice(op.dst, m))
+        return Recv(peers(op.peer) if peers else op.peer, _map_slice(op.dst, m), op.upto)
     if isinstance(op, RecvReduce):
         return RecvReduce(peers(op.peer) if peers else op.peer,
                           _map_slice(op.dst, m), _map_slice(op.acc, m))

@@ -68,13 +68,15 @@ def test_api_under_mpi_on_two_nodes():
     assert " passed" in proc.stdout
 
 
+@pytest.mark.parametrize("long", ["small", "big"])
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
-def test_upto_receives_take_shorter_messages_and_refuse_longer(transport):
+def test_upto_receives_take_shorter_messages_and_refuse_longer(transport, long):
     """The agreement check's receives accept a message up to their size (each message as
     long as its call needs): shorter ones arrive exactly, posted before or after the send,
     into a plain destination or a reduction's sink; a longer one is a
     CollectiveMismatchError saying "at most".  (verbs: in the Soft-RoCE guest suite.)"""
-    out = run_mpi(2, ["tests/upto_cases.py"], env={"GPURT_TRANSPORTS": transport}).stdout
+    out = run_mpi(2, ["tests/upto_cases.py"],
+                  env={"GPURT_TRANSPORTS": transport, "UPTO_LONG": long}).stdout
     for r in (0, 1):
         assert f"upto ok on rank {r} ({transport})" in out, out
 

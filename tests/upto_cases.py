@@ -7,13 +7,15 @@ test forced by ``GPURT_TRANSPORTS`` (shm or tcp): receives that accept a shorter
   (a tcp frame read straight into place, or buffered first);
 * a reduction's sink (a receive that is not a plain copy) also gets only those bytes;
 * a message longer than the capacity: CollectiveMismatchError on the receiver, saying
-  "at most".
+  "at most" (``UPTO_LONG=big``: a long one, a refused rendezvous on verbs).
+* capacities of 1000 and 40000 bytes: on verbs eager messages and rendezvous.
 
 Prints ``upto ok on rank R (TRANSPORT)``; raises on a failure.
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -24,7 +26,7 @@ from gpurt.errors import CollectiveMismatchError
 c = gpurt.init()
 r, peer = c.rank, 1 - c.rank
 ep = c.endpoints[peer]
-CAP = 1000
+CAP, BIG = 1000, 40000
 lane, sig = 0, 0x5A5A
 
 
@@ -33,32 +35,35 @@ def wait(*done) -> None:
                     lambda: [peer], 30, lambda t, m: TimeoutError(f"rank {r}: stuck"))
 
 
+class Sink:           # a plain copy (the transports may write dst directly)
+    def __init__(self, d):
+        self.dst = d
+
+    def __call__(self, off, chunk):
+        self.dst[off:off + chunk.nbytes] = chunk
+
+
 tag = 0
-for n in (CAP, 1, 0, 8, 999, 512):
-    for recv_first in (True, False):
-        tag += 1
-        src = (np.arange(n) * 3 + tag).astype(np.uint8)
-        dst = np.full(CAP, 0xEE, np.uint8)
-
-        class Sink:           # a plain copy (the transports may write dst directly)
-            def __init__(self, d):
-                self.dst = d
-
-            def __call__(self, off, chunk):
-                self.dst[off:off + chunk.nbytes] = chunk
-
-        if r == 0:
-            wait(ep.send(src, lane, tag, sig))
-        else:
-            if recv_first:
-                rv = ep.recv(CAP, Sink(dst), lane, tag, sig, upto=True)
+# capacities under and over verbs' eager limit (16 KiB: eager messages, and rendezvous)
+for cap, sizes in ((CAP, (CAP, 1, 0, 8, 999, 512)), (BIG, (BIG, 20000, 100, BIG - 8))):
+    for n in sizes:
+        for recv_first in (True, False):
+            tag += 1
+            src = (np.arange(n) * 3 + tag).astype(np.uint8)
+            dst = np.full(cap, 0xEE, np.uint8)
+            if r == 0:
+                wait(ep.send(src, lane, tag, sig))
             else:
-                time.sleep(0.05)          # the message is there before the receive
-                rv = ep.recv(CAP, Sink(dst), lane, tag, sig, upto=True)
-            wait(rv)
-            assert np.array_equal(dst[:n], src), (n, recv_first)
-            assert (dst[n:] == 0xEE).all(), (n, recv_first, "bytes past the message written")
-        c.mpi.Barrier()
+                if not recv_first:
+                    # the message is there before the receive: read (buffered) meanwhile
+                    end = time.monotonic() + 0.05
+                    while time.monotonic() < end:
+                        ep.check()
+                rv = ep.recv(cap, Sink(dst), lane, tag, sig, upto=True)
+                wait(rv)
+                assert np.array_equal(dst[:n], src), (cap, n, recv_first)
+                assert (dst[n:] == 0xEE).all(), (cap, n, recv_first, "bytes past the message")
+            c.mpi.Barrier()
 
 # a reduction's sink: only the message's bytes reach it
 tag += 1
@@ -71,19 +76,21 @@ else:
     assert b"".join(ch for _, ch in sorted(got)) == bytes(range(40)), got
 c.mpi.Barrier()
 
-# longer than the capacity: a mismatch on the receiver
+# longer than the capacity: a mismatch on the receiver (on verbs a rendezvous is refused)
 tag += 1
+long = BIG + 8 if os.environ.get("UPTO_LONG") == "big" else CAP + 8
+cap = long - 8
 if r == 0:
     try:
-        wait(ep.send(np.zeros(CAP + 8, np.uint8), lane, tag, sig))
+        wait(ep.send(np.zeros(long, np.uint8), lane, tag, sig))
     except gpurt.GpurtError:
-        pass          # the receiver may have failed the endpoint already
+        pass          # the receiver refused it, or failed the endpoint already
 else:
     try:
-        wait(ep.recv(CAP, Sink(np.zeros(CAP, np.uint8)), lane, tag, sig, upto=True))
+        wait(ep.recv(cap, Sink(np.zeros(cap, np.uint8)), lane, tag, sig, upto=True))
         raise AssertionError("a message longer than the receive was accepted")
     except CollectiveMismatchError as e:
-        assert "at most 1000 bytes" in str(e), e
+        assert f"at most {cap} bytes" in str(e), e
 print(f"upto ok on rank {r} ({ep.transport})", flush=True)
 c.mpi.Barrier()
 c.close()

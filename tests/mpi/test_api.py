@@ -167,6 +167,15 @@ def test_bad_input_raises_before_anything_moves(comm):
         comm.allreduce(np.ones(2, np.int32), op="avg")
     with pytest.raises(ValueError, match="unknown reduction op 'median'"):
         comm.allreduce(x, op="median")
+    # op=None on a reduction, small and large (the inline paths must not take it)
+    for n in (8, 300000):
+        big = np.ones(n * p, np.float32)
+        with pytest.raises(ValueError, match="unknown reduction op None"):
+            comm.allreduce(big[:n], op=None)
+        with pytest.raises(ValueError, match="unknown reduction op None"):
+            comm.reduce(big[:n], np.empty(n, np.float32), op=None)
+        with pytest.raises(ValueError, match="unknown reduction op None"):
+            comm.reduce_scatter(big, np.empty(n, np.float32), op=None)
     with pytest.raises(TypeError, match="is not an array"):
         comm.allreduce([1, 2, 3])
     same = np.zeros(p, np.int32)
@@ -630,14 +639,22 @@ def test_small_calls_fold_into_the_agreement_exactly(comm, dt):
 @pytest.mark.parametrize("dt", [np.float32, np.int32, np.float64])
 def test_blocking_calls_inline_match_the_general_path(comm, dt):
     """Across nodes a blocking collective on NumPy arrays runs inline (no Request: the
-    plan cached per call shape); it must give exactly what the non-blocking general path
-    gives, in place and into out (allocated when out=None), for folded,
-    agreed-then-scheduled and several-step calls, every op (AVG too), every root, leave
-    the other ranks' buffers of a rooted call alone, and record the same algorithm."""
+    plan cached per call shape).  Each call below first runs as the i-variant on every
+    rank (the reference), then with even ranks blocking (inline) and odd ranks on the
+    i-variant, so the two paths meet in one call and must agree on the signature: exact
+    results, in place and into out (allocated when out=None), for folded,
+    agreed-then-scheduled and several-step calls, every op (AVG too), every root, the
+    other ranks' buffers of a rooted call left alone, and the same algorithm recorded."""
     p, r = comm.size, comm.rank
     inline = comm.board is None and p > 1
-    ops = [gpurt.Op.SUM, gpurt.Op.MAX, gpurt.Op.MIN, "prod"] + \
-        ([gpurt.Op.AVG] if np.dtype(dt).kind == "f" else [])
+    blocking = r % 2 == 0
+    flt = np.dtype(dt).kind == "f"
+    ops = [gpurt.Op.SUM, gpurt.Op.MAX, gpurt.Op.MIN, "prod"] + ([gpurt.Op.AVG] if flt else [])
+
+    def mixed(block, ivar):
+        """This rank's half of a call where even ranks block and odd ranks wait."""
+        return block() if blocking else ivar().wait(timeout=60)
+
     with scratch(comm) as c:
         for n in (1, 7, 1000, 20000, 300000):
             for op in ops:
@@ -645,70 +662,84 @@ def test_blocking_calls_inline_match_the_general_path(comm, dt):
                 want = c.iallreduce(x.copy(), op=op).wait(timeout=60)
                 alg = c.last_algorithm
                 got = x.copy()
-                c.allreduce(got, op=op, timeout=60)               # in place
+                mixed(lambda: c.allreduce(got, op=op, timeout=60),
+                      lambda: c.iallreduce(got, op=op))                   # in place
                 assert np.array_equal(got, want), (n, op)
                 assert c.last_algorithm == alg, (n, op, alg, c.last_algorithm)
                 out = np.full(n, -1, dt)
-                assert c.allreduce(x, out, op=op, timeout=60) is out
+                assert mixed(lambda: c.allreduce(x, out, op=op, timeout=60),
+                             lambda: c.iallreduce(x, out, op=op)) is out
                 assert np.array_equal(out, want), (n, op)
                 assert (x == ((np.arange(n) % 5) + r + 1).astype(dt)).all()   # input kept
-        # broadcast (every root) and barrier take the same inline path
+        # broadcast (every root) and barrier
         for n in (1, 1000, 300000):
             for root in range(p):
                 want = c.ibroadcast(((np.arange(n) % 7) + r).astype(dt), root=root).wait(
                     timeout=60)
                 alg = c.last_algorithm
                 got = ((np.arange(n) % 7) + r).astype(dt)
-                assert c.broadcast(got, root=root, timeout=60) is got
+                assert mixed(lambda: c.broadcast(got, root=root, timeout=60),
+                             lambda: c.ibroadcast(got, root=root)) is got
                 assert np.array_equal(got, want) and \
                     np.array_equal(got, ((np.arange(n) % 7) + root).astype(dt)), (n, root)
                 assert c.last_algorithm == alg, (n, root, alg, c.last_algorithm)
         c.ibarrier().wait(timeout=60)
         alg = c.last_algorithm
-        assert c.barrier(timeout=60) is None and c.last_algorithm == alg
+        mixed(lambda: c.barrier(timeout=60), c.ibarrier)
+        assert c.last_algorithm == alg
         # reduce (every root, into out and in place), gather, allgather, reduce_scatter,
-        # alltoall: blocking against the i-variant
+        # alltoall
+        rops = [gpurt.Op.SUM, gpurt.Op.MAX] + ([gpurt.Op.AVG] if flt else [])
         for n in (1, 1000, 100000):
             x = ((np.arange(n) % 5) + r + 1).astype(dt)
             xs = ((np.arange(p * n) % 11) + 3 * r).astype(dt)
             for root in range(p):
-                for op in (gpurt.Op.SUM, gpurt.Op.MAX):
+                for op in rops:
                     want = np.full(n, -1, dt)
                     c.ireduce(x, want, op=op, root=root).wait(timeout=60)
                     alg = c.last_algorithm
                     out = np.full(n, -1, dt)
-                    assert c.reduce(x, out, op=op, root=root, timeout=60) is out
+                    assert mixed(lambda: c.reduce(x, out, op=op, root=root, timeout=60),
+                                 lambda: c.ireduce(x, out, op=op, root=root)) is out
                     assert np.array_equal(out, want), (n, root, op)   # (-1 off the root)
                     assert c.last_algorithm == alg, (n, root, alg, c.last_algorithm)
                     y = x.copy()
-                    assert c.reduce(y, op=op, root=root, timeout=60) is y
+                    assert mixed(lambda: c.reduce(y, op=op, root=root, timeout=60),
+                                 lambda: c.ireduce(y, op=op, root=root)) is y
                     assert np.array_equal(y, want if r == root else x), (n, root, op)
                 want = c.igather(x, root=root).wait(timeout=60)
                 alg = c.last_algorithm
-                got = c.gather(x, root=root, timeout=60)
+                got = mixed(lambda: c.gather(x, root=root, timeout=60),
+                            lambda: c.igather(x, root=root))
                 assert (got is None) == (r != root) and c.last_algorithm == alg
                 if r == root:
-                    assert got.shape == (p, n) and np.array_equal(got, want), (n, root)
+                    assert np.asarray(got).shape == (p, n), (n, root)
+                    assert np.array_equal(got, want), (n, root)
             want = c.iallgather(x).wait(timeout=60)
             alg = c.last_algorithm
-            got = c.allgather(x, timeout=60)
-            assert got.shape == (p, n) and np.array_equal(got, want), n
+            got = mixed(lambda: c.allgather(x, timeout=60), lambda: c.iallgather(x))
+            assert np.asarray(got).shape == (p, n) and np.array_equal(got, want), n
             assert c.last_algorithm == alg
-            for op in (gpurt.Op.SUM, gpurt.Op.MIN):
+            for op in rops:
                 want = c.ireduce_scatter(xs, op=op).wait(timeout=60)
                 alg = c.last_algorithm
                 out = np.full(n, -1, dt)
-                assert c.reduce_scatter(xs, out, op=op, timeout=60) is out
+                assert mixed(lambda: c.reduce_scatter(xs, out, op=op, timeout=60),
+                             lambda: c.ireduce_scatter(xs, out, op=op)) is out
                 assert np.array_equal(out, want) and c.last_algorithm == alg, (n, op)
             want = c.ialltoall(xs).wait(timeout=60)
             alg = c.last_algorithm
             out = np.full(p * n, -1, dt)
-            assert c.alltoall(xs, out, timeout=60) is out
+            assert mixed(lambda: c.alltoall(xs, out, timeout=60),
+                         lambda: c.ialltoall(xs, out)) is out
             assert np.array_equal(out, want) and c.last_algorithm == alg, n
-        assert bool(c._netplans) == inline
-        assert {k[0] for k in c._netplans} == (
-            {"allreduce", "broadcast", "barrier", "reduce", "gather", "allgather",
-             "reduce_scatter", "alltoall"} if inline else set())
+        # the blocking ranks ran every collective inline: a plan (not False) for each
+        plans = {k[0] for k, v in c._netplans.items() if v}
+        if inline and blocking:
+            assert plans == {"allreduce", "broadcast", "barrier", "reduce", "gather",
+                             "allgather", "reduce_scatter", "alltoall"}, plans
+        elif not inline:
+            assert not plans
         if c.flight is not None:
             recs = c.flight.records()
             assert recs and all(e["state"] == "done" for e in recs[-6:])

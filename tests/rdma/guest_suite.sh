@@ -45,6 +45,7 @@ one)
     section cases2 $GUEST_MPIEXEC -n 2 python3 tests/rdma/verbs_cases.py
     section cases3 $GUEST_MPIEXEC -n 3 python3 tests/rdma/verbs_cases.py
     section upto2 $GUEST_MPIEXEC -n 2 python3 tests/upto_cases.py
+    section upto2_big env UPTO_LONG=big $GUEST_MPIEXEC -n 2 python3 tests/upto_cases.py
     section sweep2 $GUEST_MPIEXEC -n 2 python3 tests/mpi_sweep.py algorithms
     section sweep3 $GUEST_MPIEXEC -n 3 python3 tests/mpi_sweep.py algorithms
     section qp_error failures qp_error 2
