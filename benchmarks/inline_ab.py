@@ -5,7 +5,7 @@
         [8,4K,64K,1M] [blocks]
 
 Across nodes (no shm board) a blocking collective on NumPy arrays runs inline
-(``Communicator._net_inline``, ``_inline_to``); ``comm.iallreduce(...).wait()``
+(``Communicator._inline``, ``_inline_to``); ``comm.iallreduce(...).wait()``
 (and so on) is the general path (a ``Request`` through the engine's queue) with the same
 plan, agreement and schedule.  Each
 size's calls run in blocks that alternate between the two (the order turning every

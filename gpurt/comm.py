@@ -132,7 +132,7 @@ class Communicator:
         self._netcheck = False
         self.flight: FlightRecorder | None = None
         self._fastplans: dict = {}
-        self._netplans: dict = {}         # _net_inline's plans, per call shape
+        self._netplans: dict = {}         # the inline path's plans across nodes, per call shape
         #: the algorithm (or native protocol) the last collective call used
         self.last_algorithm = ""
         try:
@@ -291,23 +291,13 @@ class Communicator:
                                                      "alltoall") else 1)
         return self._direct_wanted(coll, n, isz, None) in (1, 2)
 
-    @property
-    def _fastpath(self) -> bool:
-        return self.board is not None
-
     def _inlines(self, algo: str | None) -> bool:
-        """May a blocking call naming ``algo`` try an inline path (``_inline_to``): the
-        board's (one node; algo None or shm_board) or the network's (no algo=)?"""
+        """May a blocking call naming ``algo`` try an inline path (``_inline``,
+        ``_inline_to``): the board's (one node; algo None or shm_board) or the network's
+        (several nodes, or no board; no algo=)?"""
         if self.board is not None:
             return algo is None or algo == "shm_board"
         return algo is None and self.size > 1
-
-    @property
-    def _netpath(self) -> bool:
-        """Blocking collectives on NumPy arrays may run inline across nodes
-        (``_net_inline``; reduce, gather, allgather, reduce_scatter and alltoall through
-        ``_inline_to``)."""
-        return self.board is None and self.size > 1
 
     def _shm(self):
         return next((t for t in self._transports if t.name == "shm"), None)
@@ -972,39 +962,47 @@ class Communicator:
     def allreduce(self, x: Any, out: Any = None, op: Any = Op.SUM, *,
                   timeout: float | None = None, algo: str | None = None, stream: Any = None) -> Any:
         timeout = self._timeout_arg(timeout, "allreduce")
-        if self._fastpath and stream is None and (algo is None or algo == "shm_board") and \
-                type(x) is np.ndarray and (out is None or type(out) is np.ndarray):
-            done = self._board_inline("allreduce", x, op, 0, timeout, out, algo)
-            if done is not None:
-                return done
-        elif self._netpath and stream is None and algo is None and type(x) is np.ndarray \
-                and (out is None or type(out) is np.ndarray):
-            done = self._net_inline("allreduce", x, out, op, 0, timeout)
+        if stream is None and self._inlines(algo) and type(x) is np.ndarray and \
+                (out is None or type(out) is np.ndarray):
+            done = self._inline("allreduce", x, out, op, 0, timeout, algo)
             if done is not None:
                 return done
         return self._blocking(self.iallreduce(x, out, op, algo=algo, stream=stream), timeout)
 
-    def _net_inline(self, coll: str, x: np.ndarray, out: np.ndarray | None, op: Any,
-                    root: int, timeout: float | None) -> np.ndarray | None:
-        """A blocking allreduce, broadcast or barrier across nodes (no board) on NumPy
-        arrays, run inline while nothing else is queued: the general path's plan (cached
-        per collective, dtype, count, op and root), its agreement (or folded call) and its
-        schedule, without a ``Request``.  Returns None whenever the general path must
+    def _inline(self, coll: str, x: np.ndarray, out: np.ndarray | None, op: Any,
+                root: int, timeout: float | None, algo: str | None) -> np.ndarray | None:
+        """The blocking fast path of allreduce, broadcast and barrier (a result of x's
+        shape: in place, or into a separate ``out``) on NumPy arrays, run inline while
+        nothing else is queued: on the board (``_board_go``; shm_direct for large calls)
+        or across nodes (``_net_go``: the general path's agreement or folded call and
+        schedule), without a ``Request``.  Returns None whenever the general path must
         decide (which also raises the errors)."""
         eng = self.engine
         if self._closed or eng.colls or eng.p2p or eng.poisoned is not None:
             return None   # keep call order; let pending send/recv progress in the queue
         if op is not None and type(op) is not Op and type(op) is not str:
             return None
-        dtype, n = x.dtype, x.size
-        plan = _cached(self._netplans, (coll, dtype, n, op, root), _PLANS_MAX, self._netplan,
-                       coll, dtype, n, op, root)
+        n = x.size
+        plan = self._inline_plan(coll, x.dtype, n, op, root, algo)
         if not plan:
             return None
         res = self._inline_res(x, out)
         if res is None:
             return None
-        return self._net_go(coll, plan, x, res, root, n, timeout)
+        go = self._board_go if self.board is not None else self._net_go
+        return go(coll, plan, x, res, root, n, timeout)
+
+    def _inline_plan(self, coll: str, dtype: np.dtype, n: int, op: Any, root: int,
+                     algo: str | None):
+        """An inline call's plan, cached per call shape: the board's (``_fastplan``) on
+        one node, the network's (``_netplan``; no algo=) across nodes; falsy where the
+        general path must run."""
+        if self.board is not None:
+            return self._fastplan_of(coll, dtype, n, op, root, algo)
+        if algo is None:
+            return _cached(self._netplans, (coll, dtype, n, op, root), _PLANS_MAX,
+                           self._netplan, coll, dtype, n, op, root)
+        return False
 
     def _net_go(self, coll: str, plan: tuple, x: np.ndarray, res: np.ndarray | None,
                 root: int, n: int, timeout: float | None) -> np.ndarray | None:
@@ -1045,7 +1043,7 @@ class Communicator:
         return self._inline_end(coll, o, res, root, rec)
 
     def _netplan(self, coll: str, dtype: np.dtype, n: int, op: Any, root: int):
-        """For ``_net_inline``: (op, signature, header meta, reducer, flight-recorder args,
+        """For the inline path across nodes (``_inline``, ``_inline_to``): (op, signature, header meta, reducer, flight-recorder args,
         schedule, folded?, algorithm name), decided exactly as ``_submit`` decides; False
         where the general path must run (unsupported dtype or op, shm_direct asked for, no
         messages at all)."""
@@ -1067,28 +1065,6 @@ class Communicator:
         return (o, _signature(coll, dtype.str, n, o, root, tag),
                 _board_meta(coll, dtype, n, o, root, tag), reducer(o) if o is not None else None,
                 (dtype.str, n, o, root if coll in _ROOTED else None), sched, fold, tag)
-
-    def _board_inline(self, coll: str, x: np.ndarray, op: Any, root: int,
-                      timeout: float | None, out: np.ndarray | None = None,
-                      algo: str | None = None) -> Any:
-        """The blocking small-message fast path: a collective on NumPy arrays (in place, or
-        into a separate ``out`` of the same shape) that the tuner gives to the shm board,
-        run inline while nothing else is queued.  Returns None whenever the general path
-        must decide (which also raises the errors)."""
-        eng = self.engine
-        if self._closed or eng.colls or eng.p2p or eng.poisoned is not None:
-            return None   # keep call order; let pending send/recv progress in the queue
-        if op is not None and type(op) is not Op and type(op) is not str:
-            return None
-        dtype = x.dtype
-        n = x.size
-        fp = self._fastplan_of(coll, dtype, n, op, root, algo)
-        if not fp:
-            return None
-        res = self._inline_res(x, out)
-        if res is None:
-            return None
-        return self._board_go(coll, fp, x, res, root, n, timeout)
 
     @staticmethod
     def _inline_res(x: np.ndarray, out: np.ndarray | None) -> np.ndarray | None:
@@ -1125,13 +1101,7 @@ class Communicator:
                 return _NO
             n = xs // p
         board = self.board is not None
-        if board:
-            fp = self._fastplan_of(coll, dtype, n, op, root, algo)
-        elif algo is None:
-            fp = _cached(self._netplans, (coll, dtype, n, op, root), _PLANS_MAX,
-                         self._netplan, coll, dtype, n, op, root)
-        else:
-            return _NO
+        fp = self._inline_plan(coll, dtype, n, op, root, algo)
         if not fp:
             return _NO
         mine = self.rank == root
@@ -1325,14 +1295,9 @@ class Communicator:
     def broadcast(self, x: Any, root: int = 0, *, timeout: float | None = None,
                   algo: str | None = None, stream: Any = None) -> Any:
         timeout = self._timeout_arg(timeout, "broadcast")
-        if self._fastpath and stream is None and (algo is None or algo == "shm_board") and \
-                type(x) is np.ndarray and type(root) is int and 0 <= root < self.size:
-            done = self._board_inline("broadcast", x, None, root, timeout, None, algo)
-            if done is not None:
-                return done
-        elif self._netpath and stream is None and algo is None and type(x) is np.ndarray \
-                and type(root) is int and 0 <= root < self.size:
-            done = self._net_inline("broadcast", x, None, None, root, timeout)
+        if stream is None and self._inlines(algo) and type(x) is np.ndarray and \
+                type(root) is int and 0 <= root < self.size:
+            done = self._inline("broadcast", x, None, None, root, timeout, algo)
             if done is not None:
                 return done
         return self._blocking(self.ibroadcast(x, root, algo=algo, stream=stream), timeout)
@@ -1528,12 +1493,8 @@ class Communicator:
 
     def barrier(self, *, timeout: float | None = None, algo: str | None = None) -> None:
         timeout = self._timeout_arg(timeout, "barrier")
-        if self._fastpath and (algo is None or algo == "shm_board") and \
-                self._board_inline("barrier", _EMPTY_U8, None, 0, timeout, None, algo) \
-                is not None:
-            return
-        if self._netpath and algo is None and \
-                self._net_inline("barrier", _EMPTY_U8, None, None, 0, timeout) is not None:
+        if self._inlines(algo) and \
+                self._inline("barrier", _EMPTY_U8, None, None, 0, timeout, algo) is not None:
             return
         self._blocking(self.ibarrier(algo=algo), timeout)
 
