@@ -47,6 +47,7 @@ from .tuner import Native, Tuner, load_profile, oversubscribed, transport_cost
 from .wait import spin_seconds
 
 from gpurt.transports import shm_board, shm_direct  # noqa: E402  (after the core imports)
+from gpurt.transports.tcp import _settings as tcp_settings  # noqa: E402
 
 _LIVE: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
 _COMM_IDS = itertools.count()
@@ -158,8 +159,12 @@ class Communicator:
             # the agreement's room for data (bytes, a multiple of 8): the same on every rank
             # (the most bytes of one rank's contribution: GPURT_NET_FOLD is what a rank may
             # send to all the others, one message each)
-            self._fold = fold // (self.size - 1) // 8 * 8 \
+            self._fold = fold[0] // (self.size - 1) // 8 * 8 \
                 if self._netcheck and self.size <= _FOLD_RANKS else 0
+            # two ranks: an allreduce folds up to GPURT_NET_FOLD_PAIR (the ring's bytes in
+            # one round); the agreement's rows have room for the larger of the two
+            self._fold_pair = fold[1] // 8 * 8 if self._netcheck and self.size == 2 else 0
+            self._room = max(self._fold, self._fold_pair)
             self.tuner = Tuner(self.size, self.rank, tuple(range(self.size)), cost,
                                natives, self.nnodes, forced, profile,
                                shape=Shape.of(self.topo.local_ranks), levels=levels)
@@ -336,13 +341,20 @@ class Communicator:
                 if not 0 <= fold <= _FOLD_MAX:
                     raise ValueError(f"GPURT_NET_FOLD={fold} must be between 0 and "
                                      f"{_FOLD_MAX} bytes")
+                pair = int(config.get("GPURT_NET_FOLD_PAIR"))
+                if not 0 <= pair <= _PAIR_MAX:
+                    raise ValueError(f"GPURT_NET_FOLD_PAIR={pair} must be between 0 and "
+                                     f"{_PAIR_MAX} bytes")
+                stripes, smin = tcp_settings()
+                if stripes > 1:       # (an agreement message must stay one tcp frame)
+                    pair = min(pair, smin - 8 * _HDR_WORDS - 8)
                 forced = dict(config.get("GPURT_ALGO"))
                 for coll, name in forced.items():
                     if name == shm_direct.NAME and coll not in shm_direct.COLLS:
                         raise ValueError(f"GPURT_ALGO={coll}:{name}: shm_direct is for "
                                          f"{', '.join(shm_direct.COLLS)}")
                 inputs = (cost, levels, forced, profile,
-                          bool(config.get("GPURT_CHECK")), fold)
+                          bool(config.get("GPURT_CHECK")), (fold, pair))
             except ValueError as e:
                 err = str(e)
         inputs, err = self.mpi.bcast((inputs, err), 0)
@@ -396,7 +408,7 @@ class Communicator:
         return _Run(sched, bufs, False, None, self.endpoints, 0, seq, _AGREE_SIG, dtype=_U64)
 
     def _agreement_buffers(self) -> tuple:
-        words = _HDR_WORDS + self._fold // 8
+        words = _HDR_WORDS + self._room // 8
         # every rank's message, one row each; this rank's own row is what it sends (where
         # the schedule copies a message in, a separate one)
         every = np.zeros(self.size * words, np.uint64)   # no stale bytes of this process go out
@@ -570,9 +582,14 @@ class Communicator:
         """Several nodes, checked, a call whose data fits the agreement's messages and that
         names no algorithm: one exchange carries both (the tuner's algorithm would be a
         second round)."""
-        return bool(self._fold and sched is not None and sched.steps and algo is None and
+        return bool(self._room and sched is not None and sched.steps and algo is None and
                     coll not in self._tuner_in[2] and
-                    _fold_bytes(coll, self.size, n, isz) <= self._fold)
+                    _fold_bytes(coll, self.size, n, isz) <= self._fold_limit(coll))
+
+    def _fold_limit(self, coll: str) -> int:
+        """The most bytes of a rank's contribution that ``coll`` folds: GPURT_NET_FOLD
+        shared by the peers, or on two ranks GPURT_NET_FOLD_PAIR for an allreduce."""
+        return max(self._fold, self._fold_pair) if coll == "allreduce" else self._fold
 
     def _host_plan(self, coll: str, n: int, isz: int, root: int, algo: str | None):
         """(direct, algorithm, schedule, algo) of a call on host buffers: ``direct`` as
@@ -1611,15 +1628,18 @@ class Communicator:
             text += (f"\n{shm_direct.NAME}: tried first (S >= its threshold on this one-node "
                      f"communicator; GPURT_SHM_DIRECT*), the choice above where a rank's "
                      f"buffers are out of reach")
-        if self._fold:      # decided as a call of float32 elements decides it
+        if self._room:      # decided as a call of float32 elements decides it
             n = int(nbytes) // 4 // (self.size if collective in _BLOCKED else 1)
             try:
                 sched = self.tuner.plan(collective, n, 4, 0, None)[1]
             except ValueError:
                 sched = None
             if self._folds(collective, n, 4, None, sched):
+                lim, why = self._fold_limit(collective), "GPURT_NET_FOLD / (ranks - 1)"
+                if lim > self._fold:
+                    why = "GPURT_NET_FOLD_PAIR: an allreduce on two ranks"
                 text += (f"\n{FOLD}: the data ({_fold_bytes(collective, self.size, n, 4)} B "
-                         f"per rank, <= {self._fold} B: GPURT_NET_FOLD / (ranks - 1)) rides "
+                         f"per rank, <= {lim} B: {why}) rides "
                          f"in the agreement's exchange, one round instead of the agreement "
                          f"and the choice above (without algo=)")
         return text
@@ -1702,7 +1722,8 @@ _FOLD_RANKS = 8          # the most ranks for which agreement messages carry dat
 _REDUCING = frozenset({"allreduce", "reduce", "reduce_scatter"})
 _BLOCKED = ("allgather", "reduce_scatter", "alltoall", "gather", "scatter")
 _FOLD_MAX = 64 << 10     # the most GPURT_NET_FOLD may be (an agreement message stays
-                         # under transports.base.UPTO_MAX)
+                         # one tcp frame: under its least stripe threshold)
+_PAIR_MAX = 4 << 20      # the most GPURT_NET_FOLD_PAIR may be (transports.base.UPTO_MAX)
 
 
 def _fold_bytes(coll: str, p: int, n: int, isz: int) -> int:

@@ -104,6 +104,11 @@ def test_transport_cases_one_guest(one_guest, ranks):
     if ranks == 2:   # the transport's own check, both ends of a rendezvous message
         for r in (0, 1):
             assert "verbs" in res[f"mismatch_transport_r{r}"]
+    # unforced allreduces: folded up to GPURT_NET_FOLD, on 2 ranks up to the pair's 1 MiB
+    # (the agreement's upto receives take an 800 KB message by rendezvous), then scheduled
+    algos = res[f"allreduce_algos_{ranks}"]
+    assert algos["3"] == "folded" and algos[str((1 << 20) // 4 + 2)] != "folded", algos
+    assert (algos["200003"] == "folded") == (ranks == 2), algos
 
 
 @pytest.mark.parametrize("ranks", [2, 3])

@@ -22,9 +22,12 @@ LANES = 2
 LANE_NAMES = ("collective", "point-to-point")
 
 # a receive that accepts a shorter message (``upto``: the agreement check's headers, with
-# or without a folded call's data) is for messages below this size: every transport then
-# moves it as one piece (one tcp frame, eager or one rendezvous on verbs, rings on shm)
-UPTO_MAX = 128 << 10
+# or without a folded call's data) is for messages below this size, and every transport
+# moves such a message as one piece: one tcp frame (tcp refuses an upto receive as large
+# as its stripe threshold when it stripes), eager or one rendezvous on verbs, the rings or
+# one single-copy read on shm.  (The largest are a two-rank communicator's folded
+# allreduce: GPURT_NET_FOLD_PAIR, at most 4 MiB, plus a header.)
+UPTO_MAX = 8 << 20
 
 # sink(offset_in_bytes, chunk_bytes_view): consumes one arriving chunk (copy or reduce)
 Sink = Callable[[int, np.ndarray], None]

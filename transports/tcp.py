@@ -133,6 +133,7 @@ _ACK = b"\x01"
 _HB_INTERVAL = 0.5          # seconds between heartbeats (transports/heartbeat.py)
 _IBUF = 256 * 1024          # per-connection staging buffer (reads, reductions)
 _DIRECT_MIN = 4096          # plain receives read at least this much straight into dst
+STRIPE_FLOOR = 128 << 10    # the least stripe threshold (GPURT_TCP_STRIPE_MIN)
 _SPLIT_ALIGN = 64           # stripes are cut on this boundary (keeps elements whole)
 _RED_ALIGN = 16             # reductions get chunks of whole 16-byte units (any dtype)
 _HANDSHAKE_S = 3.0          # an accepted connection must finish its handshake in this
@@ -206,8 +207,9 @@ def _settings() -> tuple[int, int]:
     stripes = int(config.get("GPURT_TCP_STRIPES"))
     if not 1 <= stripes <= 64:
         raise ValueError(f"GPURT_TCP_STRIPES={stripes} must be between 1 and 64")
-    # (never below UPTO_MAX: a message an upto receive may take travels as one frame)
-    smin = max(int(config.get("GPURT_TCP_STRIPE_MIN")), UPTO_MAX)
+    # (never below 128 KiB: the agreement's messages, up to GPURT_NET_FOLD and a header,
+    # travel as one frame; larger upto receives, a pair's folds, are kept under smin)
+    smin = max(int(config.get("GPURT_TCP_STRIPE_MIN")), STRIPE_FLOOR)
     return stripes, smin
 
 
@@ -631,8 +633,11 @@ class TcpEndpoint:
 
     def recv(self, nbytes: int, sink: Sink, lane: int, tag: int, sig: int,
              upto: bool = False) -> _Recv:
-        if upto and nbytes >= UPTO_MAX:
-            raise ValueError(f"an upto receive is for messages under {UPTO_MAX} bytes")
+        if upto and (nbytes >= UPTO_MAX or (self.stripes > 1 and nbytes >= self.smin)):
+            # (a message the sender stripes cannot be matched before its length is known)
+            raise ValueError(f"an upto receive is for messages under "
+                             f"{UPTO_MAX if self.stripes == 1 else min(UPTO_MAX, self.smin)} "
+                             f"bytes")
         m = _Recv(self, lane, tag, sig, nbytes, sink, upto)
         parts = [(0, 0, nbytes)] if upto else _split(nbytes, self.stripes, self.smin)
         m.left = len(parts)

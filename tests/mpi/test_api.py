@@ -355,18 +355,20 @@ def test_explain_and_forced_algorithm(comm):
         comm.allreduce(np.ones(2), algo="nope")
 
 
-@pytest.mark.parametrize("value", ["-8", "1M"])
-def test_net_fold_out_of_range_is_an_error_at_creation(comm, value):
-    """GPURT_NET_FOLD outside 0..64K (it sizes every agreement message) fails communicator
-    creation on every rank with a ValueError naming it (decided on rank 0), not the first
-    call."""
-    os.environ["GPURT_NET_FOLD"] = value
+@pytest.mark.parametrize("var,value", [("GPURT_NET_FOLD", "-8"), ("GPURT_NET_FOLD", "1M"),
+                                       ("GPURT_NET_FOLD_PAIR", "-8"),
+                                       ("GPURT_NET_FOLD_PAIR", "8M")])
+def test_net_fold_out_of_range_is_an_error_at_creation(comm, var, value):
+    """GPURT_NET_FOLD outside 0..64K or GPURT_NET_FOLD_PAIR outside 0..4M (they size the
+    agreement's messages) fail communicator creation on every rank with a ValueError
+    naming the variable (decided on rank 0), not the first call."""
+    os.environ[var] = value
     config.reload()
     try:
-        with pytest.raises(ValueError, match=r"GPURT_NET_FOLD=-?\d+ must be between 0 and"):
+        with pytest.raises(ValueError, match=var + r"=-?\d+ must be between 0 and"):
             comm.dup()
     finally:
-        del os.environ["GPURT_NET_FOLD"]
+        del os.environ[var]
         config.reload()
     comm.barrier()
 
@@ -562,10 +564,14 @@ def _folds(c) -> bool:
         config.get("GPURT_NET_FOLD") > 0 and c.size <= 8
 
 
-def _fold_room(c) -> int:
+def _fold_room(c, coll: str = "") -> int:
     """The most bytes of one rank's contribution that fold: GPURT_NET_FOLD is what a rank
-    may send to all the others, one message each (whole 8-byte words)."""
-    return config.get("GPURT_NET_FOLD") // max(1, c.size - 1) // 8 * 8
+    may send to all the others, one message each (whole 8-byte words); an allreduce on two
+    ranks folds up to GPURT_NET_FOLD_PAIR."""
+    room = config.get("GPURT_NET_FOLD") // max(1, c.size - 1) // 8 * 8
+    if coll == "allreduce" and c.size == 2:
+        room = max(room, config.get("GPURT_NET_FOLD_PAIR") // 8 * 8)
+    return room
 
 
 @pytest.mark.parametrize("dt", [np.float32, np.int64, np.float64])
@@ -629,11 +635,97 @@ def test_small_calls_fold_into_the_agreement_exactly(comm, dt):
     want(True, "barrier")
     assert not bad, bad[:10]
     # explain says which calls fold (an empty one too: its exchange is still the check)
-    room = _fold_room(comm)
     assert ("folded:" in comm.explain("allreduce", 64)) == fold
-    assert "folded:" not in comm.explain("allreduce", room + 8)
+    assert "folded:" not in comm.explain("allreduce", _fold_room(comm, "allreduce") + 8)
+    assert "folded:" not in comm.explain("allgather", (_fold_room(comm) + 8) * p)
     comm.allreduce(np.empty(0, dt))
     assert ("folded:" in comm.explain("allreduce", 0)) == (comm.last_algorithm == "folded")
+
+
+@contextlib.contextmanager
+def _across_pairs(comm, env: dict | None = None):
+    """Communicators of two ranks on two nodes (world rank r with r + p/2, when the world
+    is 2 nodes x p/2 by block), created with ``env`` set; None where there is no such
+    pair (one node, an odd world)."""
+    p, r = comm.size, comm.rank
+    half = p // 2
+    if comm.nnodes != 2 or p % 2 or comm.topo.node_of[0] == comm.topo.node_of[half]:
+        yield None
+        return
+    sub = comm.mpi.Split(r % half, r)
+    old = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    config.reload()
+    try:
+        c = gpurt.Communicator(sub)
+    finally:
+        for k, v in old.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
+        config.reload()
+    try:
+        yield c
+    finally:
+        c.close()
+        sub.Free()
+        comm.mpi.Barrier()
+
+
+def test_pair_across_nodes_folds_allreduce_up_to_the_pair_limit(comm):
+    """Two ranks on two nodes: an allreduce of up to GPURT_NET_FOLD_PAIR bytes (default
+    1 MiB, far above GPURT_NET_FOLD) runs inside the agreement's exchange — exact results
+    in rank order for SUM, MAX, AVG, in place and into ``out`` — and just above it runs
+    the schedule after the agreement; other collectives keep GPURT_NET_FOLD.  A folded
+    1 MiB call against a small one is a mismatch on both ranks, nothing written.  With tcp
+    striping on, the limit stays below the stripe threshold (an agreement message is one
+    frame) and an upto receive that large is refused."""
+    with _across_pairs(comm) as c:
+        if c is None:
+            pytest.skip("needs 2 nodes x an equal number of ranks (block cliques)")
+        r = c.rank
+        pair = config.get("GPURT_NET_FOLD_PAIR")
+        assert c._fold_pair == pair and pair > c._fold
+        lim = pair // 4
+        for n in (1, c._fold // 4 + 1, lim - 1, lim, lim + 2):
+            x = (np.arange(n, dtype=np.float32) % 1000) * (r + 1) + r
+            want = (np.arange(n, dtype=np.float32) % 1000) * 3 + 1
+            y = c.allreduce(x.copy())
+            assert np.array_equal(y, want), n
+            assert (c.last_algorithm == "folded") == (n <= lim), (n, c.last_algorithm)
+            o = np.full(n, -1, np.float32)
+            c.allreduce(x, o, op=gpurt.Op.MAX)
+            assert np.array_equal(o, (np.arange(n, dtype=np.float32) % 1000) * 2 + 1), n
+            xa = np.arange(n // 2, dtype=np.float64) * (r + 2)      # (the same bytes)
+            c.allreduce(xa, op=gpurt.Op.AVG)
+            assert np.array_equal(xa, np.arange(n // 2, dtype=np.float64) * 2.5), n
+        assert "GPURT_NET_FOLD_PAIR" in c.explain("allreduce", pair)
+        assert "folded:" not in c.explain("allreduce", pair + 8)
+        n = (c._fold + 8) // 4          # an allgather above GPURT_NET_FOLD does not fold
+        g = c.allgather(np.full(n, r, np.int32))
+        assert np.array_equal(np.asarray(g).reshape(2, n), np.repeat([[0], [1]], n, 1))
+        assert c.last_algorithm != "folded"
+        # a folded 1 MiB call meets a small one: both raise, nothing written
+        x = np.ones(lim if r else 8, np.float32)
+        out = np.full(x.size, -1, np.float32)
+        with pytest.raises(gpurt.CollectiveMismatchError) as ei:
+            c.allreduce(x, out, timeout=20)
+        assert f"count={lim}" in str(ei.value) and "count=8" in str(ei.value), ei.value
+        assert (out == -1).all()
+    smin = 256 << 10
+    with _across_pairs(comm, {"GPURT_TCP_STRIPES": "2",
+                              "GPURT_TCP_STRIPE_MIN": str(smin)}) as c:
+        if "tcp" not in c.transport_of.values():
+            pytest.skip("the pair is not connected by tcp")
+        assert 0 < c._fold_pair < smin - 64
+        for n in (c._fold_pair // 4, c._fold_pair // 4 + 2, (1 << 20) // 4):
+            x = np.full(n, c.rank + 1, np.float32)
+            c.allreduce(x)
+            assert (x == 3).all(), n
+            assert (c.last_algorithm == "folded") == (n * 4 <= c._fold_pair), n
+        with pytest.raises(ValueError, match="upto receive"):
+            c.endpoints[1 - c.rank].recv(smin, lambda o, b: None, 0, 1, 1, upto=True)
 
 
 @pytest.mark.parametrize("dt", [np.float32, np.int32, np.float64])

@@ -116,6 +116,30 @@ def main() -> int:
             got = comm.recv(np.empty(ro.nbytes, np.uint8), 0, tag=99)
             check(np.array_equal(got, ro), "read-only send buffer")
         comm.barrier()
+        # -- folded allreduces: up to GPURT_NET_FOLD, and on 2 ranks GPURT_NET_FOLD_PAIR ----
+        # (the agreement's upto receives then take messages far above the eager size: one
+        # rendezvous each into the agreement's rows)
+        pair = comm._fold_pair
+        check(pair == (1 << 20 if p == 2 else 0), f"pair fold room {pair}")
+        ran = {}
+        for n in (3, 20_000, 200_003, (1 << 20) // 4, (1 << 20) // 4 + 2):
+            x = np.arange(n, dtype=np.float32) % 977 + r
+            comm.allreduce(x, timeout=60)
+            check(np.array_equal(x, (np.arange(n, dtype=np.float32) % 977) * p
+                                 + p * (p - 1) // 2), f"allreduce of {n} floats")
+            ran[n] = comm.last_algorithm
+            folds = 4 * n <= max(pair, comm._fold)
+            check((ran[n] == "folded") == folds, f"allreduce of {n} floats ran {ran[n]}")
+        facts[f"allreduce_algos_{p}"] = ran
+        if p == 2:      # a pair-folded 800 KB call meets a small folded one: both raise
+            c3 = comm.dup()
+            x = np.ones(200_003 if r else 4096, np.float32)
+            try:
+                c3.allreduce(x, timeout=60)
+                check(False, "mismatched pair-folded allreduce returned")
+            except CollectiveMismatchError as e:
+                check("count=200003" in str(e) and "count=4096" in str(e), f"pair mismatch: {e}")
+            c3.close()
         # -- mismatch with the agreement check: every rank raises ---------------------------
         n = 4096 if r != p - 1 else 4097
         try:
