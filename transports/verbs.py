@@ -204,7 +204,8 @@ def _sysfs_gid_type(dev: str, port: int, idx: int) -> str:
 def gpudirect() -> tuple[str, str]:
     """(mode, why): how device buffers reach the NIC on this machine: "peermem" (device
     pointers registered directly: GPUDirect RDMA), "forced" (GPURT_IB_GDR=1), "dmabuf"
-    (possible, not implemented: staged), "staged" (pinned host memory)."""
+    (the driver could export dma-bufs, pyverbs cannot register them: staged), "staged"
+    (pinned host memory)."""
     want = str(config.get("GPURT_IB_GDR")).strip().lower()
     if want in ("0", "off", "no"):
         return "staged", "GPURT_IB_GDR=0: device buffers are staged through pinned host memory"
@@ -220,8 +221,12 @@ def gpudirect() -> tuple[str, str]:
     try:
         import pyverbs.mr as m
         if hasattr(m, "DmaBufMR") and "nvidia" in mods:
-            return "dmabuf", ("no nvidia-peermem; pyverbs has DmaBufMR (dma-buf export), "
-                              "which gpurt does not use yet: device buffers are staged "
+            # (ibv_reg_dmabuf_mr on a dma-buf exported by cuMemGetHandleForAddressRange
+            # would do; pyverbs' DmaBufMR registers only a dma-buf it allocated itself
+            # through DRM, and takes no foreign file descriptor)
+            return "dmabuf", ("no nvidia-peermem; the driver could export dma-bufs, but "
+                              "pyverbs registers only dma-bufs it allocates itself (its "
+                              "DmaBufMR takes no CUDA dma-buf fd): device buffers are staged "
                               "through pinned host memory")
     except ImportError:
         pass
