@@ -1,7 +1,8 @@
 """Blocking collectives inline against the general path, alternating inside one launch.
 
     MPIR_CVAR_NUM_CLIQUES=2 mpiexec -n 2 python benchmarks/inline_ab.py \
-        [allreduce|broadcast|barrier|reduce|allgather|reduce_scatter|alltoall|gather]
+        [allreduce|broadcast|barrier|reduce|allgather|reduce_scatter|alltoall|gather|
+         scatter]
         [8,4K,64K,1M] [blocks]
 
 Across nodes (no shm board) a blocking collective on NumPy arrays runs inline
@@ -83,6 +84,13 @@ def main() -> int:
                 o, want = np.empty_like(x), None
                 calls = {"inline": lambda: c.alltoall(x, o),
                          "general": lambda: c.ialltoall(x, o).wait()}
+        elif coll == "scatter":     # S = the root's whole x; rank r gets block r (r + 1)
+            xs = np.repeat(np.arange(1, p + 1, dtype=np.float32), max(1, n // p))
+            xr = xs if r == 0 else None
+            o = np.empty(xs.size // p, np.float32)
+            want = np.float32(r + 1)
+            calls = {"inline": lambda: c.scatter(xr, o, root=0),
+                     "general": lambda: c.iscatter(xr, o, root=0).wait()}
         else:
             raise SystemExit(f"inline_ab.py: {coll}: not one of this script's collectives")
         iters = max(20, min(400, int(2e7 // max(nb, 4096))))
@@ -95,7 +103,8 @@ def main() -> int:
         for b in range(blocks):
             for k in (names if b % 2 == 0 else names[::-1]):
                 f = calls[k]
-                if coll in ("allreduce", "reduce", "gather", "allgather", "reduce_scatter"):
+                if coll in ("allreduce", "reduce", "gather", "allgather", "reduce_scatter",
+                            "scatter"):
                     o.fill(0)
                 c.barrier()
                 t0 = time.perf_counter()

@@ -1101,13 +1101,17 @@ class Communicator:
     def _inline_to(self, coll: str, x: np.ndarray, out: Any, op: Any, root: int,
                    timeout: float | None, algo: str | None) -> Any:
         """The inline path of the collectives whose result is not x's shape (reduce,
-        allgather, gather, reduce_scatter, alltoall) — on the board (one node) or across
+        allgather, gather, reduce_scatter, alltoall, scatter) — on the board (one node) or across
         nodes (``_net_go``; no algo=): only C-contiguous NumPy arrays and the plain cases;
         ``_NO`` sends the call down the general path, which also raises every error (so
         the rules are written once, in the i-variants)."""
         eng = self.engine
         if self._closed or eng.colls or eng.p2p or eng.poisoned is not None or \
-                not x.flags.c_contiguous or (out is not None and type(out) is not np.ndarray):
+                (out is not None and type(out) is not np.ndarray):
+            return _NO
+        if coll == "scatter":
+            return self._inline_scatter(x, out, root, timeout, algo)
+        if not x.flags.c_contiguous:
             return _NO
         if op is not None and type(op) is not Op and type(op) is not str:
             return _NO
@@ -1154,6 +1158,38 @@ class Communicator:
         else:
             self._net_go(coll, fp, x, res, root, n, timeout)
         return ret
+
+    def _inline_scatter(self, x: np.ndarray | None, out: np.ndarray | None, root: int,
+                        timeout: float | None, algo: str | None) -> Any:
+        """``_inline_to`` for scatter, whose ``x`` is read on the root only: elsewhere it
+        may be None (with ``out``) or give the shape of ``out`` to allocate, as in
+        ``iscatter``; anything unusual goes down the general path (``_NO``)."""
+        p, mine = self.size, self.rank == root
+        if x is not None and (type(x) is not np.ndarray or not x.flags.c_contiguous):
+            return _NO
+        if out is None:
+            if x is None or x.size % p:
+                return _NO
+            n, dtype = x.size // p, x.dtype
+            out = np.empty(x.shape[1:] if x.ndim >= 2 and x.shape[0] == p else (n,), dtype)
+        else:
+            of = out.flags
+            n, dtype = out.size, out.dtype
+            if not (of.c_contiguous and of.writeable) or (x is not None and (
+                    x.dtype != dtype or (mine and x.size != p * n) or
+                    np.may_share_memory(x, out))):
+                return _NO
+        if mine and x is None:
+            return _NO
+        fp = self._inline_plan("scatter", dtype, n, None, root, algo)
+        if not fp:
+            return _NO
+        xin = x if mine else np.empty(0, dtype)      # (read on the root only)
+        if self.board is not None:
+            self._board_go("scatter", fp, xin, out, root, n, timeout)
+        else:
+            self._net_go("scatter", fp, xin, out, root, n, timeout)
+        return out
 
     def _board_go(self, coll: str, fp: tuple, x: np.ndarray, res: np.ndarray, root: int,
                   n: int, timeout: float | None) -> np.ndarray:
@@ -1500,6 +1536,11 @@ class Communicator:
     def scatter(self, x: Any, out: Any = None, root: int = 0, *, timeout: float | None = None,
                 algo: str | None = None, stream: Any = None) -> Any:
         timeout = self._timeout_arg(timeout, "scatter")
+        if stream is None and self._inlines(algo) and type(root) is int and \
+                0 <= root < self.size:
+            done = self._inline_to("scatter", x, out, None, root, timeout, algo)
+            if done is not _NO:
+                return done
         return self._blocking(self.iscatter(x, out, root, algo=algo, stream=stream), timeout)
 
     @_announces_rejection("barrier")

@@ -736,7 +736,9 @@ def test_blocking_calls_inline_match_the_general_path(comm, dt):
     i-variant, so the two paths meet in one call and must agree on the signature: exact
     results, in place and into out (allocated when out=None), for folded,
     agreed-then-scheduled and several-step calls, every op (AVG too), every root, the
-    other ranks' buffers of a rooted call left alone, and the same algorithm recorded."""
+    other ranks' buffers of a rooted call left alone, and the same algorithm recorded.
+    (On one node the blocking calls run the board's inline path, against the same
+    i-variants.)"""
     p, r = comm.size, comm.rank
     inline = comm.board is None and p > 1
     blocking = r % 2 == 0
@@ -825,11 +827,28 @@ def test_blocking_calls_inline_match_the_general_path(comm, dt):
             assert mixed(lambda: c.alltoall(xs, out, timeout=60),
                          lambda: c.ialltoall(xs, out)) is out
             assert np.array_equal(out, want) and c.last_algorithm == alg, n
+            # scatter: every root; x read on the root only (None elsewhere with out=, or
+            # the full shape to allocate out from)
+            x2 = xs.reshape(p, n)
+            for root in range(p):
+                want = c.iscatter(x2, root=root).wait(timeout=60)
+                alg = c.last_algorithm
+                assert want.shape == (n,) and np.array_equal(
+                    want, ((np.arange(p * n) % 11) + 3 * root).astype(dt)[r * n:(r + 1) * n])
+                got = mixed(lambda: c.scatter(x2, root=root, timeout=60),
+                            lambda: c.iscatter(x2, root=root))
+                assert got.shape == (n,) and np.array_equal(got, want), (n, root)
+                assert c.last_algorithm == alg, (n, root, alg, c.last_algorithm)
+                out = np.full(n, -1, dt)
+                xr = xs if r == root else None
+                assert mixed(lambda: c.scatter(xr, out, root=root, timeout=60),
+                             lambda: c.iscatter(xr, out, root=root)) is out
+                assert np.array_equal(out, want) and c.last_algorithm == alg, (n, root)
         # the blocking ranks ran every collective inline: a plan (not False) for each
         plans = {k[0] for k, v in c._netplans.items() if v}
         if inline and blocking:
             assert plans == {"allreduce", "broadcast", "barrier", "reduce", "gather",
-                             "allgather", "reduce_scatter", "alltoall"}, plans
+                             "allgather", "reduce_scatter", "alltoall", "scatter"}, plans
         elif not inline:
             assert not plans
         if c.flight is not None:
