@@ -27,11 +27,12 @@ Protocol (call number ``seq``; one node, every rank on the shm board)
    collective touches is reachable; if not, all ranks run the tuner's schedule instead.
 3. Each rank opens what it needs (mappings may fail: file descriptors, memory) and stores
    ``ready = 2·seq + failed`` in its board control line; all wait for all, and any failure
-   sends every rank to the schedule.  Where no rank maps any buffer (every peer buffer is
-   reached by CMA: nothing can fail to open; the same answer on every rank, from the
-   headers) nobody waits here — one synchronisation less (4 ranks on 2 cores, 1 MiB
-   NumPy allreduce, alternating in one launch: 1214 against 1316 µs, 2 ranks 405
-   against 408).
+   sends every rank to the schedule.  The wait stays even where nothing is mapped (every
+   buffer by CMA, nothing can fail to open): it is also what keeps a peer out of this
+   rank's buffers while this rank can still fail in the header round and return — only
+   from READY on does ``Access.drain`` hold a failing rank until its peers are out.
+   (Skipping it saved ~8 % at 1 MiB on 4 ranks; a review found that window, so it was
+   reverted.)
 4. Each rank does its share (below), then stores ``finished = seq``; a rank returns only
    when every rank has finished, since peers write into its output and read its input.
 
@@ -222,7 +223,7 @@ class DirectRun:
 
     __slots__ = ("board", "acc", "coll", "seq", "x", "out", "root", "red", "n", "isz",
                  "hdr", "phase", "other", "fallback", "mins", "bufs", "on_choice", "p",
-                 "r", "mapped")
+                 "r")
 
     def __init__(self, board, access: Access, coll: str, seq: int, sig: int, meta: tuple,
                  x: np.ndarray, out: np.ndarray, root: int, red: Callable | None, n: int,
@@ -239,7 +240,6 @@ class DirectRun:
                             check=True, site=site,
                             extra=(2 * seq + forced,) + _where(x) + _where(out))
         self.phase, self.other, self.bufs = 0, None, None
-        self.mapped = False     # (from the headers) some rank maps some rank's buffer
 
     @property
     def done(self) -> bool:
@@ -286,10 +286,7 @@ class DirectRun:
         if self.phase == 2:
             q, ctrl, seq = self.board.q, self.board.ctrl, self.seq
             bad = False
-            # only a mapping can fail to open: where every rank reaches every other rank's
-            # buffers by CMA (the same answer on every rank, from the headers) nobody
-            # waits for the others' READY
-            for k in range(self.p) if self.mapped else ():
+            for k in range(self.p):
                 if k != self.r:
                     v = q[ctrl[k] + _READY]
                     if v < 2 * seq:
@@ -339,11 +336,8 @@ class DirectRun:
                 return False
             ti, to = self._roles(k)
             for touched, w in ((ti, 1), (to, 4)):
-                if touched:
-                    how = self._how(words[w:w + 3], S)
-                    if how is None:
-                        return False
-                    self.mapped |= how == "map"
+                if touched and self._how(words[w:w + 3], S) is None:
+                    return False
         return True
 
     def _how(self, where: tuple, S: int) -> str | None:
@@ -360,7 +354,7 @@ class DirectRun:
     def _open(self) -> dict:
         """Every buffer this rank's share touches, by (rank, role)."""
         got, acc, me = self.hdr.got, self.acc, self.r
-        if acc.fail_open and self.mapped:
+        if acc.fail_open:
             raise TransportError(f"rank {acc.ranks[me]}: GPURT_TEST_DIRECT_OPEN_FAIL")
         for m in acc.maps:          # drop the mappings of arrays the peers have freed (a
             if m is not None:       # loop of calls that all hit the cache never misses)
