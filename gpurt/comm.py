@@ -345,9 +345,10 @@ class Communicator:
                 if not 0 <= pair <= _PAIR_MAX:
                     raise ValueError(f"GPURT_NET_FOLD_PAIR={pair} must be between 0 and "
                                      f"{_PAIR_MAX} bytes")
-                stripes, smin = tcp_settings()
-                if stripes > 1:       # (an agreement message must stay one tcp frame)
-                    pair = min(pair, smin - 8 * _HDR_WORDS - 8)
+                if any(name == "tcp" for _, name in used):
+                    stripes, smin = tcp_settings()
+                    if stripes > 1:   # (an agreement message must stay one tcp frame)
+                        pair = min(pair, smin - 8 * _HDR_WORDS - 8)
                 forced = dict(config.get("GPURT_ALGO"))
                 for coll, name in forced.items():
                     if name == shm_direct.NAME and coll not in shm_direct.COLLS:
@@ -582,9 +583,9 @@ class Communicator:
         """Several nodes, checked, a call whose data fits the agreement's messages and that
         names no algorithm: one exchange carries both (the tuner's algorithm would be a
         second round)."""
-        return bool(self._room and sched is not None and sched.steps and algo is None and
-                    coll not in self._tuner_in[2] and
-                    _fold_bytes(coll, self.size, n, isz) <= self._fold_limit(coll))
+        lim = self._fold_limit(coll)
+        return bool(lim and sched is not None and sched.steps and algo is None and
+                    coll not in self._tuner_in[2] and _fold_bytes(coll, self.size, n, isz) <= lim)
 
     def _fold_limit(self, coll: str) -> int:
         """The most bytes of a rank's contribution that ``coll`` folds: GPURT_NET_FOLD

@@ -355,6 +355,26 @@ def test_explain_and_forced_algorithm(comm):
         comm.allreduce(np.ones(2), algo="nope")
 
 
+def test_tcp_settings_do_not_matter_without_tcp(comm):
+    """An invalid tcp setting is an error only where tcp is set up: a communicator with
+    GPURT_TRANSPORTS=shm is created as before (rank 0 reads the stripe threshold only to
+    keep the pair fold's messages one tcp frame, where tcp carries them)."""
+    if comm.nnodes > 1:
+        pytest.skip("several nodes need tcp")
+    os.environ.update(GPURT_TCP_STRIPES="0", GPURT_TRANSPORTS="shm")
+    config.reload()
+    try:
+        c = comm.dup()
+    finally:
+        del os.environ["GPURT_TCP_STRIPES"], os.environ["GPURT_TRANSPORTS"]
+        config.reload()
+    x = np.ones(3, np.int64)
+    c.allreduce(x)
+    assert (x == comm.size).all()
+    c.close()
+    comm.barrier()
+
+
 @pytest.mark.parametrize("var,value", [("GPURT_NET_FOLD", "-8"), ("GPURT_NET_FOLD", "1M"),
                                        ("GPURT_NET_FOLD_PAIR", "-8"),
                                        ("GPURT_NET_FOLD_PAIR", "8M")])
@@ -713,6 +733,14 @@ def test_pair_across_nodes_folds_allreduce_up_to_the_pair_limit(comm):
             c.allreduce(x, out, timeout=20)
         assert f"count={lim}" in str(ei.value) and "count=8" in str(ei.value), ei.value
         assert (out == -1).all()
+    # GPURT_NET_FOLD=0 still means that nothing else folds (a barrier, an allgather)
+    with _across_pairs(comm, {"GPURT_NET_FOLD": "0"}) as c:
+        c.barrier()
+        assert c.last_algorithm != "folded"
+        c.allgather(np.ones(4, np.float32))
+        assert c.last_algorithm != "folded"
+        y = c.allreduce(np.ones(1000, np.float32))
+        assert c.last_algorithm == "folded" and (y == 2).all()
     smin = 256 << 10
     with _across_pairs(comm, {"GPURT_TCP_STRIPES": "2",
                               "GPURT_TCP_STRIPE_MIN": str(smin)}) as c:
