@@ -78,11 +78,12 @@ VARIABLES: tuple[Var, ...] = (
         "one round) instead of the agreement then a schedule; each agreement message is as "
         "long as its call needs (0: never, at most 64K; decided on rank 0)."),
     Var("GPURT_NET_FOLD_PAIR", "1M", _bytes,
-        "Two ranks on two nodes (or without the shm board), with GPURT_CHECK=1: an allreduce of at most this many "
-        "bytes also runs inside the agreement's exchange (each rank's whole input crosses "
-        "once and both reduce: the bytes of the two-step ring in one round; its larger "
-        "reduction outweighs the saved round beyond a few MiB). 0: only GPURT_NET_FOLD; at "
-        "most 4M; with tcp striping, below GPURT_TCP_STRIPE_MIN; decided on rank 0."),
+        "Two ranks on two nodes (or without the shm board), with GPURT_CHECK=1: an "
+        "allreduce of at most this many bytes also runs inside the agreement's exchange "
+        "(each rank's whole input crosses once and both reduce: the bytes of the two-step "
+        "ring in one round; its larger reduction outweighs the saved round beyond a few "
+        "MiB). 0: only GPURT_NET_FOLD; at most 4M; with tcp striping, below "
+        "GPURT_TCP_STRIPE_MIN; decided on rank 0."),
     Var("GPURT_PEER_STOPPED", "5", float,
         "Seconds a local peer may stay stopped (SIGSTOP, a debugger) while others wait for "
         "it before they raise PeerFailure."),
