@@ -41,6 +41,24 @@ def scratch(comm):
         comm.mpi.Barrier()
 
 
+@contextlib.contextmanager
+def _env(env: dict):
+    """gpurt's settings read with ``env`` set (restored afterwards): for communicators
+    created inside."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    config.reload()
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
+        config.reload()
+
+
 def test_init_is_idempotent_and_describes_the_world(comm):
     assert gpurt.init() is comm
     w = MPI.COMM_WORLD
@@ -361,13 +379,8 @@ def test_tcp_settings_do_not_matter_without_tcp(comm):
     keep the pair fold's messages one tcp frame, where tcp carries them)."""
     if comm.nnodes > 1:
         pytest.skip("several nodes need tcp")
-    os.environ.update(GPURT_TCP_STRIPES="0", GPURT_TRANSPORTS="shm")
-    config.reload()
-    try:
+    with _env({"GPURT_TCP_STRIPES": "0", "GPURT_TRANSPORTS": "shm"}):
         c = comm.dup()
-    finally:
-        del os.environ["GPURT_TCP_STRIPES"], os.environ["GPURT_TRANSPORTS"]
-        config.reload()
     x = np.ones(3, np.int64)
     c.allreduce(x)
     assert (x == comm.size).all()
@@ -382,14 +395,9 @@ def test_net_fold_out_of_range_is_an_error_at_creation(comm, var, value):
     """GPURT_NET_FOLD outside 0..64K or GPURT_NET_FOLD_PAIR outside 0..4M (they size the
     agreement's messages) fail communicator creation on every rank with a ValueError
     naming the variable (decided on rank 0), not the first call."""
-    os.environ[var] = value
-    config.reload()
-    try:
-        with pytest.raises(ValueError, match=var + r"=-?\d+ must be between 0 and"):
-            comm.dup()
-    finally:
-        del os.environ[var]
-        config.reload()
+    with _env({var: value}), \
+            pytest.raises(ValueError, match=var + r"=-?\d+ must be between 0 and"):
+        comm.dup()
     comm.barrier()
 
 
@@ -673,18 +681,8 @@ def _across_pairs(comm, env: dict | None = None):
         yield None
         return
     sub = comm.mpi.Split(r % half, r)
-    old = {k: os.environ.get(k) for k in env or {}}
-    os.environ.update(env or {})
-    config.reload()
-    try:
+    with _env(env or {}):
         c = gpurt.Communicator(sub)
-    finally:
-        for k, v in old.items():
-            if v is None:
-                del os.environ[k]
-            else:
-                os.environ[k] = v
-        config.reload()
     try:
         yield c
     finally:
