@@ -214,6 +214,11 @@ def case_fds(c: gpurt.Communicator) -> None:
     after = _socket_fds()
     assert after == before, (before, during, after)
     assert threading.active_count() == threads
+    # a joined thread's OS task ends a moment after Python's join returns (the pthread
+    # still unwinds): no task stays behind, waited for at most 2 s
+    end = time.monotonic() + 2
+    while len(os.listdir("/proc/self/task")) != tasks and time.monotonic() < end:
+        time.sleep(0.01)
     assert len(os.listdir("/proc/self/task")) == tasks
     assert not [f for f in os.listdir("/dev/shm") if f.startswith("gpurt-")]
 
