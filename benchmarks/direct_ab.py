@@ -4,7 +4,10 @@
 
 For each size and buffer kind (``shared``: ``comm.empty`` arrays; ``numpy``: NumPy arrays,
 reached through process_vm_readv/writev), ``--rounds`` rounds of: the call with
-``shm_direct`` allowed from 1 byte, then with it off (the tuner's schedule); per variant
+``shm_direct`` allowed from 1 byte, then with it off (the tuner's schedule) — or the
+variants ``--variants`` names, in that order (``staged``: an allreduce staged through the
+board's buffers, ``shm_staged``, where it fits GPURT_SHM_STAGE; ``shm_direct`` then means
+the path without staging); per variant
 the median over iterations of the slowest rank's time.  Prints one line per (size,
 buffers, variant): every round's median and the best, in µs, and the path that ran.
 This is how ``shm_direct``'s default thresholds (GPURT_SHM_DIRECT*=auto) were chosen.
@@ -29,6 +32,8 @@ def main() -> None:
     ap.add_argument("sizes", help="S per call (nccl-tests S), comma-separated: 1M,4M,16M")
     ap.add_argument("memory", nargs="?", default="shared,numpy")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--variants", default="shm_direct,schedule",
+                    help="comma-separated, of staged, shm_direct, schedule")
     a = ap.parse_args()
     comm = gpurt.init()
     if comm._direct is None:
@@ -51,8 +56,9 @@ def main() -> None:
                      "broadcast": lambda: comm.broadcast(y, 0)}
             call = calls[coll]
             for _ in range(a.rounds):
-                for v in ("shm_direct", "schedule"):
-                    on = (1, 1) if v == "shm_direct" else (0, 0)
+                for v in a.variants.split(","):
+                    on = {"staged": (0, 0, 1), "shm_direct": (1, 1, 0),
+                          "schedule": (0, 0, 0)}[v]
                     comm._direct_min = {c: on for c in shm_direct.COLLS}
                     comm._fastplans.clear()     # the inline path's plans decided on them
                     its = max(3, min(40, (64 << 20) // max(S, 1)))

@@ -128,7 +128,7 @@ class Communicator:
         self.board = None
         self._direct: shm_direct.Access | None = None
         # per collective, shm_direct from S bytes (0: never) for shared arrays, others
-        self._direct_min: dict[str, tuple[int, int]] = {}
+        self._direct_min: dict[str, tuple[int, int, int]] = {}
         self._check = False
         self._netcheck = False
         self.flight: FlightRecorder | None = None
@@ -236,7 +236,7 @@ class Communicator:
         self.board = board
         board.set_wait(self.engine.spin or 0.0)
         return [Native(coll, "shm_board", _board_cost(coll),
-                       (lambda c: lambda p, S: shm_board.written_bytes(c, p, S) <= board.slot)(coll),
+                       (lambda c: lambda p, S: shm_board.written_bytes(c, p, S) <= board.limit)(coll),
                        "one shared-memory round, the flag in the data")
                 for coll in shm_board.COLLS]
 
@@ -254,12 +254,16 @@ class Communicator:
             return None
         can_map = any(dmap.values()) and not shm.map_why
         can_cma = any(dcma.values()) and not shm.cma_why and not any(w for _, w in got)
-        if not (can_map or can_cma):
+        # a staged allreduce (its input through the board) needs neither: it takes
+        # GPURT_SHM_DIRECT_CMA's threshold, as the path it replaces
+        stage = dcma["allreduce"] if self.board.stage else 0
+        if not (can_map or can_cma or stage):
             return None
         seg = shm.seg
         pids = [seg.q[seg.pid_i(k)] for k in range(self.size)]
         maps = [shm.endpoints[k].maps if k != self.rank else None for k in ranks]
-        self._direct_min = {c: (dmap[c] if can_map else 0, dcma[c] if can_cma else 0)
+        self._direct_min = {c: (dmap[c] if can_map else 0, dcma[c] if can_cma else 0,
+                                stage if c == "allreduce" else 0)
                             for c in shm_direct.COLLS}
         return shm_direct.Access(self.rank, pids, maps, can_map, can_cma, ranks, seg)
 
@@ -852,9 +856,10 @@ class Communicator:
         start.box = box       # _enqueue puts the request here
         return start
 
-    def _direct_mins(self, coll: str, forced: bool) -> tuple[int, int]:
-        """The least S for a call whose buffers are shared arrays / reached by CMA."""
-        return (1, 1) if forced else tuple(m or 1 << 62 for m in self._direct_min[coll])
+    def _direct_mins(self, coll: str, forced: bool) -> tuple[int, int, int]:
+        """The least S for a call whose buffers are shared arrays / reached by CMA /
+        staged through the board."""
+        return (1, 1, 1) if forced else tuple(m or 1 << 62 for m in self._direct_min[coll])
 
     def _schedule_start(self, sched, x: np.ndarray | None, o: np.ndarray | None, dtype,
                         alias, red, seq, sig):

@@ -102,6 +102,13 @@ VARIABLES: tuple[Var, ...] = (
     Var("GPURT_SHM_BOARD", "256K", _bytes,
         "shm: bytes per board buffer; collectives whose per-rank data fits use the one-round "
         "board protocol when all ranks share a node (0 disables it)."),
+    Var("GPURT_SHM_STAGE", "1M", _bytes,
+        "shm: an allreduce of at most this many bytes that would take shm_direct on "
+        "ordinary (not comm.empty) arrays is staged through the board instead: every rank "
+        "copies its input into its board buffer with the agreement's header, reduces its "
+        "block of all of them, and copies the others' reduced blocks out (memcpy speed, "
+        "no process_vm_readv/writev; no rank touches another's arrays).  The board's "
+        "buffers grow to this size (at most 32 MiB / local ranks); 0 disables."),
     Var("GPURT_SHM_HELP", "1M", _bytes,
         "shm: a single-copy receive of at least this many bytes (straight into the "
         "destination) is shared with the sender, which copies chunks into it "
@@ -134,11 +141,12 @@ VARIABLES: tuple[Var, ...] = (
         "shm: on a one-node communicator, allreduce, reduce, reduce_scatter, allgather, "
         "alltoall and broadcast of at least this many bytes (S as nccl-tests counts it) "
         "whose buffers are all comm.empty arrays run as loads and stores straight into "
-        "the peers' buffers (shm_direct: each byte read and written once); auto: 1M, "
-        "broadcast 4M (where it measured faster than the schedules); 0 disables."),
+        "the peers' buffers (shm_direct: each byte read and written once); auto: 256K, "
+        "reduce 1M, broadcast 4M (where it measured faster than the schedules); 0 disables."),
     Var("GPURT_SHM_DIRECT_CMA", "auto", _bytes_or_auto,
         "shm: the same where some buffer is an ordinary array, reached with "
-        "process_vm_readv/writev where the probe allows it; auto: 1M; 0 disables."),
+        "process_vm_readv/writev where the probe allows it (an allreduce that fits "
+        "GPURT_SHM_STAGE is staged through the board instead); auto: 256K; 0 disables."),
     Var("GPURT_SHM_DIR", "/dev/shm", str, "shm: where segments are created (then unlinked)."),
     Var("GPURT_SOCKET_IFNAME", "", str,
         "tcp: the interface whose IPv4 address a rank advertises, as NCCL_SOCKET_IFNAME: "

@@ -234,10 +234,13 @@ def _host_memory() -> dict:
 
     dmap = shm_direct.thresholds(config.get("GPURT_SHM_DIRECT"), shm_direct.AUTO_MAP)
     dcma = shm_direct.thresholds(config.get("GPURT_SHM_DIRECT_CMA"), shm_direct.AUTO_CMA)
+    stage = int(config.get("GPURT_SHM_STAGE")) if dcma["allreduce"] else 0
     direct = shared and any(dmap.values()) or any(dcma.values())
     direct_why = (f"one-node collectives as loads and stores into every rank's buffers; "
                   f"comm.empty arrays: {mib(dmap)} (GPURT_SHM_DIRECT); other arrays, "
-                  f"through process_vm_readv/writev: {mib(dcma)} (GPURT_SHM_DIRECT_CMA); "
+                  f"through process_vm_readv/writev: {mib(dcma)} (GPURT_SHM_DIRECT_CMA), "
+                  f"an allreduce up to {stage / 2**20:g} MiB staged through the board "
+                  f"instead (GPURT_SHM_STAGE, at most 32 MiB / local ranks); "
                   f"algo='shm_direct' forces it") if direct else \
         "off (GPURT_SHM_DIRECT=0 and GPURT_SHM_DIRECT_CMA=0)"
     return {"direct": direct, "direct_why": direct_why,

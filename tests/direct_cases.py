@@ -72,12 +72,25 @@ def ref(op: Op, arrays: list[np.ndarray]) -> np.ndarray:
 paths: list[str] = []
 
 
-def ran(what: str) -> None:
-    """Record which path ran; it must be the expected one."""
+# an allreduce on NumPy arrays (every rank's) that fits the board's staging room is
+# staged through the board (shm_staged), whether or not CMA reaches the peers
+STAGE = comm.board.stage if comm.board is not None else 0
+
+
+def staged(nbytes: int) -> bool:
+    return (world.size > 1 and mode == "numpy" and 0 < nbytes <= STAGE and
+            os.environ.get("GPURT_SHM_DIRECT_CMA") != "0")
+
+
+def ran(what: str, nbytes: int = 0) -> None:
+    """Record which path ran; it must be the expected one (``nbytes``: an allreduce's)."""
     alg = comm.last_algorithm
     paths.append(alg)
     chk.count += 1
-    if (alg == "shm_direct") != want_direct:
+    if staged(nbytes):
+        if alg != "shm_staged":
+            bad.append(f"rank {r}: {what} ran {alg}, expected shm_staged")
+    elif (alg == "shm_direct") != want_direct:
         bad.append(f"rank {r}: {what} ran {alg}, expected "
                    f"{'shm_direct' if want_direct else 'the schedule'}")
 
@@ -102,9 +115,10 @@ for seed, n in enumerate(counts):
         x[:] = ins[r]
         comm.allreduce(x, y, op, algo=D)
         expect(f"allreduce {tag}", y, want)
-        ran(f"allreduce {tag}")
+        ran(f"allreduce {tag}", x.nbytes)
         comm.allreduce(x, op=op, algo=D)               # in place
         expect(f"allreduce in place {tag}", x, want)
+        ran(f"allreduce in place {tag}", x.nbytes)
         for root in range(p):
             x[:] = ins[r]
             y[:] = 0
@@ -188,7 +202,7 @@ if auto and mode in ("numpy", "shared", "mixed"):
         else:
             comm.iallreduce(x, y, op).wait()
         expect(f"auto allreduce {tag}", y, want)
-        ran(f"auto allreduce {tag}")
+        ran(f"auto allreduce {tag}", x.nbytes)
         if inline:
             comm.allreduce(x, op=op)
         else:

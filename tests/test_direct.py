@@ -97,11 +97,16 @@ if c.rank == 0:
 
 def test_direct_forced_by_gpurt_algo():
     """GPURT_ALGO=allreduce:shm_direct forces it at every size (the board's inline path
-    steps aside); other collectives keep the tuner's choice."""
+    steps aside; a call that fits GPURT_SHM_STAGE on NumPy arrays is its staged variant);
+    other collectives keep the tuner's choice."""
     out = run_mpi(3, ["-c", _ENV_FORCED], env={"GPURT_ALGO": "allreduce:shm_direct"}).stdout
     lines = sorted(out.strip().splitlines())
     assert len(lines) == 3, out
     for line in lines:
+        assert "[('shm_staged', True), ('shm_direct', True), ('shm_board', True)]" in line, out
+    out = run_mpi(3, ["-c", _ENV_FORCED], env={"GPURT_ALGO": "allreduce:shm_direct",
+                                               "GPURT_SHM_STAGE": "0"}).stdout
+    for line in sorted(out.strip().splitlines()):
         assert "[('shm_direct', True), ('shm_direct', True), ('shm_board', True)]" in line, out
 
 
@@ -112,11 +117,13 @@ c = gpurt.init()
 def report(text):   # one file per rank: the launcher interleaves stdout
     with open(os.path.join(outdir, f"rank{c.rank}"), "w") as f:
         f.write(text)
-n = 16 << 20                         # 64 MiB of float32: each share takes milliseconds
+# 64 MiB of float32: each share takes milliseconds; staged: 1 MiB, through the board
+n = 16 << 20 if mode != "staged" else 1 << 18
 x = c.empty(n, np.float32) if mode == "shared" else np.empty(n, np.float32)
 x[:] = 1
 c.allreduce(x)
-assert c.last_algorithm == "shm_direct", c.last_algorithm
+want = "shm_staged" if mode == "staged" else "shm_direct"
+assert c.last_algorithm == want, c.last_algorithm
 if c.rank == 2:
     def die():
         with open(os.path.join(outdir, "killed"), "w") as f:
@@ -140,11 +147,12 @@ os._exit(0)
 """
 
 
-@pytest.mark.parametrize("mode", ["shared", "numpy"])
+@pytest.mark.parametrize("mode", ["shared", "numpy", "staged"])
 def test_a_rank_dying_mid_share_is_a_peer_failure(mode, tmp_path):
     """One rank dies at once (``os._exit`` from a timer thread, so mid-share) while the
     others loop over 64 MiB shm_direct allreduces whose shares read and write its memory
-    (mapped, or through process_vm_readv/writev): every survivor raises
+    (mapped, or through process_vm_readv/writev) — or 1 MiB ones staged through the
+    board (``shm_staged``), waiting for its reduced block: every survivor raises
     PeerFailure(rank=2) within a second, and nothing is left in /dev/shm."""
     from conftest import gpurt_shm_files, mpiexec
     import subprocess
@@ -276,4 +284,125 @@ def test_a_profile_that_measured_shm_direct_fastest_is_followed(tmp_path):
             "every = c.mpi.gather(ran, 0)\n"
             "if c.rank == 0: print('ran', every, flush=True)\n")
     out = run_mpi(2, ["-c", code], env={"GPURT_PROFILE": str(f)}).stdout
-    assert "ran " + str([[("shm_direct", True), ("ring", True)]] * 2) in out, out
+    # (shm_direct on NumPy arrays that fit GPURT_SHM_STAGE: its staged variant)
+    assert "ran " + str([[("shm_staged", True), ("ring", True)]] * 2) in out, out
+
+
+# -- staged through the board (shm_staged) ----------------------------------------------
+
+_STAGED = """
+import os, sys
+import numpy as np, gpurt
+c = gpurt.init()
+r, p = c.rank, c.size
+mixed = sys.argv[1] == "mixed"
+stage = c.board.stage
+bad = []
+for n in (65537, 100003, 262144, 262145):   # S just above the board .. just above the room
+    for dt, op in ((np.float32, "sum"), (np.float64, "avg"), (np.int32, "max"),
+                   (np.int64, "prod")):
+        dt = np.dtype(dt)
+        ins = [((np.arange(n) * 7 + k * 5) % 3 + 1).astype(dt) for k in range(p)]
+        want = ins[0].copy()
+        for a in ins[1:]:
+            want = {"sum": np.add, "avg": np.add, "max": np.maximum,
+                    "prod": np.multiply}[op](want, a)
+        if op == "avg":
+            want = want / p
+        alloc = c.empty if mixed and r == 0 else np.empty
+        x, y = alloc(n, dt), alloc(n, dt)
+        nb = x.nbytes
+        expect = "shm_direct" if mixed or nb > stage else "shm_staged"
+        if expect == "shm_direct" and os.environ.get("GPURT_TEST_FORBID_CMA") == "1":
+            expect = "rabenseifner"       # the tuner's schedule: NumPy arrays out of reach
+        for how in ("out", "in place", "request"):
+            x[:] = ins[r]
+            y[:] = -1
+            if how == "out":
+                c.allreduce(x, y, op)
+                got = y
+            elif how == "in place":
+                c.allreduce(x, op=op)
+                got = x
+            else:
+                got = c.iallreduce(x, y, op).wait()
+            if not np.array_equal(got, want):
+                bad.append(f"{how} n={n} {dt} {op}: wrong")
+            if c.last_algorithm != expect:
+                bad.append(f"{how} n={n} {dt} {op} ({nb} B): ran {c.last_algorithm}, "
+                           f"expected {expect}")
+every = c.mpi.gather(bad, 0)
+if r == 0:
+    errs = [f"rank {k}: {b}" for k, bs in enumerate(every) for b in bs]
+    print("\\n".join(errs) if errs else f"ok staged={stage} on {p} ranks", flush=True)
+"""
+
+
+@pytest.mark.parametrize("n,mode,env", [
+    (2, "numpy", {}), (3, "numpy", {}), (5, "numpy", {}),
+    (3, "mixed", {}),                              # rank 0's arrays shared: not staged
+    (3, "numpy", {"GPURT_SHM_STAGE": "512K"}),     # 1 MiB then by process_vm_readv/writev
+    (2, "numpy", {"GPURT_TEST_FORBID_CMA": "1"}),  # staging needs no CMA
+])
+def test_staged_allreduce(n, mode, env):
+    """An allreduce on NumPy arrays that fits GPURT_SHM_STAGE is staged through the board
+    (``shm_staged``: the input rides with the agreement's header, each rank reduces its
+    block of every board buffer and copies the others' out): exact for SUM, AVG, MAX and
+    PROD in four dtypes, into ``out``, in place and on a request, from just above the
+    board's one-round limit to just above the staging room (then ``shm_direct``); not
+    staged where a rank's arrays are shared (``comm.empty``: mapped directly)."""
+    out = run_mpi(n, ["-c", _STAGED, mode], env=env, timeout=300).stdout
+    stage = 512 << 10 if env.get("GPURT_SHM_STAGE") == "512K" else 1 << 20
+    assert out.startswith(f"ok staged={stage} on {n} ranks"), out
+
+
+_STAGED_GIVES_UP = """
+import time
+import numpy as np, gpurt
+from gpurt.transports import shm_direct
+c = gpurt.init()
+r = c.rank
+x = np.ones(1 << 18, np.float32)            # 1 MiB: staged
+c.allreduce(x)
+assert c.last_algorithm == "shm_staged", c.last_algorithm
+x[:] = 1
+if r == 1:             # a slow rank: its reduction starts late
+    staged = shm_direct._staged_allreduce
+    def late(d):
+        if d.phase == 6:
+            time.sleep(2.0)
+        return staged(d)
+    shm_direct._staged_allreduce = late
+try:
+    c.allreduce(x, timeout=0.5 if r == 0 else 20)
+    out = f"ok {np.unique(x)}"
+except gpurt.GpurtError as e:
+    out = type(e).__name__
+    if r == 0:         # the call failed: the buffer is the caller's again, untouched
+        x[:] = -1
+        time.sleep(2.5)
+        out += f" rewritten={int(np.count_nonzero(x != -1))}"
+try:
+    c.barrier(timeout=20)
+    out += ", then barrier ok"
+except gpurt.GpurtError as e:
+    out += f", then {type(e).__name__}"
+every = c.mpi.gather(f"rank {r}: {out}", 0)
+if r == 0:
+    print("\\n".join(every), flush=True)
+c.mpi.Barrier()
+"""
+
+
+def test_a_staged_call_that_gives_up_leaves_the_peers_right_or_failing():
+    """Rank 0 times out waiting for rank 1's reduced block: nothing writes into rank 0's
+    arrays afterwards (no rank touches another's arrays in a staged call), and the peers
+    either finish with the exact sum (every input was in the board) or raise PeerFailure
+    — never a wrong answer — and their next call raises PeerFailure."""
+    out = run_mpi(3, ["-c", _STAGED_GIVES_UP], timeout=120).stdout
+    lines = sorted(ln for ln in out.splitlines() if ln.startswith("rank "))
+    assert lines[0].startswith("rank 0: CollectiveTimeout rewritten=0, then ") and \
+        not lines[0].endswith("barrier ok"), out
+    for ln in lines[1:]:
+        head = ln.split(": ", 1)[1]
+        assert head in ("ok [3.], then PeerFailure", "PeerFailure, then PeerFailure"), out

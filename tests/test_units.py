@@ -125,10 +125,12 @@ def test_stale_segment_cleanup(tmp_path):
 def test_shm_geometry_shrinks_to_fit(monkeypatch):
     from gpurt.transports import shm
 
-    slot, k1, k2, board = shm.geometry(4)
+    slot, k1, k2, board, bslot = shm.geometry(4)
     assert slot == 256 * 1024 and k1 == 8 and k2 == 4 and board == 256 * 1024
-    slot64, k64, _, board64 = shm.geometry(256)  # 65280 rings must fit in 1/4 of /dev/shm
+    assert bslot == 1 << 20                       # GPURT_SHM_STAGE: room for 1 MiB
+    slot64, k64, _, board64, bslot64 = shm.geometry(256)  # 65280 rings in 1/4 of /dev/shm
     assert slot64 <= slot and k64 >= 2 and 4096 <= board64 <= board
+    assert board64 <= bslot64 <= max(board64, (32 << 20) // 256)   # at most 32 MiB in all
 
 
 def test_cli_version_and_info():

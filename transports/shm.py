@@ -152,11 +152,13 @@ def clean_stale(directory: str, min_age: float = 30.0) -> list[str]:
     return removed
 
 
-def geometry(nlocal: int) -> tuple[int, int, int, int]:
-    """(slot bytes, slots on the collective lane, slots on the p2p lane, board buffer
-    bytes) for ``nlocal`` ranks: the configured sizes, shrunk (slot size first, down to
-    16 KiB, then slot count, down to 2) until the segment fits in a quarter of the free
-    space in the shm directory."""
+def geometry(nlocal: int) -> tuple[int, int, int, int, int]:
+    """(slot bytes, slots on the collective lane, slots on the p2p lane, board limit, board
+    buffer bytes) for ``nlocal`` ranks: the configured sizes, shrunk (the staging room
+    first, then slot size down to 16 KiB, then slot count down to 2, then the board) until
+    the segment fits in a quarter of the free space in the shm directory.  The board's
+    buffers hold the one-round protocol's data (up to the limit, ``GPURT_SHM_BOARD``) and
+    a staged allreduce's input (up to ``GPURT_SHM_STAGE``, at most 32 MiB / ``nlocal``)."""
     slot = max(4096, int(config.get("GPURT_SHM_SLOT")) // 64 * 64)
     nslots = max(2, int(config.get("GPURT_SHM_SLOTS")))
     try:
@@ -166,19 +168,24 @@ def geometry(nlocal: int) -> tuple[int, int, int, int]:
         budget = 1 << 30
     pairs = nlocal * (nlocal - 1)
     board = int(config.get("GPURT_SHM_BOARD")) // 64 * 64
+    stage = min(int(config.get("GPURT_SHM_STAGE")), (32 << 20) // max(1, nlocal)) // 4096 * 4096
+    stage = stage if board and stage > board else 0
 
     def size(s: int, k: int) -> int:
         rings = pairs * (2 * _CTRL + (k + max(2, k // 2)) * (s + _SLOT_HDR))
         return (header_bytes(nlocal) + rings
-                + (shm_board.region_bytes(nlocal, board) if board else 0))
+                + (shm_board.region_bytes(nlocal, max(board, stage)) if board else 0))
 
+    while size(slot, nslots) > budget and stage > board:
+        stage = stage // 2 // 4096 * 4096
+    stage = stage if stage > board else 0
     while size(slot, nslots) > budget and slot > 16384:
         slot //= 2
     while size(slot, nslots) > budget and nslots > 2:
         nslots -= 1
     while size(slot, nslots) > budget and board > 4096:
         board //= 2
-    return slot, nslots, max(2, nslots // 2), board
+    return slot, nslots, max(2, nslots // 2), board, max(board, stage)
 
 
 class _Segment:
@@ -686,11 +693,11 @@ class ShmTransport:
         memcopy.set_local_ranks(nlocal)
         if nlocal == 1:
             return {}
-        slot, k_coll, k_p2p, board = node.bcast(geometry(nlocal) if self.local_rank == 0
-                                                else None, 0)
+        slot, k_coll, k_p2p, board, bslot = node.bcast(geometry(nlocal)
+                                                       if self.local_rank == 0 else None, 0)
         ring_bytes = _CTRL + k_coll * (slot + _SLOT_HDR) + _CTRL + k_p2p * (slot + _SLOT_HDR)
         board_off = header_bytes(nlocal) + nlocal * (nlocal - 1) * ring_bytes
-        size = board_off + (shm_board.region_bytes(nlocal, board) if board else 0)
+        size = board_off + (shm_board.region_bytes(nlocal, bslot) if board else 0)
         directory = str(config.get("GPURT_SHM_DIR"))
         path, err, fd = "", "", -1
         if self.local_rank == 0:
@@ -708,7 +715,7 @@ class ShmTransport:
                             f"rank {comm.rank}: cannot reserve {size / 2**20:.1f} MiB in "
                             f"{directory} for {nlocal} local ranks ({st.f_bavail * st.f_frsize / 2**20:.1f}"
                             f" MiB free); make it larger (docker --shm-size) or lower "
-                            f"GPURT_SHM_SLOT / GPURT_SHM_SLOTS") from None
+                            f"GPURT_SHM_SLOT / GPURT_SHM_SLOTS / GPURT_SHM_STAGE") from None
                     if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                         raise
             except (OSError, ResourceError) as e:
@@ -749,7 +756,7 @@ class ShmTransport:
             else "off (GPURT_SHM_SHARED=0)"
         if board:
             self.board = shm_board.Board(self.seg.q, self.seg.u8, board_off, nlocal,
-                                         self.local_rank, board)
+                                         self.local_rank, bslot, board)
         node_ranks = topo.local_ranks[topo.node_of[comm.rank]]
         self.endpoints = {p: ShmEndpoint(self, p, node_ranks.index(p)) for p in peers}
         threshold = cma_threshold(nlocal)

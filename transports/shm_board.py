@@ -109,8 +109,12 @@ class Board:
     """The board's memory, seen from local rank ``me``."""
 
     def __init__(self, q: memoryview, u8: np.ndarray, base: int, nlocal: int, me: int,
-                 slot: int):
+                 slot: int, limit: int | None = None):
         self.q, self.nlocal, self.me, self.slot = q, nlocal, me, slot
+        # the one-round protocol's data fits ``limit`` (GPURT_SHM_BOARD); buffers larger
+        # than that are room for a staged allreduce's input (shm_direct, GPURT_SHM_STAGE)
+        self.limit = slot if limit is None else min(limit, slot)
+        self.stage = slot if slot > self.limit else 0
         self.ctrl = [(base + k * CTRL) // 8 for k in range(nlocal)]   # flag at +0, done at +1
         bufs = base + nlocal * CTRL
         self.hdr = [[(bufs + (k * 2 + b) * (HDR + slot)) // 8 for b in range(2)]
@@ -215,19 +219,22 @@ class BoardRun:
 
     __slots__ = ("board", "coll", "seq", "sig", "meta", "x", "out", "root", "red", "p",
                  "r", "n", "nbytes", "phase", "need", "writes", "b", "check", "site", "cplan",
-                 "extra", "got")
+                 "extra", "got", "hold")
 
     def __init__(self, board: Board, coll: str, seq: int, sig: int, meta: tuple,
                  x: np.ndarray, out: np.ndarray, root: int, red: Callable | None, n: int,
                  check: bool = False, publish_only: bool = False, site: int = 0,
-                 extra: tuple = ()):
+                 extra: tuple = (), stage: np.ndarray | None = None):
         """``check=True``: only the headers go round (every rank waits for every other's
         and compares) — the agreement check run before a collective moves its data by
         another algorithm.  ``publish_only``: publish the header and wait for nobody (a
         rank announcing that it rejected its own call).  ``site``: the call site's id
         (``gpurt.callsite``), shown in mismatch errors, never compared.  ``extra``: up to
         ``EXTRA`` more words for the header (``shm_direct``'s buffer locations); once the
-        round is done, ``got[k]`` holds rank k's (its own where k is this rank)."""
+        round is done, ``got[k]`` holds rank k's (its own where k is this rank).
+        ``stage`` (with ``check``): bytes published with the header (a staged allreduce's
+        input); the round then leaves ``done`` to its owner, who stores it once it has
+        read the peers' buffers (``release``)."""
         self.board, self.coll, self.seq, self.sig, self.meta = board, coll, seq, sig, meta
         self.site = site
         self.extra, self.got = extra, None
@@ -241,6 +248,9 @@ class BoardRun:
         # broadcast and scatter: only the root has data; the others publish a header
         self.nbytes = 0 if self.check or (coll in ("broadcast", "scatter") and self.r != root) \
             else x.nbytes
+        self.hold = stage is not None
+        if self.hold:
+            self.x, self.nbytes = stage, stage.nbytes
         self.phase = 0
         # the compiled reader, when built: every rank then reads (and reduces) with the
         # same kernels whichever path its call took, so the bits agree, NaN payloads too
@@ -317,9 +327,14 @@ class BoardRun:
                 self.got = [self.extra if k == self.r else
                             tuple(q[bd.hdr[k][self.b] + _EXTRA + i] for i in range(m))
                             for k in range(self.p)]
-            q[bd.ctrl[self.r] + 1] = seq
+            if not self.hold:
+                q[bd.ctrl[self.r] + 1] = seq
             self.phase, moved = 2, True
         return moved
+
+    def release(self) -> None:
+        """A holding round's owner is done with the peers' buffers of this call."""
+        self.board.q[self.board.ctrl[self.r] + 1] = self.seq
 
     def _slot(self, k: int, nbytes: int, off: int) -> np.ndarray:
         return self.board.view(k, self.b, off, nbytes, self.x.dtype)

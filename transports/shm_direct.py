@@ -49,6 +49,17 @@ Shares (p ranks, blocks of the element range split evenly on 4 KiB boundaries):
 
 Reductions are done in rank order by the one rank that owns the block, so every rank holds
 the same bits.  Large transfers write with non-temporal stores (``gpurt.memcopy``).
+
+Staged allreduce (``shm_staged``)
+---------------------------------
+An allreduce on ordinary arrays (no ``comm.empty`` one on this rank) that fits the board's
+staging room (``Board.stage``, ``GPURT_SHM_STAGE``) rides the header round with its input
+(``BoardRun(stage=x)``; header word 0 bit 1).  If every rank's header says so, steps 3–4
+become ``_staged_allreduce``: reduce block r of every board buffer into the own output,
+copy it back over block r of the own board buffer, store ``_REDUCED = seq``, wait for all,
+copy the other blocks out, then store the board's ``done``.  No rank touches another's
+arrays, so there is no READY wait and nothing to drain; a rank that did not stage (its
+arrays are shared) sends everyone down the path above.
 """
 
 from __future__ import annotations
@@ -77,12 +88,14 @@ NAME = "shm_direct"
 _K, _M = 1 << 10, 1 << 20
 # GPURT_SHM_DIRECT=auto / GPURT_SHM_DIRECT_CMA=auto: the least S (bytes) per collective
 # from which it beat the tuner's schedule here, on comm.empty arrays / on NumPy arrays
-# (A/B runs at 1, 4 and 16 MiB with 2 and 4 ranks, docs/performance.md; smaller sizes
-# were not measured against the schedules, so they keep them)
-AUTO_MAP = {"allreduce": 1 * _M, "reduce": 1 * _M, "reduce_scatter": 1 * _M,
-            "allgather": 1 * _M, "alltoall": 1 * _M, "broadcast": 4 * _M}
-AUTO_CMA = {"allreduce": 1 * _M, "reduce": 1 * _M, "reduce_scatter": 1 * _M,
-            "allgather": 1 * _M, "alltoall": 1 * _M, "broadcast": 1 * _M}
+# (A/B runs at 320 KiB, 512 KiB, 1, 4 and 16 MiB with 2 and 4 ranks,
+# docs/performance.md): from just above the board (256 KiB) — except a reduce on
+# comm.empty arrays (2 ranks, 512 KiB: 158 against the binomial tree's 128 µs) and a
+# broadcast on them (2 ranks, 4 MiB: the schedule's cooperative single copy)
+AUTO_MAP = {"allreduce": 256 * _K, "reduce": 1 * _M, "reduce_scatter": 256 * _K,
+            "allgather": 256 * _K, "alltoall": 256 * _K, "broadcast": 4 * _M}
+AUTO_CMA = {"allreduce": 256 * _K, "reduce": 256 * _K, "reduce_scatter": 256 * _K,
+            "allgather": 256 * _K, "alltoall": 256 * _K, "broadcast": 256 * _K}
 
 
 def thresholds(setting, auto: dict) -> dict:
@@ -98,7 +111,10 @@ CHUNK = 512 << 10          # bytes per step of a share (stays in the core's L2)
 # against 1422)
 COPY_PIECE = 8 << 20
 _ALIGN = 4096
-_READY, _FINISHED = 2, 3   # board control-line words (flag and done are 0 and 1)
+# board control-line words (flag and done are 0 and 1); _REDUCED: a staged call's
+# reduced block is in the rank's board buffer
+_READY, _FINISHED, _REDUCED = 2, 3, 4
+STAGED = "shm_staged"      # what a staged call reports as its algorithm
 _U8 = np.dtype(np.uint8)
 
 # which ranks' "in"/"out" a collective touches: "all", "own" or "root"
@@ -223,22 +239,29 @@ class DirectRun:
 
     __slots__ = ("board", "acc", "coll", "seq", "x", "out", "root", "red", "n", "isz",
                  "hdr", "phase", "other", "fallback", "mins", "bufs", "on_choice", "p",
-                 "r")
+                 "r", "staging")
 
     def __init__(self, board, access: Access, coll: str, seq: int, sig: int, meta: tuple,
                  x: np.ndarray, out: np.ndarray, root: int, red: Callable | None, n: int,
-                 site: int, fallback: Callable, mins: tuple[int, int],
+                 site: int, fallback: Callable, mins: tuple[int, int, int],
                  on_choice: Callable[[str], None] | None = None, forced: bool = False):
         self.board, self.acc, self.coll, self.seq = board, access, coll, seq
         self.x, self.out, self.root, self.red, self.n = x, out, root, red, n
         self.isz = (out if out.nbytes else x).dtype.itemsize
         self.p, self.r = board.nlocal, board.me
-        # the least S for a call whose buffers are shared arrays / reached by CMA
+        # the least S for a call whose buffers are shared arrays / reached by CMA / staged
         self.fallback, self.mins, self.on_choice = fallback, mins, on_choice
         empty = np.empty(0, np.uint8)
+        wx, wo = _where(x), _where(out)
+        # an allreduce on ordinary arrays that fits the board's buffers: the input rides
+        # with the header (staged); if every rank staged, no rank touches another's arrays
+        self.staging = (coll == "allreduce" and 0 < x.nbytes <= board.stage and
+                        collective_bytes(coll, self.p, n, self.isz) >= mins[2] and
+                        not wx[0] and not wo[0])
         self.hdr = BoardRun(board, coll, seq, sig, meta, empty, empty, root, None, n,
                             check=True, site=site,
-                            extra=(2 * seq + forced,) + _where(x) + _where(out))
+                            extra=(4 * seq + 2 * self.staging + forced,) + wx + wo,
+                            stage=x.reshape(-1).view(_U8) if self.staging else None)
         self.phase, self.other, self.bufs = 0, None, None
 
     @property
@@ -249,6 +272,10 @@ class DirectRun:
     def waiting_on(self) -> list[int]:
         if self.phase == 0:
             return self.hdr.waiting_on()
+        if self.phase == 7:
+            q, ctrl = self.board.q, self.board.ctrl
+            return [k for k in range(self.p) if k != self.r and
+                    q[ctrl[k] + _REDUCED] < self.seq]
         if self.phase == 5:
             return self.other.waiting_on() if self.other is not None else []
         q, ctrl = self.board.q, self.board.ctrl
@@ -268,10 +295,19 @@ class DirectRun:
         if self.phase == 5:
             return self.other.advance() if self.other is not None else False
         moved = False
+        if self.phase in (6, 7):
+            return _staged_allreduce(self)
         if self.phase == 0:
             moved = self.hdr.advance()
             if not self.hdr.done:
                 return moved
+            if self.staging:
+                if all(w[0] & 2 for w in self.hdr.got):
+                    if self.on_choice is not None:
+                        self.on_choice(STAGED)
+                    self.phase = 6
+                    return _staged_allreduce(self) or True
+                self.hdr.release()    # (not every rank staged: the staged bytes go unread)
             if not self._reachable():
                 return self._to_fallback()
             q, ctrl = self.board.q, self.board.ctrl
@@ -328,11 +364,11 @@ class DirectRun:
         S = collective_bytes(self.coll, self.p, self.n, self.isz)
         # a rank that forced shm_direct (algo=, GPURT_ALGO, a profile) ignores the
         # thresholds: then every rank does (decided from the headers, so identically)
-        if any(w[0] >> 1 == self.seq and w[0] & 1 for w in got):
-            self.mins = (1, 1)
+        if any(w[0] >> 2 == self.seq and w[0] & 1 for w in got):
+            self.mins = (1, 1, 1)
         for k in range(self.p):
             words = got[k]
-            if words[0] >> 1 != self.seq:
+            if words[0] >> 2 != self.seq:
                 return False
             ti, to = self._roles(k)
             for touched, w in ((ti, 1), (to, 4)):
@@ -432,6 +468,48 @@ def _reduce_block(d: DirectRun, src_off: int, lo: int, hi: int, targets, hint: i
                 red(acc, bufs[(k, "in")].read(so, nb, tmp).view(dt), acc)
         for tg in targets:
             tg.write(a * isz, dst, hint)
+
+
+def _staged_allreduce(d: DirectRun) -> bool:
+    """A staged allreduce (every rank's input already in its board buffer ``seq % 2``,
+    published with the agreement's header): phase 6 reduces block r of every board buffer
+    into this rank's output, in rank order, and copies it back over block r of its own
+    board buffer (only this rank reads that block), then stores ``_REDUCED``; phase 7
+    waits for every rank's and copies their blocks out.  ``done`` is stored last: the
+    buffers may be reused only once every rank has read them.  Nothing here touches
+    another rank's arrays, so a rank that fails anywhere may return at once."""
+    bd, q, ctrl, seq, p, r = d.board, d.board.q, d.board.ctrl, d.seq, d.p, d.r
+    b, isz, dt = seq & 1, d.isz, d.out.dtype
+    blk = blocks(d.n, p, isz)
+    moved = False
+    if d.phase == 6:
+        lo, hi = blk[r]
+        step = max(1, CHUNK // isz)
+        red, out = d.red, d.out
+        for a in range(lo, hi, step):
+            z = min(hi, a + step)
+            ins = [bd.view(k, b, a * isz, (z - a) * isz, dt) for k in range(p)]
+            o = out[a:z]
+            if p == 1:
+                np.copyto(o, ins[0])
+            else:
+                red(ins[0], ins[1], o)
+                for k in range(2, p):
+                    red(o, ins[k], o)
+            np.copyto(ins[r], o)
+        q[ctrl[r] + _REDUCED] = seq        # (x86 TSO: the block is visible first)
+        d.phase, moved = 7, True
+    for k in range(p):
+        if k != r and q[ctrl[k] + _REDUCED] < seq:
+            return moved
+    for k in range(p):
+        if k != r:
+            lo, hi = blk[k]
+            if hi > lo:
+                np.copyto(d.out[lo:hi], bd.view(k, b, lo * isz, (hi - lo) * isz, dt))
+    d.hdr.release()
+    d.phase = 4
+    return True
 
 
 def _allreduce(d: DirectRun) -> None:
