@@ -108,7 +108,8 @@ VARIABLES: tuple[Var, ...] = (
         "copies its input into its board buffer with the agreement's header, reduces its "
         "block of all of them, and copies the others' reduced blocks out (memcpy speed, "
         "no process_vm_readv/writev; no rank touches another's arrays).  The board's "
-        "buffers grow to this size (at most 32 MiB / local ranks); 0 disables."),
+        "buffers (two per rank) grow to this size (each at most 32 MiB / local ranks); "
+        "0 disables."),
     Var("GPURT_SHM_HELP", "1M", _bytes,
         "shm: a single-copy receive of at least this many bytes (straight into the "
         "destination) is shared with the sender, which copies chunks into it "

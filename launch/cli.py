@@ -240,7 +240,7 @@ def _host_memory() -> dict:
                   f"comm.empty arrays: {mib(dmap)} (GPURT_SHM_DIRECT); other arrays, "
                   f"through process_vm_readv/writev: {mib(dcma)} (GPURT_SHM_DIRECT_CMA), "
                   f"an allreduce up to {stage / 2**20:g} MiB staged through the board "
-                  f"instead (GPURT_SHM_STAGE, at most 32 MiB / local ranks); "
+                  f"instead (GPURT_SHM_STAGE, at most 32 MiB / local ranks per buffer); "
                   f"algo='shm_direct' forces it") if direct else \
         "off (GPURT_SHM_DIRECT=0 and GPURT_SHM_DIRECT_CMA=0)"
     return {"direct": direct, "direct_why": direct_why,

@@ -130,7 +130,7 @@ def test_shm_geometry_shrinks_to_fit(monkeypatch):
     assert bslot == 1 << 20                       # GPURT_SHM_STAGE: room for 1 MiB
     slot64, k64, _, board64, bslot64 = shm.geometry(256)  # 65280 rings in 1/4 of /dev/shm
     assert slot64 <= slot and k64 >= 2 and 4096 <= board64 <= board
-    assert board64 <= bslot64 <= max(board64, (32 << 20) // 256)   # at most 32 MiB in all
+    assert board64 <= bslot64 <= max(board64, (32 << 20) // 256)   # a buffer: 32 MiB / ranks
 
 
 def test_cli_version_and_info():
