@@ -181,7 +181,12 @@ class _Run:
         return self.k >= len(self.steps) and not self.pending
 
     def waiting_on(self) -> list[int]:
-        return sorted({c.peer for c in self.pending})
+        """The peers of the transfers not complete yet.  ``pending`` is pruned only by
+        ``advance``; a transfer that finished since (a transport's ``select`` sleeper reads
+        what arrives while the loop waits) is owed nothing more: asking its peer's
+        endpoint about liveness would turn a peer that sent its part and then exited
+        (a normal end of a program) into a ``PeerFailure`` of a call it completed for us."""
+        return sorted({c.peer for c in self.pending if not c.done})
 
 
 class Chain:

@@ -36,6 +36,7 @@ Sink = Callable[[int, np.ndarray], None]
 @runtime_checkable
 class Completion(Protocol):
     peer: int
+    done: bool      # True once complete (set by whatever moved the last byte)
 
     def test(self) -> bool:
         """Advance the transfer as far as possible without blocking; True once complete."""

@@ -413,6 +413,10 @@ class _Later:
         if self.inner is None:
             self.inner, self.start = self.start(), None
 
+    @property
+    def done(self) -> bool:
+        return self.inner is not None and self.inner.done
+
     def test(self) -> bool:
         if self.inner is None:
             self.ep.pump(self.lane)
