@@ -6,8 +6,10 @@ For each size and buffer kind (``shared``: ``comm.empty`` arrays; ``numpy``: Num
 reached through process_vm_readv/writev), ``--rounds`` rounds of: the call with
 ``shm_direct`` allowed from 1 byte, then with it off (the tuner's schedule) — or the
 variants ``--variants`` names, in that order (``staged``: an allreduce staged through the
-board's buffers, ``shm_staged``, where it fits GPURT_SHM_STAGE; ``shm_direct`` then means
-the path without staging); per variant
+board's buffers, ``shm_staged``, where it fits GPURT_SHM_STAGE, by the compiled round;
+``staged_py``: the same protocol in Python, DirectRun's phases; ``shm_direct`` then means
+the path without staging; ``schedule``: the tuner's choice, the board up to its limit);
+per variant
 the median over iterations of the slowest rank's time.  Prints one line per (size,
 buffers, variant): every round's median and the best, in µs, and the path that ran.
 This is how ``shm_direct``'s default thresholds (GPURT_SHM_DIRECT*=auto) were chosen.
@@ -33,7 +35,7 @@ def main() -> None:
     ap.add_argument("memory", nargs="?", default="shared,numpy")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--variants", default="shm_direct,schedule",
-                    help="comma-separated, of staged, shm_direct, schedule")
+                    help="comma-separated, of staged, staged_py, shm_direct, schedule")
     a = ap.parse_args()
     comm = gpurt.init()
     if comm._direct is None:
@@ -57,10 +59,15 @@ def main() -> None:
             call = calls[coll]
             for _ in range(a.rounds):
                 for v in a.variants.split(","):
-                    on = {"staged": (0, 0, 1), "shm_direct": (1, 1, 0),
+                    on = {"staged": (0, 0, 1), "staged_py": (0, 0, 1), "shm_direct": (1, 1, 0),
                           "schedule": (0, 0, 0)}[v]
                     comm._direct_min = {c: on for c in shm_direct.COLLS}
                     comm._fastplans.clear()     # the inline path's plans decided on them
+                    if v == "staged_py":        # the plan without the compiled round
+                        call()
+                        for plan in comm._fastplans.values():
+                            if hasattr(plan, "staged"):
+                                plan.staged = None
                     its = max(3, min(40, (64 << 20) // max(S, 1)))
                     ts = []
                     for _ in range(its + 2):

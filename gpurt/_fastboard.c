@@ -15,6 +15,13 @@
  * unsigned arithmetic); min/max pick the same operand as np.minimum/np.maximum
  * (NaN first, then the second of two equal values: -0.0 vs 0.0).
  *
+ * The staged allreduce (shm_direct's shm_staged; transports/shm_direct.py, "Staged
+ * allreduce") is here too, as `staged`: publish the input with the agreement's header,
+ * reduce this rank's block of every board buffer, publish the reduced block, copy the
+ * others' out.  The same rule: anything but the common case (a header that differs, a
+ * rank that did not stage, a peer slower than the wait budget) returns where it stopped,
+ * and shm_direct.DirectRun finishes the call from that phase.
+ *
  * Memory order: flags are loaded with acquire and stored with release (between two C ranks
  * that would hold on weakly ordered CPUs too; the Python path, and so the transport,
  * relies on x86 TSO and is off elsewhere).
@@ -43,11 +50,16 @@ enum { O_NONE, O_SUM, O_PROD, O_MIN, O_MAX, O_BAND, O_BOR, O_BXOR };
 /* element types with kernels here; anything else reduces in Python */
 enum { T_NONE = -1, T_I8, T_I16, T_I32, T_I64, T_U8, T_U16, T_U32, T_U64, T_F32, T_F64 };
 
-/* what run() returns */
-enum { DONE = 0, PUBLISHED = 1, NOTHING = 2, HANDBACK = 3 };
+/* what run() and staged() return */
+enum { DONE = 0, PUBLISHED = 1, NOTHING = 2, HANDBACK = 3, REDUCED = 4 };
 
 #define HDR_SITE 8
-#define ABI 4                   /* bumped whenever Python's use of this module changes */
+#define HDR_EXTRA 9             /* header words 9..15: shm_direct's (call word, locations) */
+#define N_EXTRA 7
+#define W_REDUCED 4             /* control-line word: a staged call's block is reduced */
+#define STAGE_PIECE (64 << 10)  /* bytes reduced at a time (they stay in the core's L2) */
+#define ALIGN_BYTES 4096        /* shm_direct.blocks: blocks split on 4 KiB boundaries */
+#define ABI 5                   /* bumped whenever Python's use of this module changes */
 
 static PyTypeObject *ndarray_type;  /* numpy.ndarray, given by set_ndarray (run checks it) */
 
@@ -253,25 +265,32 @@ static PyObject *fb_plan(FastBoard *fb, PyObject *args) {
     return (PyObject *)pl;
 }
 
-static inline int peers_ready(const FastBoard *fb, uint64_t seq) {
+/* every peer's control-line word `w` (0: flag, 1: done, W_REDUCED) has reached `seq` */
+static inline int peers_at(const FastBoard *fb, int w, uint64_t seq) {
     for (int k = 0; k < fb->p; k++)
-        if (k != fb->me && load_acq(&fb->q[fb->ctrl[k]]) < seq) return 0;
+        if (k != fb->me && load_acq(&fb->q[fb->ctrl[k] + w]) < seq) return 0;
     return 1;
 }
 
-/* Spin, then yield, until every peer has published call `seq` or the budget is gone.
- * Called without the GIL. */
-static int wait_peers(const FastBoard *fb, uint64_t seq) {
+static inline int peers_ready(const FastBoard *fb, uint64_t seq) { return peers_at(fb, 0, seq); }
+
+/* Spin, then yield, until every peer's word `w` has reached `seq` or `budget` ns are
+ * gone.  Called without the GIL. */
+static int wait_word(const FastBoard *fb, int w, uint64_t seq, int64_t budget) {
     int64_t start = now_ns(), t;
     for (;;) {
         for (int i = 0; i < 64; i++) {
-            if (peers_ready(fb, seq)) return 1;
+            if (peers_at(fb, w, seq)) return 1;
             cpu_relax();
         }
         t = now_ns() - start;
-        if (t >= fb->budget_ns) return peers_ready(fb, seq);
+        if (t >= budget) return peers_at(fb, w, seq);
         if (t >= fb->spin_ns) sched_yield();
     }
+}
+
+static int wait_peers(const FastBoard *fb, uint64_t seq) {
+    return wait_word(fb, 0, seq, fb->budget_ns);
 }
 
 static int finish(const FastBoard *fb, const Plan *pl, uint64_t seq, char *out);
@@ -411,6 +430,126 @@ static int finish(const FastBoard *fb, const Plan *pl, uint64_t seq, char *out) 
     /* 6. done with the peers' buffers */
     store_rel(&q[fb->ctrl[me] + 1], seq);
     return DONE;
+}
+
+/* ---- the staged allreduce -----------------------------------------------------------
+ * staged(plan, seq, last, x, out, w0, x_loc, x_off, x_addr, o_loc, o_off, o_addr)
+ *   -> DONE, NOTHING (buffer `seq % 2` not free yet: nothing done), PUBLISHED (input and
+ *      header published; Python's BoardRun phase 1 goes on: a peer is late, a header
+ *      differs, or a rank did not stage) or REDUCED (this rank's block is reduced and
+ *      published: DirectRun's phase 7 waits for the others' and copies them out).
+ * The header is the one shm_direct.DirectRun publishes through BoardRun(check=True,
+ * stage=x, extra=(w0,) + where(x) + where(out)): seq, sig, bytes, meta, call site (0 here,
+ * as on the inline board), then w0 = 4 seq + 2 (staged) + forced and the locations, which
+ * a peer that did not stage needs for the shm_direct shares.  Blocks are
+ * shm_direct.blocks(n, p, itemsize); reductions go in rank order into `out`. */
+
+static void stage_block(Py_ssize_t n, int p, int k, int isz, Py_ssize_t *lo, Py_ssize_t *hi) {
+    Py_ssize_t unit = ALIGN_BYTES / isz > 0 ? ALIGN_BYTES / isz : 1;
+    Py_ssize_t units = (n + unit - 1) / unit;
+    Py_ssize_t a = units * k / p * unit, b = units * (k + 1) / p * unit;
+    *lo = a < n ? a : n;
+    *hi = b < n ? b : n;
+}
+
+/* everything after the argument checks; no Python object is touched (GIL released) */
+static int staged_round(const FastBoard *fb, const Plan *pl, uint64_t seq, uint64_t last,
+                        const char *x, char *out, const uint64_t *extra) {
+    uint64_t *q = fb->q;
+    const int p = fb->p, me = fb->me, b = (int)(seq & 1), isz = pl->itemsize;
+    const Py_ssize_t nb = pl->wbytes;
+    char *mine = fb->u8 + fb->data[2 * me + b];
+    /* the waits scale with the bytes each rank moves first (1 ns a byte, at most 4 ms
+     * more): past them the executor waits, with its deadlines and liveness checks */
+    const int64_t budget = fb->budget_ns + (nb < (4 << 20) ? nb : (4 << 20));
+
+    /* 1. my buffer b is free once every peer has finished the call that last used it */
+    if (last && !peers_at(fb, 1, last)) return NOTHING;
+
+    /* 2. publish: input, header, then the flag */
+    Py_ssize_t h = fb->hdr[2 * me + b];
+    memcpy(mine, x, (size_t)nb);
+    q[h] = seq;
+    q[h + 1] = pl->sig;
+    q[h + 2] = (uint64_t)nb;
+    for (int i = 0; i < 5; i++) q[h + 3 + i] = pl->meta[i];
+    q[h + HDR_SITE] = 0;
+    for (int i = 0; i < N_EXTRA; i++) q[h + HDR_EXTRA + i] = extra[i];
+    store_rel(&q[fb->ctrl[me]], seq);
+
+    /* 3. every rank's header: the same call, staged as well (else Python decides) */
+    if (!peers_ready(fb, seq) && !wait_word(fb, 0, seq, budget)) return PUBLISHED;
+    for (int k = 0; k < p; k++) {
+        if (k == me) continue;
+        Py_ssize_t hk = fb->hdr[2 * k + b];
+        if (q[hk] != seq || q[hk + 1] != pl->sig || q[hk + HDR_EXTRA] != extra[0])
+            return PUBLISHED;
+        for (int i = 0; i < 5; i++)
+            if (q[hk + 3 + i] != pl->meta[i]) return PUBLISHED;
+    }
+
+    /* 4. my block of every rank's input, in rank order, into out; then over my input's
+     * block on the board (only I read it there until every rank is done) */
+    Py_ssize_t lo, hi;
+    stage_block(pl->n, p, me, isz, &lo, &hi);
+    const Py_ssize_t step = STAGE_PIECE / isz > 0 ? STAGE_PIECE / isz : 1;
+    for (Py_ssize_t a = lo; a < hi; a += step) {
+        Py_ssize_t z = hi - a < step ? hi : a + step;
+        size_t off = (size_t)a * isz, len = (size_t)(z - a) * isz;
+        memcpy(out + off, fb->u8 + fb->data[b] + off, len);
+        for (int k = 1; k < p; k++)
+            KERNELS[pl->type](pl->op, out + off, fb->u8 + fb->data[2 * k + b] + off, z - a);
+        memcpy(mine + off, out + off, len);
+    }
+    store_rel(&q[fb->ctrl[me] + W_REDUCED], seq);
+
+    /* 5. the others' reduced blocks */
+    if (!peers_at(fb, W_REDUCED, seq) && !wait_word(fb, W_REDUCED, seq, budget))
+        return REDUCED;
+    for (int k = 0; k < p; k++) {
+        if (k == me) continue;
+        stage_block(pl->n, p, k, isz, &lo, &hi);
+        if (hi > lo)
+            memcpy(out + (size_t)lo * isz, fb->u8 + fb->data[2 * k + b] + (size_t)lo * isz,
+                   (size_t)(hi - lo) * isz);
+    }
+    /* 6. done with the peers' buffers */
+    store_rel(&q[fb->ctrl[me] + 1], seq);
+    return DONE;
+}
+
+static PyObject *fb_staged(FastBoard *fb, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5 + N_EXTRA || Py_TYPE(args[0]) != &PlanType) {
+        PyErr_SetString(PyExc_TypeError, "staged(plan, seq, last, x, out, w0, x_loc, x_off, "
+                                         "x_addr, o_loc, o_off, o_addr)");
+        return NULL;
+    }
+    if (fb->q == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "the board is closed");
+        return NULL;
+    }
+    const Plan *pl = (const Plan *)args[0];
+    if (pl->coll != C_ALLREDUCE || !has_kernel(pl->type, pl->op) || pl->n < 1 ||
+        pl->wbytes != pl->n * pl->itemsize) {
+        PyErr_SetString(PyExc_ValueError, "staged: an allreduce plan with a kernel");
+        return NULL;
+    }
+    if (!ndarray_type || Py_TYPE(args[3]) != ndarray_type || Py_TYPE(args[4]) != ndarray_type) {
+        PyErr_SetString(PyExc_TypeError, "staged: x and out must be numpy.ndarray");
+        return NULL;
+    }
+    uint64_t v[2 + N_EXTRA];
+    for (int i = 0; i < 2 + N_EXTRA; i++) {
+        v[i] = PyLong_AsUnsignedLongLong(args[i < 2 ? 1 + i : 3 + i]);
+        if (v[i] == (uint64_t)-1 && PyErr_Occurred()) return NULL;
+    }
+    const char *x = ((np_head *)args[3])->data;
+    char *out = ((np_head *)args[4])->data;
+    int got;
+    Py_BEGIN_ALLOW_THREADS
+    got = staged_round(fb, pl, v[0], v[1], x, out, v + 2);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(got);
 }
 
 /* ---- shared claim counters (the shm transport's cooperative single copy) --------------
@@ -562,6 +701,8 @@ static PyMethodDef fb_methods[] = {
     {"run", (PyCFunction)(void (*)(void))fb_run, METH_FASTCALL, "run(plan, seq, last, x, out)"},
     {"complete", (PyCFunction)(void (*)(void))fb_complete, METH_FASTCALL,
      "complete(plan, seq, out)"},
+    {"staged", (PyCFunction)(void (*)(void))fb_staged, METH_FASTCALL,
+     "staged(plan, seq, last, x, out, w0, x_loc, x_off, x_addr, o_loc, o_off, o_addr)"},
     {"plan", (PyCFunction)fb_plan, METH_VARARGS,
      "plan(coll, sig, meta, n, itemsize, type, op, root, wbytes)"},
     {"set_wait", (PyCFunction)fb_set_wait, METH_VARARGS, "set_wait(spin_ns, budget_ns)"},

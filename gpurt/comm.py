@@ -1256,9 +1256,35 @@ class Communicator:
         self.last_algorithm = dp.fallback
         self._seq += 1
         seq = self._seq
-        site = callsite.site()
         fl = self.flight
-        rec = fl.start(seq, coll, dp.fargs, dp.fallback, site) if fl is not None else None
+        xf, rf = x.reshape(-1).view(dtype), res.reshape(-1).view(dtype)
+        got, rec = 2, None
+        if dp.staged is not None:
+            # the compiled staged round (ordinary arrays only: the header names a shared
+            # one's file, and a peer that did not stage sends every rank to the shares)
+            wx, wo = shm_direct.where(xf), shm_direct.where(rf)
+            if not wx[0] and not wo[0]:
+                rec = fl.start(seq, coll, dp.fargs, shm_direct.STAGED) \
+                    if fl is not None else None
+                bd = self.board
+                b = seq & 1
+                try:
+                    got = bd.fast.staged(dp.staged, seq, bd.last_use[b], xf, rf,
+                                         4 * seq + 2 + dp.forced, *wx, *wo)
+                except BaseException as e:   # (a signal's, right after the round)
+                    eng.poison(e)
+                    raise
+                if got != 2:
+                    bd.last_use[b] = seq
+                if got == 0:
+                    self.last_algorithm = shm_direct.STAGED
+                    return self._inline_end(coll, o, res, root, rec)
+        # the call site costs ~2 us: found only where the compiled round did not finish
+        site = callsite.site()
+        if rec is not None:
+            rec[flight.ALGO], rec[flight.SITE] = dp.fallback, site   # (chosen() names it)
+        elif fl is not None:
+            rec = fl.start(seq, coll, dp.fargs, dp.fallback, site)
 
         def chosen(name: str) -> None:
             if name:
@@ -1267,12 +1293,16 @@ class Communicator:
                     rec[flight.ALGO] = name
 
         try:     # (the call counts from here: any failure leaves the ranks out of step)
-            xf, rf = x.reshape(-1).view(dtype), res.reshape(-1).view(dtype)
             fallback = self._schedule_start(dp.sched, xf, rf, dtype, res is x, red, seq,
                                             dp.sig)
             run = shm_direct.DirectRun(self.board, self._direct, coll, seq, dp.sig, dp.meta,
                                        xf, rf, root, red, n, site, fallback, dp.mins, chosen,
                                        dp.forced)
+            if got == 1:      # published by the compiled round: the header round goes on
+                run.hdr.phase = 1
+            elif got == 4:    # this rank's block is reduced: wait for the others' and copy
+                run.hdr.phase, run.phase = 2, 7
+                chosen(shm_direct.STAGED)
             eng.run_inline(run, coll, seq, timeout)
         except BaseException as e:
             eng.poison(e)           # (run_inline has annotated and poisoned what it ran)
@@ -1291,11 +1321,14 @@ class Communicator:
             return None
         o = _FAST_OPS[(op, dtype)] if op is not None else None
         tag = f"{shm_direct.NAME}/{alg.name}"
-        return _DirectPlan(o, reducer(o) if o is not None else None, dtype,
-                           _signature(coll, dtype.str, n, o, root, tag),
-                           _board_meta(coll, dtype, n, o, root, tag),
+        sig = _signature(coll, dtype.str, n, o, root, tag)
+        meta = _board_meta(coll, dtype, n, o, root, tag)
+        mins = self._direct_mins(coll, direct == 2)
+        staged = self.board.stage_plan(sig, meta, dtype, n, o) \
+            if shm_direct.stages(self.board, coll, n, isz, mins) else None
+        return _DirectPlan(o, reducer(o) if o is not None else None, dtype, sig, meta,
                            (dtype.str, n, o, root if coll in _ROOTED else None), sched,
-                           alg.name, self._direct_mins(coll, direct == 2), direct == 2)
+                           alg.name, mins, direct == 2, staged)
 
     def _fastplan_of(self, coll: str, dtype: np.dtype, n: int, op: Any, root: int,
                      algo: str | None):
@@ -1810,12 +1843,15 @@ class _DirectPlan:
     would decide for the same call, computed once per call shape."""
 
     __slots__ = ("op", "red", "dtype", "sig", "meta", "fargs", "sched", "fallback", "mins",
-                 "forced")
+                 "forced", "staged")
 
-    def __init__(self, op, red, dtype, sig, meta, fargs, sched, fallback, mins, forced):
+    def __init__(self, op, red, dtype, sig, meta, fargs, sched, fallback, mins, forced,
+                 staged=None):
         self.op, self.red, self.dtype, self.sig, self.meta = op, red, dtype, sig, meta
         self.fargs, self.sched, self.fallback = fargs, sched, fallback
         self.mins, self.forced = mins, forced
+        #: the compiled staged round's plan, where this call stages on ordinary arrays
+        self.staged = staged
 
 
 _PLANS_MAX = 4096   # call shapes whose plans a communicator keeps (per path)

@@ -102,7 +102,7 @@ VARIABLES: tuple[Var, ...] = (
     Var("GPURT_SHM_BOARD", "256K", _bytes,
         "shm: bytes per board buffer; collectives whose per-rank data fits use the one-round "
         "board protocol when all ranks share a node (0 disables it)."),
-    Var("GPURT_SHM_STAGE", "1M", _bytes,
+    Var("GPURT_SHM_STAGE", "2M", _bytes,
         "shm: an allreduce of at most this many bytes that would take shm_direct on "
         "ordinary (not comm.empty) arrays is staged through the board instead: every rank "
         "copies its input into its board buffer with the agreement's header, reduces its "

@@ -209,8 +209,8 @@ def _native_board() -> dict:
     if not config.get("GPURT_NATIVE"):
         return {"built": True, "in_use": False, "why": "built; off (GPURT_NATIVE=0)"}
     return {"built": True, "in_use": True,
-            "why": "gpurt._fastboard: the board's blocking round and reads; the shm "
-                   "cooperative single copy"}
+            "why": "gpurt._fastboard: the board's blocking round and reads; the staged "
+                   "allreduce's round; the shm cooperative single copy"}
 
 
 def _host_memory() -> dict:

@@ -175,11 +175,12 @@ if mode == "shared" and want_direct and os.environ.get("GPURT_SHM_DIRECT", "auto
     del a, s
 
 if mode == "numpy" and want_direct and os.environ.get("GPURT_SHM_DIRECT_CMA", "auto") == "auto":
-    a = np.full(1 << 19, r + 1, np.float32)     # 2 MiB, through process_vm_readv/writev
+    a = np.full(1 << 20, r + 1, np.float32)     # 4 MiB, through process_vm_readv/writev
     comm.allreduce(a)
-    expect("auto 2 MiB allreduce (NumPy)", a, np.full(1 << 19, p * (p + 1) // 2, np.float32))
-    if comm.last_algorithm != D:
-        bad.append(f"rank {r}: a 2 MiB allreduce on NumPy arrays ran {comm.last_algorithm}")
+    expect("auto 4 MiB allreduce (NumPy)", a, np.full(1 << 20, p * (p + 1) // 2, np.float32))
+    want = "shm_staged" if staged(a.nbytes) else D     # (GPURT_SHM_STAGE=4M or more)
+    if comm.last_algorithm != want:
+        bad.append(f"rank {r}: a 4 MiB allreduce on NumPy arrays ran {comm.last_algorithm}")
 
 # the thresholds' choice (no algo=): blocking calls run shm_direct inline (without a
 # Request), the i-variants through the engine; even ranks block, odd ranks wait on a

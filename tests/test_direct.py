@@ -295,9 +295,39 @@ import os, sys
 import numpy as np, gpurt
 c = gpurt.init()
 r, p = c.rank, c.size
-mixed = sys.argv[1] == "mixed"
+mixed, late = sys.argv[1] == "mixed", sys.argv[1] == "late"
 stage = c.board.stage
 bad = []
+codes = []
+if late and r == 1:
+    # this rank runs the Python round, 20 ms late before publishing and before reducing:
+    # the peers' compiled rounds give up waiting (after ~2 ms) and hand the call to
+    # DirectRun both after publishing (1) and after reducing their block (4)
+    import time
+    from gpurt.transports import shm_direct
+    c.board.fast = None
+    c._fastplans.clear()
+    staged = shm_direct._staged_allreduce
+
+    def slow(d):
+        if d.phase == 6:
+            time.sleep(0.02)
+        return staged(d)
+
+    shm_direct._staged_allreduce = slow
+elif c.board.fast is not None:
+    class Spy:   # the compiled round's answers on this rank
+        def __init__(self, fast):
+            self.fast = fast
+
+        def staged(self, *a):
+            codes.append(self.fast.staged(*a))
+            return codes[-1]
+
+        def __getattr__(self, name):
+            return getattr(self.fast, name)
+
+    c.board.fast = Spy(c.board.fast)
 for n in (65537, 100003, 262144, 262145):   # S just above the board .. just above the room
     for dt, op in ((np.float32, "sum"), (np.float64, "avg"), (np.int32, "max"),
                    (np.int64, "prod")):
@@ -319,6 +349,8 @@ for n in (65537, 100003, 262144, 262145):   # S just above the board .. just abo
             x[:] = ins[r]
             y[:] = -1
             if how == "out":
+                if late and r == 1:
+                    time.sleep(0.02)
                 c.allreduce(x, y, op)
                 got = y
             elif how == "in place":
@@ -331,6 +363,11 @@ for n in (65537, 100003, 262144, 262145):   # S just above the board .. just abo
             if c.last_algorithm != expect:
                 bad.append(f"{how} n={n} {dt} {op} ({nb} B): ran {c.last_algorithm}, "
                            f"expected {expect}")
+if late and r != 1 and not {1, 4} <= set(codes):
+    bad.append(f"the compiled round answered only {sorted(set(codes))}, never both 1 "
+               f"(published) and 4 (reduced)")
+if not late and not mixed and c.board.fast is not None and 0 not in codes:
+    bad.append(f"the compiled staged round never finished a call: {sorted(set(codes))}")
 every = c.mpi.gather(bad, 0)
 if r == 0:
     errs = [f"rank {k}: {b}" for k, bs in enumerate(every) for b in bs]
@@ -341,6 +378,7 @@ if r == 0:
 @pytest.mark.parametrize("n,mode,env", [
     (2, "numpy", {}), (3, "numpy", {}), (5, "numpy", {}),
     (3, "mixed", {}),                              # rank 0's arrays shared: not staged
+    (3, "late", {}),   # rank 1 in Python and late: the compiled rounds hand over midway
     (3, "numpy", {"GPURT_SHM_STAGE": "512K"}),     # 1 MiB then by process_vm_readv/writev
     (2, "numpy", {"GPURT_TEST_FORBID_CMA": "1"}),  # staging needs no CMA
 ])
@@ -352,7 +390,7 @@ def test_staged_allreduce(n, mode, env):
     board's one-round limit to just above the staging room (then ``shm_direct``); not
     staged where a rank's arrays are shared (``comm.empty``: mapped directly)."""
     out = run_mpi(n, ["-c", _STAGED, mode], env=env, timeout=300).stdout
-    stage = 512 << 10 if env.get("GPURT_SHM_STAGE") == "512K" else 1 << 20
+    stage = 512 << 10 if env.get("GPURT_SHM_STAGE") == "512K" else 2 << 20
     assert out.startswith(f"ok staged={stage} on {n} ranks"), out
 
 
@@ -366,7 +404,9 @@ x = np.ones(1 << 18, np.float32)            # 1 MiB: staged
 c.allreduce(x)
 assert c.last_algorithm == "shm_staged", c.last_algorithm
 x[:] = 1
-if r == 1:             # a slow rank: its reduction starts late
+if r == 1:             # a slow rank: its reduction starts late (the Python round's)
+    c.board.fast = None
+    c._fastplans.clear()
     staged = shm_direct._staged_allreduce
     def late(d):
         if d.phase == 6:

@@ -127,7 +127,7 @@ def test_shm_geometry_shrinks_to_fit(monkeypatch):
 
     slot, k1, k2, board, bslot = shm.geometry(4)
     assert slot == 256 * 1024 and k1 == 8 and k2 == 4 and board == 256 * 1024
-    assert bslot == 1 << 20                       # GPURT_SHM_STAGE: room for 1 MiB
+    assert bslot == 2 << 20                       # GPURT_SHM_STAGE: room for 2 MiB
     slot64, k64, _, board64, bslot64 = shm.geometry(256)  # 65280 rings in 1/4 of /dev/shm
     assert slot64 <= slot and k64 >= 2 and 4096 <= board64 <= board
     assert board64 <= bslot64 <= max(board64, (32 << 20) // 256)   # a buffer: 32 MiB / ranks

@@ -66,7 +66,7 @@ def _load_native():
         from gpurt import _fastboard as fb
     except ImportError as e:
         return None, f"not built ({e}); the board runs in Python"
-    if getattr(fb, "ABI", 0) != 4 or tuple(fb.COLLS) != COLLS:
+    if getattr(fb, "ABI", 0) != 5 or tuple(fb.COLLS) != COLLS:
         return None, ("built from another version of gpurt (reinstall it: pip install -e . "
                       "rebuilds the extension)")
     fb.set_ndarray(np.ndarray)
@@ -193,6 +193,16 @@ class Board:
                 self._plans.clear()
             plan = self._plans[key] = self._new_plan(coll, sig, meta, dtype, n, op, root)
         return plan
+
+    def stage_plan(self, sig: int, meta: tuple, dtype: np.dtype, n: int, op: Op):
+        """The extension's plan for a staged allreduce (``shm_direct``; ``sig``/``meta`` its
+        own), or None where the extension has no kernel for the dtype and op, or the
+        input does not fit the staging room (DirectRun then stages in Python, or not)."""
+        if self.fast is None or dtype not in _NTYPES or op not in _NOPS or \
+                not 0 < n * dtype.itemsize <= self.stage:
+            return None
+        return self.fast.plan(COLLS.index("allreduce"), sig, meta, n, dtype.itemsize, _NTYPES[dtype], _NOPS[op], 0,
+                              n * dtype.itemsize)
 
     def _new_plan(self, coll: str, sig: int, meta: tuple, dtype: np.dtype, n: int,
                   op: Op | None, root: int):

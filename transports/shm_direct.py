@@ -60,6 +60,14 @@ copy it back over block r of the own board buffer, store ``_REDUCED = seq``, wai
 copy the other blocks out, then store the board's ``done``.  No rank touches another's
 arrays, so there is no READY wait and nothing to drain; a rank that did not stage (its
 arrays are shared) sends everyone down the path above.
+
+On the inline path (a blocking allreduce on NumPy arrays) the whole round is compiled:
+``gpurt._fastboard``'s ``staged`` publishes the same header, reduces with the board's
+kernels and copies the same blocks, without the GIL.  Where it gives up waiting (a late
+peer: about 1 ms plus 1 ns a byte) or finds anything but every rank staging the same
+call, it returns the phase it reached and this ``DirectRun`` goes on from there
+(``phase`` 1 of the header round, or 7), under the executor's deadlines and liveness
+checks; ranks on either path interoperate, word for word.
 """
 
 from __future__ import annotations
@@ -223,7 +231,15 @@ class _Buf:
             cma.copy(self.pid, cma.address(src), self.addr + lo, nb, True, self.peer)
 
 
-def _where(a: np.ndarray | None) -> tuple[int, int, int]:
+def stages(board, coll: str, n: int, isz: int, mins: tuple[int, int, int]) -> bool:
+    """Whether a call of this shape stages (``shm_staged``) when neither of its arrays is a
+    shared one: an allreduce that fits the board's staging room, from ``mins[2]`` bytes.
+    (The compiled round, ``gpurt._fastboard``'s ``staged``, is used under the same rule.)"""
+    return coll == "allreduce" and 0 < n * isz <= board.stage and \
+        collective_bytes(coll, board.nlocal, n, isz) >= mins[2]
+
+
+def where(a: np.ndarray | None) -> tuple[int, int, int]:
     """(location word, offset, address): (0, 0, address) for an array that is not in a
     shared one, zeros for none."""
     if a is None or not a.nbytes:
@@ -252,12 +268,10 @@ class DirectRun:
         # the least S for a call whose buffers are shared arrays / reached by CMA / staged
         self.fallback, self.mins, self.on_choice = fallback, mins, on_choice
         empty = np.empty(0, np.uint8)
-        wx, wo = _where(x), _where(out)
+        wx, wo = where(x), where(out)
         # an allreduce on ordinary arrays that fits the board's buffers: the input rides
         # with the header (staged); if every rank staged, no rank touches another's arrays
-        self.staging = (coll == "allreduce" and 0 < x.nbytes <= board.stage and
-                        collective_bytes(coll, self.p, n, self.isz) >= mins[2] and
-                        not wx[0] and not wo[0])
+        self.staging = stages(board, coll, n, self.isz, mins) and not wx[0] and not wo[0]
         self.hdr = BoardRun(board, coll, seq, sig, meta, empty, empty, root, None, n,
                             check=True, site=site,
                             extra=(4 * seq + 2 * self.staging + forced,) + wx + wo,
