@@ -538,6 +538,19 @@ static PyObject *fb_staged(FastBoard *fb, PyObject *const *args, Py_ssize_t narg
         PyErr_SetString(PyExc_TypeError, "staged: x and out must be numpy.ndarray");
         return NULL;
     }
+    /* every byte this round reads from x and writes into out lies inside them (the caller
+     * passes C-contiguous arrays: Communicator._inline_res) */
+    for (int i = 3; i <= 4; i++) {
+        PyObject *nbo = PyObject_GetAttrString(args[i], "nbytes");
+        if (!nbo) return NULL;
+        Py_ssize_t nbv = PyLong_AsSsize_t(nbo);
+        Py_DECREF(nbo);
+        if (nbv == -1 && PyErr_Occurred()) return NULL;
+        if (nbv != pl->wbytes) {
+            PyErr_SetString(PyExc_ValueError, "staged: x and out must hold the plan's bytes");
+            return NULL;
+        }
+    }
     uint64_t v[2 + N_EXTRA];
     for (int i = 0; i < 2 + N_EXTRA; i++) {
         v[i] = PyLong_AsUnsignedLongLong(args[i < 2 ? 1 + i : 3 + i]);

@@ -1252,39 +1252,52 @@ class Communicator:
         ``DirectRun`` (header round, shares, or the schedule where a buffer is out of
         reach), driven right here without a ``Request``."""
         eng = self.engine
-        o, red, dtype = dp.op, dp.red, dp.dtype
+        o, dtype = dp.op, dp.dtype
         self.last_algorithm = dp.fallback
         self._seq += 1
         seq = self._seq
         fl = self.flight
         xf, rf = x.reshape(-1).view(dtype), res.reshape(-1).view(dtype)
         got, rec = 2, None
-        if dp.staged is not None:
-            # the compiled staged round (ordinary arrays only: the header names a shared
-            # one's file, and a peer that did not stage sends every rank to the shares)
-            wx, wo = shm_direct.where(xf), shm_direct.where(rf)
-            if not wx[0] and not wo[0]:
-                rec = fl.start(seq, coll, dp.fargs, shm_direct.STAGED) \
-                    if fl is not None else None
-                bd = self.board
-                b = seq & 1
-                try:
+        try:     # (the call counts from here: any failure leaves the ranks out of step,
+            # a signal's exception too, right after the compiled round returned)
+            if dp.staged is not None:
+                # the compiled staged round (ordinary arrays only: the header names a
+                # shared one's file, and a peer that did not stage sends every rank to
+                # the shares)
+                wx, wo = shm_direct.where(xf), shm_direct.where(rf)
+                if not wx[0] and not wo[0]:
+                    rec = fl.start(seq, coll, dp.fargs, shm_direct.STAGED) \
+                        if fl is not None else None
+                    bd = self.board
+                    b = seq & 1
                     got = bd.fast.staged(dp.staged, seq, bd.last_use[b], xf, rf,
                                          4 * seq + 2 + dp.forced, *wx, *wo)
-                except BaseException as e:   # (a signal's, right after the round)
-                    eng.poison(e)
-                    raise
-                if got != 2:
-                    bd.last_use[b] = seq
-                if got == 0:
-                    self.last_algorithm = shm_direct.STAGED
-                    return self._inline_end(coll, o, res, root, rec)
+                    if got != 2:
+                        bd.last_use[b] = seq
+            if got == 0:
+                self.last_algorithm = shm_direct.STAGED
+            else:
+                rec = self._direct_rest(coll, dp, xf, rf, res is x, root, n, seq, got, rec,
+                                        timeout)
+        except BaseException as e:
+            eng.poison(e)           # (run_inline has annotated and poisoned what it ran)
+            raise
+        return self._inline_end(coll, o, res, root, rec)
+
+    def _direct_rest(self, coll: str, dp: "_DirectPlan", xf: np.ndarray, rf: np.ndarray,
+                     alias: bool, root: int, n: int, seq: int, got: int, rec: list | None,
+                     timeout: float | None) -> list | None:
+        """An inline shm_direct call by ``DirectRun``: all of it (``got`` 2: the compiled
+        staged round did nothing, or was not tried), or the rest of a staged call from the
+        phase where the compiled round stopped (1: published, 4: its block reduced).
+        Returns the call's flight record."""
         # the call site costs ~2 us: found only where the compiled round did not finish
         site = callsite.site()
         if rec is not None:
             rec[flight.ALGO], rec[flight.SITE] = dp.fallback, site   # (chosen() names it)
-        elif fl is not None:
-            rec = fl.start(seq, coll, dp.fargs, dp.fallback, site)
+        elif self.flight is not None:
+            rec = self.flight.start(seq, coll, dp.fargs, dp.fallback, site)
 
         def chosen(name: str) -> None:
             if name:
@@ -1292,22 +1305,17 @@ class Communicator:
                 if rec is not None:
                     rec[flight.ALGO] = name
 
-        try:     # (the call counts from here: any failure leaves the ranks out of step)
-            fallback = self._schedule_start(dp.sched, xf, rf, dtype, res is x, red, seq,
-                                            dp.sig)
-            run = shm_direct.DirectRun(self.board, self._direct, coll, seq, dp.sig, dp.meta,
-                                       xf, rf, root, red, n, site, fallback, dp.mins, chosen,
-                                       dp.forced)
-            if got == 1:      # published by the compiled round: the header round goes on
-                run.hdr.phase = 1
-            elif got == 4:    # this rank's block is reduced: wait for the others' and copy
-                run.hdr.phase, run.phase = 2, 7
-                chosen(shm_direct.STAGED)
-            eng.run_inline(run, coll, seq, timeout)
-        except BaseException as e:
-            eng.poison(e)           # (run_inline has annotated and poisoned what it ran)
-            raise
-        return self._inline_end(coll, o, res, root, rec)
+        fallback = self._schedule_start(dp.sched, xf, rf, dp.dtype, alias, dp.red, seq, dp.sig)
+        run = shm_direct.DirectRun(self.board, self._direct, coll, seq, dp.sig, dp.meta,
+                                   xf, rf, root, dp.red, n, site, fallback, dp.mins, chosen,
+                                   dp.forced)
+        if got == 1:      # published by the compiled round: the header round goes on
+            run.hdr.phase = 1
+        elif got == 4:    # this rank's block is reduced: wait for the others' and copy
+            run.hdr.phase, run.phase = 2, 7
+            chosen(shm_direct.STAGED)
+        self.engine.run_inline(run, coll, seq, timeout)
+        return rec
 
     def _directplan(self, coll: str, dtype: np.dtype, n: int, op: Any, root: int):
         """For the inline path: a ``_DirectPlan`` when the general path would try
