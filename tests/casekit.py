@@ -50,3 +50,23 @@ def verdict(world, comm, chk: Checks, note: str = "") -> None:
               flush=True)
     comm.close()
     sys.exit(1 if any(failed) else 0)
+
+
+def slow_python_staging(comm, seconds: float) -> None:
+    """This rank runs a staged allreduce's Python round (``DirectRun``), not the compiled
+    one, and sleeps ``seconds`` before reducing its block (phase 6): its peers' compiled
+    rounds then give up waiting and hand their calls over, or time out."""
+    import time
+
+    from gpurt.transports import shm_direct
+
+    comm.board.fast = None
+    comm._fastplans.clear()        # the inline plans name the compiled round
+    staged = shm_direct._staged_allreduce
+
+    def slow(d):
+        if d.phase == 6:
+            time.sleep(seconds)
+        return staged(d)
+
+    shm_direct._staged_allreduce = slow

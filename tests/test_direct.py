@@ -304,17 +304,9 @@ if late and r == 1:
     # the peers' compiled rounds give up waiting (after ~2 ms) and hand the call to
     # DirectRun both after publishing (1) and after reducing their block (4)
     import time
-    from gpurt.transports import shm_direct
-    c.board.fast = None
-    c._fastplans.clear()
-    staged = shm_direct._staged_allreduce
-
-    def slow(d):
-        if d.phase == 6:
-            time.sleep(0.02)
-        return staged(d)
-
-    shm_direct._staged_allreduce = slow
+    sys.path.insert(0, "tests")
+    import casekit
+    casekit.slow_python_staging(c, 0.02)
 elif c.board.fast is not None:
     class Spy:   # the compiled round's answers on this rank
         def __init__(self, fast):
@@ -395,9 +387,8 @@ def test_staged_allreduce(n, mode, env):
 
 
 _STAGED_GIVES_UP = """
-import time
+import sys, time
 import numpy as np, gpurt
-from gpurt.transports import shm_direct
 c = gpurt.init()
 r = c.rank
 x = np.ones(1 << 18, np.float32)            # 1 MiB: staged
@@ -405,14 +396,9 @@ c.allreduce(x)
 assert c.last_algorithm == "shm_staged", c.last_algorithm
 x[:] = 1
 if r == 1:             # a slow rank: its reduction starts late (the Python round's)
-    c.board.fast = None
-    c._fastplans.clear()
-    staged = shm_direct._staged_allreduce
-    def late(d):
-        if d.phase == 6:
-            time.sleep(2.0)
-        return staged(d)
-    shm_direct._staged_allreduce = late
+    sys.path.insert(0, "tests")
+    import casekit
+    casekit.slow_python_staging(c, 2.0)
 try:
     c.allreduce(x, timeout=0.5 if r == 0 else 20)
     out = f"ok {np.unique(x)}"
