@@ -1248,9 +1248,11 @@ class Communicator:
 
     def _direct_go(self, coll: str, dp: "_DirectPlan", x: np.ndarray, res: np.ndarray,
                    root: int, n: int, timeout: float | None) -> np.ndarray:
-        """Run one inline shm_direct call whose arguments were checked: the general path's
-        ``DirectRun`` (header round, shares, or the schedule where a buffer is out of
-        reach), driven right here without a ``Request``."""
+        """Run one inline shm_direct call whose arguments were checked: a staged allreduce
+        by the compiled round (``_fastboard.staged``) where it applies, else — or for the
+        rest of a call it handed back — the general path's ``DirectRun`` (header round,
+        shares, or the schedule where a buffer is out of reach), driven right here without
+        a ``Request``."""
         eng = self.engine
         o, dtype = dp.op, dp.dtype
         self.last_algorithm = dp.fallback

@@ -201,8 +201,8 @@ class Board:
         if self.fast is None or dtype not in _NTYPES or op not in _NOPS or \
                 not 0 < n * dtype.itemsize <= self.stage:
             return None
-        return self.fast.plan(COLLS.index("allreduce"), sig, meta, n, dtype.itemsize, _NTYPES[dtype], _NOPS[op], 0,
-                              n * dtype.itemsize)
+        return self.fast.plan(COLLS.index("allreduce"), sig, meta, n, dtype.itemsize,
+                              _NTYPES[dtype], _NOPS[op], 0, n * dtype.itemsize)
 
     def _new_plan(self, coll: str, sig: int, meta: tuple, dtype: np.dtype, n: int,
                   op: Op | None, root: int):
