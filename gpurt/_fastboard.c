@@ -433,14 +433,14 @@ static int finish(const FastBoard *fb, const Plan *pl, uint64_t seq, char *out) 
 }
 
 /* ---- the staged allreduce -----------------------------------------------------------
- * staged(plan, seq, last, x, out, w0, x_loc, x_off, x_addr, o_loc, o_off, o_addr)
+ * staged(plan, seq, last, x, out, site, w0, x_loc, x_off, x_addr, o_loc, o_off, o_addr)
  *   -> DONE, NOTHING (buffer `seq % 2` not free yet: nothing done), PUBLISHED (input and
  *      header published; Python's BoardRun phase 1 goes on: a peer is late, a header
  *      differs, or a rank did not stage) or REDUCED (this rank's block is reduced and
  *      published: DirectRun's phase 7 waits for the others' and copies them out).
  * The header is the one shm_direct.DirectRun publishes through BoardRun(check=True,
- * stage=x, extra=(w0,) + where(x) + where(out)): seq, sig, bytes, meta, call site (0 here,
- * as on the inline board), then w0 = 4 seq + 2 (staged) + forced and the locations, which
+ * stage=x, extra=(w0,) + where(x) + where(out)): seq, sig, bytes, meta, the call site's id
+ * (its text published by Python), then w0 = 4 seq + 2 (staged) + forced and the locations, which
  * a peer that did not stage needs for the shm_direct shares.  Blocks are
  * shm_direct.blocks(n, p, itemsize); reductions go in rank order into `out`. */
 
@@ -454,7 +454,7 @@ static void stage_block(Py_ssize_t n, int p, int k, int isz, Py_ssize_t *lo, Py_
 
 /* everything after the argument checks; no Python object is touched (GIL released) */
 static int staged_round(const FastBoard *fb, const Plan *pl, uint64_t seq, uint64_t last,
-                        const char *x, char *out, const uint64_t *extra) {
+                        const char *x, char *out, uint64_t site, const uint64_t *extra) {
     uint64_t *q = fb->q;
     const int p = fb->p, me = fb->me, b = (int)(seq & 1), isz = pl->itemsize;
     const Py_ssize_t nb = pl->wbytes;
@@ -473,7 +473,7 @@ static int staged_round(const FastBoard *fb, const Plan *pl, uint64_t seq, uint6
     q[h + 1] = pl->sig;
     q[h + 2] = (uint64_t)nb;
     for (int i = 0; i < 5; i++) q[h + 3 + i] = pl->meta[i];
-    q[h + HDR_SITE] = 0;
+    q[h + HDR_SITE] = site;
     for (int i = 0; i < N_EXTRA; i++) q[h + HDR_EXTRA + i] = extra[i];
     store_rel(&q[fb->ctrl[me]], seq);
 
@@ -519,9 +519,9 @@ static int staged_round(const FastBoard *fb, const Plan *pl, uint64_t seq, uint6
 }
 
 static PyObject *fb_staged(FastBoard *fb, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 5 + N_EXTRA || Py_TYPE(args[0]) != &PlanType) {
-        PyErr_SetString(PyExc_TypeError, "staged(plan, seq, last, x, out, w0, x_loc, x_off, "
-                                         "x_addr, o_loc, o_off, o_addr)");
+    if (nargs != 6 + N_EXTRA || Py_TYPE(args[0]) != &PlanType) {
+        PyErr_SetString(PyExc_TypeError, "staged(plan, seq, last, x, out, site, w0, x_loc, "
+                                         "x_off, x_addr, o_loc, o_off, o_addr)");
         return NULL;
     }
     if (fb->q == NULL) {
@@ -551,8 +551,8 @@ static PyObject *fb_staged(FastBoard *fb, PyObject *const *args, Py_ssize_t narg
             return NULL;
         }
     }
-    uint64_t v[2 + N_EXTRA];
-    for (int i = 0; i < 2 + N_EXTRA; i++) {
+    uint64_t v[3 + N_EXTRA];      /* seq, last, site, the extra words */
+    for (int i = 0; i < 3 + N_EXTRA; i++) {
         v[i] = PyLong_AsUnsignedLongLong(args[i < 2 ? 1 + i : 3 + i]);
         if (v[i] == (uint64_t)-1 && PyErr_Occurred()) return NULL;
     }
@@ -560,7 +560,7 @@ static PyObject *fb_staged(FastBoard *fb, PyObject *const *args, Py_ssize_t narg
     char *out = ((np_head *)args[4])->data;
     int got;
     Py_BEGIN_ALLOW_THREADS
-    got = staged_round(fb, pl, v[0], v[1], x, out, v + 2);
+    got = staged_round(fb, pl, v[0], v[1], x, out, v[2], v + 3);
     Py_END_ALLOW_THREADS
     return PyLong_FromLong(got);
 }
@@ -715,7 +715,7 @@ static PyMethodDef fb_methods[] = {
     {"complete", (PyCFunction)(void (*)(void))fb_complete, METH_FASTCALL,
      "complete(plan, seq, out)"},
     {"staged", (PyCFunction)(void (*)(void))fb_staged, METH_FASTCALL,
-     "staged(plan, seq, last, x, out, w0, x_loc, x_off, x_addr, o_loc, o_off, o_addr)"},
+     "staged(plan, seq, last, x, out, site, w0, x_loc, x_off, x_addr, o_loc, o_off, o_addr)"},
     {"plan", (PyCFunction)fb_plan, METH_VARARGS,
      "plan(coll, sig, meta, n, itemsize, type, op, root, wbytes)"},
     {"set_wait", (PyCFunction)fb_set_wait, METH_VARARGS, "set_wait(spin_ns, budget_ns)"},

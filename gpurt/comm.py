@@ -1258,9 +1258,13 @@ class Communicator:
         self.last_algorithm = dp.fallback
         self._seq += 1
         seq = self._seq
+        # the call site: in the flight record, and in the header (a peer's mismatch error
+        # names it)
+        site = callsite.site()
         fl = self.flight
+        rec = fl.start(seq, coll, dp.fargs, dp.fallback, site) if fl is not None else None
         xf, rf = x.reshape(-1).view(dtype), res.reshape(-1).view(dtype)
-        got, rec = 2, None
+        got = 2
         try:     # (the call counts from here: any failure leaves the ranks out of step,
             # a signal's exception too, right after the compiled round returned)
             if dp.staged is not None:
@@ -1269,37 +1273,33 @@ class Communicator:
                 # the shares)
                 wx, wo = shm_direct.where(xf), shm_direct.where(rf)
                 if not wx[0] and not wo[0]:
-                    rec = fl.start(seq, coll, dp.fargs, shm_direct.STAGED) \
-                        if fl is not None else None
                     bd = self.board
                     b = seq & 1
+                    if site not in bd.published:
+                        bd.publish_site(site)
                     got = bd.fast.staged(dp.staged, seq, bd.last_use[b], xf, rf,
+                                         site if site < shm_board.SITES else 0,
                                          4 * seq + 2 + dp.forced, *wx, *wo)
                     if got != 2:
                         bd.last_use[b] = seq
             if got == 0:
                 self.last_algorithm = shm_direct.STAGED
+                if rec is not None:
+                    rec[flight.ALGO] = shm_direct.STAGED
             else:
-                rec = self._direct_rest(coll, dp, xf, rf, res is x, root, n, seq, got, rec,
-                                        timeout)
+                self._direct_rest(coll, dp, xf, rf, res is x, root, n, seq, site, got, rec,
+                                  timeout)
         except BaseException as e:
             eng.poison(e)           # (run_inline has annotated and poisoned what it ran)
             raise
         return self._inline_end(coll, o, res, root, rec)
 
     def _direct_rest(self, coll: str, dp: "_DirectPlan", xf: np.ndarray, rf: np.ndarray,
-                     alias: bool, root: int, n: int, seq: int, got: int, rec: list | None,
-                     timeout: float | None) -> list | None:
+                     alias: bool, root: int, n: int, seq: int, site: int, got: int,
+                     rec: list | None, timeout: float | None) -> None:
         """An inline shm_direct call by ``DirectRun``: all of it (``got`` 2: the compiled
         staged round did nothing, or was not tried), or the rest of a staged call from the
-        phase where the compiled round stopped (1: published, 4: its block reduced).
-        Returns the call's flight record."""
-        # the call site costs ~2 us: found only where the compiled round did not finish
-        site = callsite.site()
-        if rec is not None:
-            rec[flight.ALGO], rec[flight.SITE] = dp.fallback, site   # (chosen() names it)
-        elif self.flight is not None:
-            rec = self.flight.start(seq, coll, dp.fargs, dp.fallback, site)
+        phase where the compiled round stopped (1: published, 4: its block reduced)."""
 
         def chosen(name: str) -> None:
             if name:
@@ -1317,7 +1317,6 @@ class Communicator:
             run.hdr.phase, run.phase = 2, 7
             chosen(shm_direct.STAGED)
         self.engine.run_inline(run, coll, seq, timeout)
-        return rec
 
     def _directplan(self, coll: str, dtype: np.dtype, n: int, op: Any, root: int):
         """For the inline path: a ``_DirectPlan`` when the general path would try
