@@ -35,6 +35,9 @@
 #include <string.h>
 #include <sched.h>
 #include <time.h>
+#include <errno.h>
+#include <stdlib.h>
+#include <sys/uio.h>
 #if defined(__x86_64__) && defined(__SSE2__)
 #include <emmintrin.h>
 #define HAVE_STREAM 1
@@ -50,16 +53,23 @@ enum { O_NONE, O_SUM, O_PROD, O_MIN, O_MAX, O_BAND, O_BOR, O_BXOR };
 /* element types with kernels here; anything else reduces in Python */
 enum { T_NONE = -1, T_I8, T_I16, T_I32, T_I64, T_U8, T_U16, T_U32, T_U64, T_F32, T_F64 };
 
-/* what run() and staged() return */
-enum { DONE = 0, PUBLISHED = 1, NOTHING = 2, HANDBACK = 3, REDUCED = 4 };
+/* what run(), staged() and direct() return (direct's D_STOPPED and D_CMAFAIL carry the
+ * peer's local rank in bits 8..19, D_CMAFAIL also the direction in bit 20 (1: a write
+ * into the peer) and errno in bits 21..30) */
+enum { DONE = 0, PUBLISHED = 1, NOTHING = 2, HANDBACK = 3, REDUCED = 4,
+       D_READY = 5, D_FINISHED = 6, D_STOPPED = 7, D_CMAFAIL = 8 };
 
 #define HDR_SITE 8
 #define HDR_EXTRA 9             /* header words 9..15: shm_direct's (call word, locations) */
 #define N_EXTRA 7
+#define W_READY 2               /* control-line words of shm_direct: 2 seq (+1: failed) */
+#define W_FINISHED 3            /*   this rank's share is done */
 #define W_REDUCED 4             /* control-line word: a staged call's block is reduced */
+#define D_PIECE (256 << 10)     /* direct(): bytes reduced at a time (scratch: two of them) */
+#define D_COPY (2 << 20)        /* direct(): bytes copied between checks of the peers */
 #define STAGE_PIECE (64 << 10)  /* bytes reduced at a time (they stay in the core's L2) */
 #define ALIGN_BYTES 4096        /* shm_direct.blocks: blocks split on 4 KiB boundaries */
-#define ABI 5                   /* bumped whenever Python's use of this module changes */
+#define ABI 6                   /* bumped whenever Python's use of this module changes */
 
 static PyTypeObject *ndarray_type;  /* numpy.ndarray, given by set_ndarray (run checks it) */
 
@@ -74,6 +84,11 @@ typedef struct {
     Py_ssize_t slot;
     int64_t spin_ns;        /* spin this long before yielding (0: yield at once) */
     int64_t budget_ns;      /* then yield until this much has passed; then Python waits */
+    /* direct(): the local ranks' pids and the word index of each one's error record
+     * (set_direct), two pieces of scratch, and each rank's input and output address */
+    Py_ssize_t *pid, *err;
+    char *scratch;
+    uint64_t *xa, *oa;
 } FastBoard;
 
 typedef struct {
@@ -170,6 +185,10 @@ static PyTypeObject PlanType;
 static void fb_free_tables(FastBoard *fb) {
     PyMem_Free(fb->ctrl); PyMem_Free(fb->hdr); PyMem_Free(fb->data);
     fb->ctrl = fb->hdr = fb->data = NULL;
+    PyMem_Free(fb->pid); PyMem_Free(fb->err); PyMem_Free(fb->xa); PyMem_Free(fb->oa);
+    fb->pid = fb->err = NULL; fb->xa = fb->oa = NULL;
+    free(fb->scratch);
+    fb->scratch = NULL;
     fb->q = NULL; fb->u8 = NULL;
 }
 
@@ -565,6 +584,402 @@ static PyObject *fb_staged(FastBoard *fb, PyObject *const *args, Py_ssize_t narg
     return PyLong_FromLong(got);
 }
 
+/* ---- shm_direct by process_vm_readv/writev, compiled -----------------------------------
+ * direct(plan, seq, last, x, out, site, w0, x_loc, x_off, x_addr, o_loc, o_off, o_addr, nt)
+ * runs one shm_direct call (transports/shm_direct.py: read its docstring first) on
+ * ordinary arrays whose every peer buffer is reached by CMA, the way DirectRun would,
+ * without the GIL: the header round (the agreement: the same header words, the buffer
+ * locations in words 9..15), done, READY = 2 seq, wait for every READY, this rank's share
+ * (below), FINISHED = seq, wait for every FINISHED.  Anything but the common case goes to
+ * DirectRun at the phase reached:
+ *   NOTHING     buffer seq % 2 not free yet: nothing done;
+ *   PUBLISHED   header published; BoardRun's phase 1 goes on (a peer is late, a header
+ *               differs — Python raises the mismatch —, a peer staged, or one of the
+ *               buffers a peer touches is a shared array or missing: Python decides);
+ *   D_READY     headers agreed, READY stored, a peer not READY within the wait (or it
+ *               failed to open: DirectRun then takes the schedule);
+ *   D_FINISHED  the share is done and FINISHED stored, a peer still in its share;
+ *   D_STOPPED   a peer published its error record during the share (Python raises
+ *               PeerFailure; the share stopped between pieces);
+ *   D_CMAFAIL   a process_vm_readv/writev failed (ESRCH: the peer is gone).
+ * Shares, as shm_direct's _SHARES (p ranks, blocks as shm_direct.blocks): allreduce —
+ * reduce block r of every input in rank order, write it into every output; reduce — into
+ * the root's output; reduce_scatter — this rank's block of every input into its output;
+ * allgather — the input into block r of every output; alltoall — block r of every input
+ * into block k of the output; broadcast — block r of the root's buffer into every other
+ * output.  Reductions go through two pieces of scratch (D_PIECE bytes, in the core's
+ * cache) with the board's kernels: acc = in0, acc = acc op in_k, bitwise what the Python
+ * shares compute.  `nt`: copies here of at least this many bytes (or pieces of a
+ * transfer that large) use streaming stores, as gpurt.memcopy (0: never). */
+
+/* which ranks' input / output a collective touches from other ranks: 0 none or only its
+ * owner, 1 every rank's, 2 the root's */
+static void direct_roles(int coll, int *tin, int *tout) {
+    switch (coll) {
+    case C_ALLREDUCE: *tin = 1; *tout = 1; break;
+    case C_REDUCE: *tin = 1; *tout = 2; break;
+    case C_REDUCE_SCATTER: *tin = 1; *tout = 0; break;
+    case C_ALLGATHER: *tin = 0; *tout = 1; break;
+    case C_ALLTOALL: *tin = 1; *tout = 0; break;
+    default: *tin = 0; *tout = 1; break;      /* broadcast: in place in the outputs */
+    }
+}
+
+/* the bytes of x and out a rank's call holds, by the shares' arithmetic */
+static void direct_sizes(const Plan *pl, int p, int me, Py_ssize_t *xb, Py_ssize_t *ob) {
+    Py_ssize_t nb = pl->n * pl->itemsize;
+    switch (pl->coll) {
+    case C_REDUCE_SCATTER: *xb = p * nb; *ob = nb; break;
+    case C_ALLGATHER: *xb = nb; *ob = p * nb; break;
+    case C_ALLTOALL: *xb = p * nb; *ob = p * nb; break;
+    case C_BROADCAST: *xb = 0; *ob = nb; break;
+    case C_REDUCE: *xb = nb; *ob = nb; break;      /* (a non-root's out is its x) */
+    default: *xb = nb; *ob = nb; break;
+    }
+    (void)me;
+}
+
+/* n bytes between `loc` here and `rem` in local rank k's process; 0, or errno */
+static int cma_copy(const FastBoard *fb, int k, char *loc, uint64_t rem, size_t n, int to_peer) {
+    while (n) {
+        struct iovec l = {loc, n}, r = {(void *)(uintptr_t)rem, n};
+        ssize_t got = to_peer ? process_vm_writev((pid_t)fb->pid[k], &l, 1, &r, 1, 0)
+                              : process_vm_readv((pid_t)fb->pid[k], &l, 1, &r, 1, 0);
+        if (got <= 0) return got < 0 && errno ? errno : EFAULT;
+        loc += got; rem += (uint64_t)got; n -= (size_t)got;
+    }
+    return 0;
+}
+
+static inline int cma_fail(int k, int to_peer, int e) {
+    return D_CMAFAIL | (k << 8) | (to_peer << 20) | ((e & 1023) << 21);
+}
+
+/* the first peer that has published its error record (it is going down), or -1 */
+static int peer_failed(const FastBoard *fb) {
+    for (int k = 0; k < fb->p; k++)
+        if (k != fb->me && load_acq(&fb->q[fb->err[k]])) return k;
+    return -1;
+}
+
+static void copy_stream(char *dst, const char *src, size_t n);
+
+/* a local copy, streamed as gpurt.memcopy.copyto would (hint: the whole transfer) */
+static void local_copy(char *dst, const char *src, size_t n, size_t hint, Py_ssize_t nt) {
+    if (dst == src || !n) return;
+    if (nt > 0 && (n >= (size_t)nt || hint >= (size_t)nt) &&
+        (dst + n <= src || src + n <= dst))
+        copy_stream(dst, src, n);
+    else
+        memmove(dst, src, n);
+}
+
+/* n bytes from (rank k, address a) into dst here, in pieces, checking the peers between
+ * them; 0 or a D_ code */
+static int fetch(const FastBoard *fb, int k, char *dst, uint64_t a, size_t n, size_t hint,
+                 Py_ssize_t nt, const char *own) {
+    for (size_t o = 0; o < n; o += D_COPY) {
+        size_t len = n - o < D_COPY ? n - o : D_COPY;
+        int f = peer_failed(fb);
+        if (f >= 0) return D_STOPPED | (f << 8);
+        if (k == fb->me) {
+            local_copy(dst + o, own + o, len, hint, nt);
+        } else {
+            int e = cma_copy(fb, k, dst + o, a + o, len, 0);
+            if (e) return cma_fail(k, 0, e);
+        }
+    }
+    return 0;
+}
+
+/* n bytes from src here to (rank k, address a), likewise */
+static int put(const FastBoard *fb, int k, uint64_t a, char *own, const char *src, size_t n,
+               size_t hint, Py_ssize_t nt) {
+    for (size_t o = 0; o < n; o += D_COPY) {
+        size_t len = n - o < D_COPY ? n - o : D_COPY;
+        int f = peer_failed(fb);
+        if (f >= 0) return D_STOPPED | (f << 8);
+        if (k == fb->me) {
+            local_copy(own + o, src + o, len, hint, nt);
+        } else {
+            int e = cma_copy(fb, k, (char *)src + o, a + o, len, 1);
+            if (e) return cma_fail(k, 1, e);
+        }
+    }
+    return 0;
+}
+
+/* elements [lo, hi) at element offset `src_off` of every rank's input, reduced in rank
+ * order, written at [lo, hi) of the targets: every rank's output (who 1), the root's (2)
+ * or this rank's own (0; then out is this rank's output at lo) */
+static int direct_reduce(const FastBoard *fb, const Plan *pl, const char *x, char *out,
+                         Py_ssize_t src_off, Py_ssize_t lo, Py_ssize_t hi, int who,
+                         size_t hint, Py_ssize_t nt) {
+    const int p = fb->p, me = fb->me, isz = pl->itemsize;
+    const Py_ssize_t step = D_PIECE / isz > 0 ? D_PIECE / isz : 1;
+    char *acc0 = fb->scratch, *tmp = fb->scratch + D_PIECE;
+    Py_ssize_t xbytes, obytes;
+    direct_sizes(pl, p, me, &xbytes, &obytes);
+    /* reduce straight into my own output where it is a target and no input to be read */
+    char *home = NULL;
+    if (who == 0 || who == 1 || (who == 2 && me == pl->root))
+        home = (x + xbytes <= out || out + obytes <= x) ? out : NULL;
+    for (Py_ssize_t a = lo; a < hi; a += step) {
+        Py_ssize_t z = hi - a < step ? hi : a + step, cnt = z - a;
+        size_t len = (size_t)cnt * isz, so = (size_t)(src_off + a) * isz;
+        char *acc = home ? (who == 0 ? out + (size_t)(a - lo) * isz : out + (size_t)a * isz)
+                         : acc0;
+        int f = peer_failed(fb);
+        if (f >= 0) return D_STOPPED | (f << 8);
+        for (int k = 0; k < p; k++) {
+            const char *src;
+            if (k == me) {
+                src = x + so;
+            } else {
+                int e = cma_copy(fb, k, k == 0 ? acc : tmp, fb->xa[k] + so, len, 0);
+                if (e) return cma_fail(k, 0, e);
+                src = k == 0 ? acc : tmp;
+            }
+            if (k == 0) {
+                if (src != acc) memcpy(acc, src, len);
+            } else {
+                KERNELS[pl->type](pl->op, acc, src, cnt);
+            }
+        }
+        size_t at = (size_t)a * isz;
+        if (who == 0) {
+            if (!home) local_copy(out + (size_t)(a - lo) * isz, acc, len, hint, nt);
+            continue;
+        }
+        for (int i = 0; i < p; i++) {
+            int k = (me + i) % p;
+            if (who == 2 && k != pl->root) continue;
+            if (k == me) {
+                if (acc != out + at) local_copy(out + at, acc, len, hint, nt);
+            } else {
+                int e = cma_copy(fb, k, acc, fb->oa[k] + at, len, 1);
+                if (e) return cma_fail(k, 1, e);
+            }
+        }
+    }
+    return 0;
+}
+
+/* this rank's share; 0 or a D_ code */
+static int direct_share(const FastBoard *fb, const Plan *pl, const char *x, char *out,
+                        Py_ssize_t nt) {
+    const int p = fb->p, me = fb->me, isz = pl->itemsize;
+    const Py_ssize_t n = pl->n;
+    const size_t nb = (size_t)n * isz;
+    Py_ssize_t lo, hi;
+    int rc = 0;
+    switch (pl->coll) {
+    case C_ALLREDUCE:
+        stage_block(n, p, me, isz, &lo, &hi);
+        return direct_reduce(fb, pl, x, out, 0, lo, hi, 1, nb, nt);
+    case C_REDUCE:
+        stage_block(n, p, me, isz, &lo, &hi);
+        return direct_reduce(fb, pl, x, out, 0, lo, hi, 2, nb, nt);
+    case C_REDUCE_SCATTER:
+        return direct_reduce(fb, pl, x, out, (Py_ssize_t)me * n, 0, n, 0, p * nb, nt);
+    case C_ALLGATHER:
+        for (int i = 0; i < p && !rc; i++) {
+            int k = (me + i) % p;
+            rc = put(fb, k, fb->oa[k] + me * nb, out + me * nb, x, nb, p * nb, nt);
+        }
+        return rc;
+    case C_ALLTOALL:
+        for (int i = 0; i < p && !rc; i++) {
+            int k = (me + i) % p;
+            rc = fetch(fb, k, out + k * nb, fb->xa[k] + me * nb, nb, p * nb, nt, x + me * nb);
+        }
+        return rc;
+    case C_BROADCAST: {
+        stage_block(n, p, me, isz, &lo, &hi);
+        size_t a = (size_t)lo * isz, len = (size_t)(hi - lo) * isz;
+        if (!len) return 0;
+        int root = pl->root;
+        if (me != root) {       /* my block of the root's buffer: into my output first */
+            rc = fetch(fb, root, out + a, fb->oa[root] + a, len, nb, nt, NULL);
+            if (rc) return rc;
+        }
+        for (int i = 1; i < p && !rc; i++) {   /* then from there into the others' */
+            int k = (me + i) % p;
+            if (k != root) rc = put(fb, k, fb->oa[k] + a, NULL, out + a, len, nb, nt);
+        }
+        return rc;
+    }
+    }
+    return 0;
+}
+
+/* the whole round; no Python object is touched (GIL released) */
+static int direct_round(const FastBoard *fb, const Plan *pl, uint64_t seq, uint64_t last,
+                        const char *x, char *out, uint64_t site, const uint64_t *extra,
+                        Py_ssize_t nt) {
+    uint64_t *q = fb->q;
+    const int p = fb->p, me = fb->me, b = (int)(seq & 1);
+    Py_ssize_t xbytes, obytes;
+    direct_sizes(pl, p, me, &xbytes, &obytes);
+    Py_ssize_t moved = xbytes > obytes ? xbytes : obytes;
+    const int64_t budget = fb->budget_ns + (moved < (4 << 20) ? moved : (4 << 20));
+
+    /* 1. my buffer b (its header) is free once every peer has finished with it */
+    if (last && !peers_at(fb, 1, last)) return NOTHING;
+
+    /* 2. publish the header (no data), as BoardRun(check=True, extra=...) */
+    Py_ssize_t h = fb->hdr[2 * me + b];
+    q[h] = seq;
+    q[h + 1] = pl->sig;
+    q[h + 2] = 0;
+    for (int i = 0; i < 5; i++) q[h + 3 + i] = pl->meta[i];
+    q[h + HDR_SITE] = site;
+    for (int i = 0; i < N_EXTRA; i++) q[h + HDR_EXTRA + i] = extra[i];
+    store_rel(&q[fb->ctrl[me]], seq);
+
+    /* 3. every rank's header: the same call, not staged, every buffer that another rank
+     * touches an ordinary array (else Python decides: a shared one is mapped) */
+    if (!peers_ready(fb, seq) && !wait_word(fb, 0, seq, budget)) return PUBLISHED;
+    int tin, tout;
+    direct_roles(pl->coll, &tin, &tout);
+    for (int k = 0; k < p; k++) {
+        const uint64_t *w = k == me ? extra : &q[fb->hdr[2 * k + b] + HDR_EXTRA];
+        if (k != me) {
+            Py_ssize_t hk = fb->hdr[2 * k + b];
+            if (q[hk] != seq || q[hk + 1] != pl->sig) return PUBLISHED;
+            for (int i = 0; i < 5; i++)
+                if (q[hk + 3 + i] != pl->meta[i]) return PUBLISHED;
+            if ((w[0] >> 2) != seq || (w[0] & 2)) return PUBLISHED;
+            if (tin == 1 && (w[1] || !w[3])) return PUBLISHED;
+            if ((tout == 1 || (tout == 2 && k == pl->root)) && (w[4] || !w[6]))
+                return PUBLISHED;
+        }
+        fb->xa[k] = w[3];
+        fb->oa[k] = w[6];
+    }
+    /* 4. done with the headers (BoardRun's round ends here); READY */
+    store_rel(&q[fb->ctrl[me] + 1], seq);
+    store_rel(&q[fb->ctrl[me] + W_READY], 2 * seq);
+    if (!peers_at(fb, W_READY, 2 * seq) && !wait_word(fb, W_READY, 2 * seq, budget))
+        return D_READY;
+    for (int k = 0; k < p; k++)      /* a peer could not open its buffers: the schedule */
+        if (k != me && load_acq(&q[fb->ctrl[k] + W_READY]) != 2 * seq) return D_READY;
+
+    /* 5. the share, then: no peer went down meanwhile; FINISHED; wait for every one */
+    int rc = direct_share(fb, pl, x, out, nt);
+    if (rc) return rc;
+    int f = peer_failed(fb);
+    if (f >= 0) return D_STOPPED | (f << 8);
+    store_rel(&q[fb->ctrl[me] + W_FINISHED], seq);
+    if (!peers_at(fb, W_FINISHED, seq) && !wait_word(fb, W_FINISHED, seq, budget))
+        return D_FINISHED;
+    return DONE;
+}
+
+static PyObject *fb_direct(FastBoard *fb, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7 + N_EXTRA || Py_TYPE(args[0]) != &PlanType) {
+        PyErr_SetString(PyExc_TypeError, "direct(plan, seq, last, x, out, site, w0, x_loc, "
+                                         "x_off, x_addr, o_loc, o_off, o_addr, nt)");
+        return NULL;
+    }
+    if (fb->q == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "the board is closed");
+        return NULL;
+    }
+    if (fb->pid == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "direct: set_direct was not called");
+        return NULL;
+    }
+    const Plan *pl = (const Plan *)args[0];
+    int red = pl->coll == C_ALLREDUCE || pl->coll == C_REDUCE || pl->coll == C_REDUCE_SCATTER;
+    if (pl->coll > C_ALLTOALL || pl->n < 1 || (red && !has_kernel(pl->type, pl->op))) {
+        PyErr_SetString(PyExc_ValueError, "direct: a plan of shm_direct's collectives "
+                                          "(a reduction with a kernel)");
+        return NULL;
+    }
+    if (!ndarray_type || Py_TYPE(args[3]) != ndarray_type || Py_TYPE(args[4]) != ndarray_type) {
+        PyErr_SetString(PyExc_TypeError, "direct: x and out must be numpy.ndarray");
+        return NULL;
+    }
+    /* every byte the share reads from x and writes into out lies inside them (the caller
+     * passes C-contiguous arrays) */
+    Py_ssize_t want[2];
+    direct_sizes(pl, fb->p, fb->me, &want[0], &want[1]);
+    for (int i = 0; i < 2; i++) {
+        PyObject *nbo = PyObject_GetAttrString(args[3 + i], "nbytes");
+        if (!nbo) return NULL;
+        Py_ssize_t nbv = PyLong_AsSsize_t(nbo);
+        Py_DECREF(nbo);
+        if (nbv == -1 && PyErr_Occurred()) return NULL;
+        if (nbv < want[i]) {
+            PyErr_SetString(PyExc_ValueError, "direct: x or out is smaller than the plan");
+            return NULL;
+        }
+    }
+    uint64_t v[3 + N_EXTRA];      /* seq, last, site, the extra words */
+    for (int i = 0; i < 3 + N_EXTRA; i++) {
+        v[i] = PyLong_AsUnsignedLongLong(args[i < 2 ? 1 + i : 3 + i]);
+        if (v[i] == (uint64_t)-1 && PyErr_Occurred()) return NULL;
+    }
+    Py_ssize_t nt = PyLong_AsSsize_t(args[6 + N_EXTRA]);
+    if (nt == -1 && PyErr_Occurred()) return NULL;
+    if (red && !fb->scratch) {
+        fb->scratch = malloc(2 * D_PIECE);
+        if (!fb->scratch) return PyErr_NoMemory();
+    }
+    const char *x = ((np_head *)args[3])->data;
+    char *out = ((np_head *)args[4])->data;
+    int got;
+    Py_BEGIN_ALLOW_THREADS
+    got = direct_round(fb, pl, v[0], v[1], x, out, v[2], v + 3, nt);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(got);
+}
+
+/* set_direct(pids, err_words): for direct(), by local rank */
+static PyObject *fb_set_direct(FastBoard *fb, PyObject *args) {
+    PyObject *pids, *errs;
+    if (!PyArg_ParseTuple(args, "OO", &pids, &errs)) return NULL;
+    Py_ssize_t *pid = NULL, *err = NULL;
+    if (read_table(pids, fb->p, &pid) || read_table(errs, fb->p, &err)) {
+        PyMem_Free(pid); PyMem_Free(err);
+        return NULL;
+    }
+    uint64_t *xa = PyMem_Calloc(fb->p, sizeof(uint64_t)), *oa = PyMem_Calloc(fb->p, sizeof(uint64_t));
+    if (!xa || !oa) {
+        PyMem_Free(pid); PyMem_Free(err); PyMem_Free(xa); PyMem_Free(oa);
+        return PyErr_NoMemory();
+    }
+    PyMem_Free(fb->pid); PyMem_Free(fb->err); PyMem_Free(fb->xa); PyMem_Free(fb->oa);
+    fb->pid = pid; fb->err = err; fb->xa = xa; fb->oa = oa;
+    Py_RETURN_NONE;
+}
+
+/* dplan(coll, sig, meta(5 ints), n, itemsize, type, op, root): a plan for direct() (no
+ * size limit: nothing goes through the board's buffers) */
+static PyObject *fb_dplan(FastBoard *fb, PyObject *args) {
+    int coll, itemsize, type, op, root;
+    unsigned long long sig;
+    unsigned long long m[5];
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "iK(KKKKK)niiii", &coll, &sig, &m[0], &m[1], &m[2], &m[3],
+                          &m[4], &n, &itemsize, &type, &op, &root))
+        return NULL;
+    if (coll < C_ALLREDUCE || coll > C_ALLTOALL || op < O_NONE || op > O_BXOR ||
+        type < T_NONE || type > T_F64 || itemsize < 1 || itemsize > 64 ||
+        root < 0 || root >= fb->p || n < 1 || n > PY_SSIZE_T_MAX / itemsize / fb->p) {
+        PyErr_SetString(PyExc_ValueError, "dplan: bad collective, op, type, itemsize, root "
+                                          "or count");
+        return NULL;
+    }
+    Plan *pl = PyObject_New(Plan, &PlanType);
+    if (!pl) return NULL;
+    pl->coll = coll; pl->sig = sig; pl->n = n; pl->itemsize = itemsize; pl->type = type;
+    pl->op = op; pl->root = root; pl->wbytes = 0;
+    for (int i = 0; i < 5; i++) pl->meta[i] = m[i];
+    return (PyObject *)pl;
+}
+
 /* ---- shared claim counters (the shm transport's cooperative single copy) --------------
  * A 64-bit word holds (generation << 32) | next chunk.  claim(addr, gen, n) takes the next
  * chunk of generation `gen` if there is one (compare-and-swap, so a word already reset
@@ -716,6 +1131,11 @@ static PyMethodDef fb_methods[] = {
      "complete(plan, seq, out)"},
     {"staged", (PyCFunction)(void (*)(void))fb_staged, METH_FASTCALL,
      "staged(plan, seq, last, x, out, site, w0, x_loc, x_off, x_addr, o_loc, o_off, o_addr)"},
+    {"direct", (PyCFunction)(void (*)(void))fb_direct, METH_FASTCALL,
+     "direct(plan, seq, last, x, out, site, w0, x_loc, x_off, x_addr, o_loc, o_off, o_addr, nt)"},
+    {"set_direct", (PyCFunction)fb_set_direct, METH_VARARGS, "set_direct(pids, err_words)"},
+    {"dplan", (PyCFunction)fb_dplan, METH_VARARGS,
+     "dplan(coll, sig, meta, n, itemsize, type, op, root)"},
     {"plan", (PyCFunction)fb_plan, METH_VARARGS,
      "plan(coll, sig, meta, n, itemsize, type, op, root, wbytes)"},
     {"set_wait", (PyCFunction)fb_set_wait, METH_VARARGS, "set_wait(spin_ns, budget_ns)"},

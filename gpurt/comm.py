@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from . import callsite, config, devpath, flight, sharedmem
+from . import callsite, config, devpath, flight, memcopy, sharedmem
 from .buffers import Buf, as_buf, check_writable, empty_like, overlaps, same
 from .errors import (CollectiveMismatchError, CollectiveTimeout, CommunicatorClosed,
                      GpurtError, ResourceError, relay_text,
@@ -265,7 +265,10 @@ class Communicator:
         self._direct_min = {c: (dmap[c] if can_map else 0, dcma[c] if can_cma else 0,
                                 stage if c == "allreduce" else 0)
                             for c in shm_direct.COLLS}
-        return shm_direct.Access(self.rank, pids, maps, can_map, can_cma, ranks, seg)
+        acc = shm_direct.Access(self.rank, pids, maps, can_map, can_cma, ranks, seg)
+        if self.board.fast is not None:     # the compiled shares (_DirectPlan.cma)
+            self.board.fast.set_direct(pids, acc.err_i)
+        return acc
 
     def _direct_wanted(self, coll: str, n: int, isz: int, algo: str | None) -> int:
         """0: not shm_direct; 1: shm_direct if the buffers allow (else the tuner's plan);
@@ -1267,25 +1270,32 @@ class Communicator:
         got = 2
         try:     # (the call counts from here: any failure leaves the ranks out of step,
             # a signal's exception too, right after the compiled round returned)
-            if dp.staged is not None:
-                # the compiled staged round (ordinary arrays only: the header names a
-                # shared one's file, and a peer that did not stage sends every rank to
-                # the shares)
+            if dp.staged is not None or dp.cma is not None:
+                # the compiled rounds, on ordinary arrays only (the header names a shared
+                # one's file): the staged allreduce (a peer that did not stage sends every
+                # rank to the shares), or the shares by CMA (a peer's shared array sends
+                # every rank to DirectRun, which maps it)
                 wx, wo = shm_direct.where(xf), shm_direct.where(rf)
                 if not wx[0] and not wo[0]:
                     bd = self.board
                     b = seq & 1
                     if site not in bd.published:
                         bd.publish_site(site)
-                    got = bd.fast.staged(dp.staged, seq, bd.last_use[b], xf, rf,
-                                         site if site < shm_board.SITES else 0,
-                                         4 * seq + 2 + dp.forced, *wx, *wo)
+                    sid = site if site < shm_board.SITES else 0
+                    if dp.staged is not None:
+                        got = bd.fast.staged(dp.staged, seq, bd.last_use[b], xf, rf, sid,
+                                             4 * seq + 2 + dp.forced, *wx, *wo)
+                    else:
+                        got = bd.fast.direct(dp.cma, seq, bd.last_use[b], xf, rf, sid,
+                                             4 * seq + dp.forced, *wx, *wo,
+                                             memcopy.threshold())
                     if got != 2:
                         bd.last_use[b] = seq
             if got == 0:
-                self.last_algorithm = shm_direct.STAGED
+                name = shm_direct.STAGED if dp.staged is not None else shm_direct.NAME
+                self.last_algorithm = name
                 if rec is not None:
-                    rec[flight.ALGO] = shm_direct.STAGED
+                    rec[flight.ALGO] = name
             else:
                 self._direct_rest(coll, dp, xf, rf, res is x, root, n, seq, site, got, rec,
                                   timeout)
@@ -1298,8 +1308,9 @@ class Communicator:
                      alias: bool, root: int, n: int, seq: int, site: int, got: int,
                      rec: list | None, timeout: float | None) -> None:
         """An inline shm_direct call by ``DirectRun``: all of it (``got`` 2: the compiled
-        staged round did nothing, or was not tried), or the rest of a staged call from the
-        phase where the compiled round stopped (1: published, 4: its block reduced)."""
+        round did nothing, or was not tried), or the rest of a call from the phase where
+        the compiled round stopped (1: published; a staged call's 4: its block reduced;
+        the shares' 5 and up: ``DirectRun.resume``)."""
 
         def chosen(name: str) -> None:
             if name:
@@ -1316,6 +1327,8 @@ class Communicator:
         elif got == 4:    # this rank's block is reduced: wait for the others' and copy
             run.hdr.phase, run.phase = 2, 7
             chosen(shm_direct.STAGED)
+        elif got != 2:    # the compiled shares agreed and stored READY
+            run.resume(got)
         self.engine.run_inline(run, coll, seq, timeout)
 
     def _directplan(self, coll: str, dtype: np.dtype, n: int, op: Any, root: int):
@@ -1333,11 +1346,17 @@ class Communicator:
         sig = _signature(coll, dtype.str, n, o, root, tag)
         meta = _board_meta(coll, dtype, n, o, root, tag)
         mins = self._direct_mins(coll, direct == 2)
-        staged = self.board.stage_plan(sig, meta, dtype, n, o) \
-            if shm_direct.stages(self.board, coll, n, isz, mins) else None
+        stages = shm_direct.stages(self.board, coll, n, isz, mins)
+        staged = self.board.stage_plan(sig, meta, dtype, n, o) if stages else None
+        # the compiled shares, where every buffer may be reached by CMA: taken when every
+        # rank's header says so (ordinary arrays); anything else is DirectRun's
+        acc = self._direct
+        cma = self.board.direct_plan(coll, sig, meta, dtype, n, o, root) \
+            if not stages and acc.can_cma and not acc.fail_open and \
+            shm_direct.collective_bytes(coll, self.size, n, isz) >= mins[1] else None
         return _DirectPlan(o, reducer(o) if o is not None else None, dtype, sig, meta,
                            (dtype.str, n, o, root if coll in _ROOTED else None), sched,
-                           alg.name, mins, direct == 2, staged)
+                           alg.name, mins, direct == 2, staged, cma)
 
     def _fastplan_of(self, coll: str, dtype: np.dtype, n: int, op: Any, root: int,
                      algo: str | None):
@@ -1852,15 +1871,17 @@ class _DirectPlan:
     would decide for the same call, computed once per call shape."""
 
     __slots__ = ("op", "red", "dtype", "sig", "meta", "fargs", "sched", "fallback", "mins",
-                 "forced", "staged")
+                 "forced", "staged", "cma")
 
     def __init__(self, op, red, dtype, sig, meta, fargs, sched, fallback, mins, forced,
-                 staged=None):
+                 staged=None, cma=None):
         self.op, self.red, self.dtype, self.sig, self.meta = op, red, dtype, sig, meta
         self.fargs, self.sched, self.fallback = fargs, sched, fallback
         self.mins, self.forced = mins, forced
         #: the compiled staged round's plan, where this call stages on ordinary arrays
         self.staged = staged
+        #: the compiled shares' plan (``_fastboard``'s ``direct``: every buffer by CMA)
+        self.cma = cma
 
 
 _PLANS_MAX = 4096   # call shapes whose plans a communicator keeps (per path)

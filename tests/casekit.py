@@ -52,6 +52,13 @@ def verdict(world, comm, chk: Checks, note: str = "") -> None:
     sys.exit(1 if any(failed) else 0)
 
 
+def python_direct(comm) -> None:
+    """This rank runs shm_direct's and the board's rounds in Python (``DirectRun``,
+    ``BoardRun``), not the compiled ones, which must interoperate with it."""
+    comm.board.fast = None
+    comm._fastplans.clear()        # the inline plans name the compiled rounds
+
+
 def slow_python_staging(comm, seconds: float) -> None:
     """This rank runs a staged allreduce's Python round (``DirectRun``), not the compiled
     one, and sleeps ``seconds`` before reducing its block (phase 6): its peers' compiled
@@ -60,8 +67,7 @@ def slow_python_staging(comm, seconds: float) -> None:
 
     from gpurt.transports import shm_direct
 
-    comm.board.fast = None
-    comm._fastplans.clear()        # the inline plans name the compiled round
+    python_direct(comm)
     staged = shm_direct._staged_allreduce
 
     def slow(d):

@@ -432,3 +432,63 @@ def test_a_staged_call_that_gives_up_leaves_the_peers_right_or_failing():
     for ln in lines[1:]:
         head = ln.split(": ", 1)[1]
         assert head in ("ok [3.], then PeerFailure", "PeerFailure, then PeerFailure"), out
+
+
+# -- the compiled shares by CMA (gpurt._fastboard's direct) -------------------------------
+
+@pytest.mark.parametrize("n,mode", [(2, "numpy"), (3, "numpy"), (5, "numpy"), (2, "late"),
+                                    (3, "late"), (5, "late"), (3, "mixed")])
+def test_compiled_shares(n, mode):
+    """Blocking collectives on NumPy arrays whose buffers are all reached by CMA run the
+    compiled round (header round, READY, share, FINISHED without the GIL): exact for
+    every collective shm_direct runs, odd counts, four dtype/op pairs, both root kinds, in
+    place; with one rank on the Python round and late at each phase, the others hand
+    their calls to DirectRun where they are (answers 1, 5, 6); with one rank's arrays
+    shared, after the header round (tests/direct_compiled_cases.py)."""
+    out = run_mpi(n, ["tests/direct_compiled_cases.py", mode], timeout=400).stdout
+    assert out.startswith("ok") and f"on {n} ranks" in out, out
+
+
+_SHARE_RAISES = """
+import sys, time
+import numpy as np, gpurt
+from gpurt.transports import shm_direct
+sys.path.insert(0, "tests")
+import casekit
+c = gpurt.init()
+r = c.rank
+x = np.ones(3 << 22, np.float32)            # 48 MiB: each rank's share takes milliseconds
+y = np.empty_like(x)
+c.alltoall(x, out=y)
+assert c.last_algorithm == "shm_direct", c.last_algorithm
+if r == 1:             # the Python round, whose share fails a moment after it started
+    casekit.python_direct(c)
+    def boom(run):
+        time.sleep(0.002)
+        raise RuntimeError("boom in the share")
+    shm_direct._SHARES["alltoall"] = boom
+t0 = time.monotonic()
+try:
+    c.alltoall(x, out=y, timeout=20)
+    out = "ok"
+except gpurt.PeerFailure as e:
+    out = f"PeerFailure rank={e.rank} {'RuntimeError' in str(e)}"
+except RuntimeError as e:
+    out = f"RuntimeError {e}"
+took = time.monotonic() - t0
+every = c.mpi.gather((r, out, took), 0)
+if r == 0:
+    for k, o, t in every:
+        print(f"rank {k}: {o} in {'<1s' if t < 1.0 else f'{t:.1f}s'}", flush=True)
+"""
+
+
+def test_an_exception_in_a_peers_share_fails_the_compiled_rounds():
+    """Rank 1 (on the Python round) raises in its share of a 48 MiB alltoall while the
+    others' compiled rounds copy: they stop (between pieces, or waiting for its FINISHED)
+    and raise PeerFailure(rank=1) naming the exception, within a second."""
+    out = run_mpi(3, ["-c", _SHARE_RAISES], timeout=120).stdout
+    lines = sorted(ln for ln in out.splitlines() if ln.startswith("rank "))
+    assert lines == ["rank 0: PeerFailure rank=1 True in <1s",
+                     "rank 1: RuntimeError boom in the share in <1s",
+                     "rank 2: PeerFailure rank=1 True in <1s"], out

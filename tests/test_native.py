@@ -121,9 +121,12 @@ os._exit(0)
 def test_sender_that_dies_holding_a_chunk_is_a_peer_failure(tmp_path):
     """The sender takes a chunk of the receiver's buffer and exits (0.5 s later) without
     copying it: the receiver, which has copied every other chunk and waits for that one,
-    raises PeerFailure(rank=0) within the liveness bound, not at its 30 s deadline."""
+    raises PeerFailure(rank=0) within the liveness bound, not at its 30 s deadline.
+    (GPURT_SHM_DIRECT_CMA=0: the broadcast takes the schedule over the shm transport,
+    whose cooperative copy this is, not shm_direct's compiled shares.)"""
     _need_native()
     from conftest import ROOT, is_hydra, mpiexec
+    import os
     import subprocess
     import sys
 
@@ -131,7 +134,8 @@ def test_sender_that_dies_holding_a_chunk_is_a_peer_failure(tmp_path):
         pytest.skip("uses MPICH hydra's -disable-auto-cleanup; this launcher is not hydra")
     proc = subprocess.run([mpiexec(), "-disable-auto-cleanup", "-n", "2", sys.executable, "-c",
                            SENDER_DIES, str(tmp_path)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=120,
+                          env=dict(os.environ, GPURT_SHM_DIRECT_CMA="0"))
     text = (tmp_path / "rank1").read_text() if (tmp_path / "rank1").exists() else ""
     line = next((ln for ln in text.splitlines() if "PeerFailure" in ln), None)
     assert line is not None, (text, proc.stdout[-3000:], proc.stderr[-3000:])

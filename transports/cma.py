@@ -67,13 +67,19 @@ def copy(pid: int, local: int, remote: int, n: int, to_peer: bool, peer: int = -
         riov.iov_base, riov.iov_len = remote + done, n - done
         got = fn(pid, ctypes.byref(liov), 1, ctypes.byref(riov), 1, 0)
         if got <= 0:
-            e = ctypes.get_errno()
-            if e == errno.ESRCH:
-                raise PeerFailure(f"rank {peer} (pid {pid}) exited during a single-copy "
-                                  f"transfer", rank=peer)
-            raise TransportError(f"process_vm_{'writev to' if to_peer else 'readv from'} "
-                                 f"rank {peer} (pid {pid}) failed: {os.strerror(e)}")
+            raise failure(ctypes.get_errno() if got < 0 else errno.EFAULT, pid, peer,
+                          to_peer)
         done += got
+
+
+def failure(e: int, pid: int, peer: int, to_peer: bool) -> Exception:
+    """The error of a failed transfer with rank ``peer`` (process ``pid``), ``e`` its errno:
+    ``PeerFailure`` when the process is gone, else ``TransportError``."""
+    if e == errno.ESRCH:
+        return PeerFailure(f"rank {peer} (pid {pid}) exited during a single-copy transfer",
+                           rank=peer)
+    return TransportError(f"process_vm_{'writev to' if to_peer else 'readv from'} "
+                          f"rank {peer} (pid {pid}) failed: {os.strerror(e)}")
 
 
 def probe(pid: int, remote: int, expect: bytes) -> str:

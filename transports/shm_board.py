@@ -66,7 +66,7 @@ def _load_native():
         from gpurt import _fastboard as fb
     except ImportError as e:
         return None, f"not built ({e}); the board runs in Python"
-    if getattr(fb, "ABI", 0) != 5 or tuple(fb.COLLS) != COLLS:
+    if getattr(fb, "ABI", 0) != 6 or tuple(fb.COLLS) != COLLS:
         return None, ("built from another version of gpurt (reinstall it: pip install -e . "
                       "rebuilds the extension)")
     fb.set_ndarray(np.ndarray)
@@ -203,6 +203,18 @@ class Board:
             return None
         return self.fast.plan(COLLS.index("allreduce"), sig, meta, n, dtype.itemsize,
                               _NTYPES[dtype], _NOPS[op], 0, n * dtype.itemsize)
+
+    def direct_plan(self, coll: str, sig: int, meta: tuple, dtype: np.dtype, n: int,
+                    op: Op | None, root: int):
+        """The extension's plan for shm_direct's compiled shares by CMA (``direct``), or
+        None where there is no extension, or no kernel for a reduction's dtype and op."""
+        if self.fast is None or n < 1:
+            return None
+        if op is not None and (dtype not in _NTYPES or op not in _NOPS):
+            return None
+        return self.fast.dplan(COLLS.index(coll), sig, meta, n, dtype.itemsize,
+                               _NTYPES.get(dtype, -1), _NOPS[op] if op is not None else 0,
+                               root)
 
     def _new_plan(self, coll: str, sig: int, meta: tuple, dtype: np.dtype, n: int,
                   op: Op | None, root: int):

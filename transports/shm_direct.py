@@ -68,6 +68,17 @@ peer: about 1 ms plus 1 ns a byte) or finds anything but every rank staging the 
 call, it returns the phase it reached and this ``DirectRun`` goes on from there
 (``phase`` 1 of the header round, or 7), under the executor's deadlines and liveness
 checks; ranks on either path interoperate, word for word.
+
+Compiled shares by CMA
+----------------------
+On the inline path, a call on ordinary arrays that does not stage, and whose every peer
+buffer would be reached by CMA, runs steps 1–4 in C (``_fastboard``'s ``direct``, GIL
+released): the same header words, the same checks, READY, the share (copies and
+``process_vm_readv``/``writev`` in 2 MiB pieces, reductions through 256 KiB of scratch
+with the board's kernels, the peers' error records checked between pieces), FINISHED.
+Anything else — a header that is not the same call, a peer's shared array or staged
+header, a peer late at READY or FINISHED, a peer's error, a failed transfer — returns
+the phase reached, and ``DirectRun.resume`` (or the header round's phase 1) goes on.
 """
 
 from __future__ import annotations
@@ -86,7 +97,7 @@ from gpurt.tuner import collective_bytes  # noqa: F401 - S as nccl-tests counts 
 
 from . import cma
 from .shm import _pid_alive
-from .shm_board import BoardRun
+from .shm_board import _EXTRA as _HDR_EXTRA, BoardRun
 
 log = logging.getLogger("gpurt.shm_direct")
 
@@ -122,6 +133,9 @@ _ALIGN = 4096
 # board control-line words (flag and done are 0 and 1); _REDUCED: a staged call's
 # reduced block is in the rank's board buffer
 _READY, _FINISHED, _REDUCED = 2, 3, 4
+# what the compiled round (_fastboard: staged, direct) returns, past DONE (0), PUBLISHED
+# (1), NOTHING (2) and REDUCED (4); the low byte (D_STOPPED, D_CMAFAIL carry more)
+D_READY, D_FINISHED, D_STOPPED, D_CMAFAIL = 5, 6, 7, 8
 STAGED = "shm_staged"      # what a staged call reports as its algorithm
 _U8 = np.dtype(np.uint8)
 
@@ -180,9 +194,13 @@ class Access:
         q = seg.q
         for k, i in enumerate(self.err_i):
             if k != self.me and q[i]:
-                raise PeerFailure(f"rank {self.ranks[self.me]}: rank {self.ranks[k]} failed "
-                                  f"during shm_direct: {seg.read_error(k)}",
-                                  rank=relayed_rank(seg.read_error(k), self.ranks[k]))
+                raise self.failure(k)
+
+    def failure(self, k: int) -> PeerFailure:
+        """The error for local rank k, which has published its error record."""
+        text = self.seg.read_error(k)
+        return PeerFailure(f"rank {self.ranks[self.me]}: rank {self.ranks[k]} failed during "
+                           f"shm_direct: {text}", rank=relayed_rank(text, self.ranks[k]))
 
     def drain(self, bound: float = 5.0) -> None:
         """This rank is going down (its error is published) in the middle of a call:
@@ -255,7 +273,7 @@ class DirectRun:
 
     __slots__ = ("board", "acc", "coll", "seq", "x", "out", "root", "red", "n", "isz",
                  "hdr", "phase", "other", "fallback", "mins", "bufs", "on_choice", "p",
-                 "r", "staging")
+                 "r", "staging", "failed")
 
     def __init__(self, board, access: Access, coll: str, seq: int, sig: int, meta: tuple,
                  x: np.ndarray, out: np.ndarray, root: int, red: Callable | None, n: int,
@@ -277,6 +295,41 @@ class DirectRun:
                             extra=(4 * seq + 2 * self.staging + forced,) + wx + wo,
                             stage=x.reshape(-1).view(_U8) if self.staging else None)
         self.phase, self.other, self.bufs = 0, None, None
+        self.failed: BaseException | None = None    # (resume: raised by advance)
+
+    def resume(self, code: int) -> None:
+        """Go on from where the compiled round (``gpurt._fastboard``'s ``direct``, the same
+        protocol) stopped once the headers had agreed and READY was stored: ``code`` is
+        what it returned — D_READY (a peer not READY yet: phase 2), D_FINISHED (this
+        rank's share is done: phase 3), or a failure in the share (D_STOPPED: a peer
+        published its error; D_CMAFAIL: a transfer failed), which the next ``advance``
+        raises with this run active, so that ``Access.drain`` holds this rank's buffers
+        until its peers are out of them."""
+        bd, hdr = self.board, self.hdr
+        q, m = bd.q, len(hdr.extra)
+        # the peers' header words are still there: a peer reuses its buffer seq % 2 only
+        # two calls later, which needs this rank in the next one
+        hdr.got = [hdr.extra if k == self.r else
+                   tuple(q[bd.hdr[k][hdr.b] + _HDR_EXTRA + i] for i in range(m))
+                   for k in range(self.p)]
+        hdr.phase = 2
+        self.bufs = self._open()        # (every buffer by CMA: nothing to fail)
+        self.acc.active = self
+        kind = code & 0xFF
+        if kind == D_READY:
+            self.phase = 2
+            return
+        if self.on_choice is not None:
+            self.on_choice(NAME)
+        self.phase = 3
+        if kind == D_STOPPED:
+            self.failed = self.acc.failure((code >> 8) & 0xFFF)
+        elif kind == D_CMAFAIL:
+            k = (code >> 8) & 0xFFF
+            self.failed = cma.failure(code >> 21, self.acc.pids[k], self.acc.ranks[k],
+                                      bool(code >> 20 & 1))
+        elif kind != D_FINISHED:
+            raise ValueError(f"DirectRun.resume: unknown code {code}")
 
     @property
     def done(self) -> bool:
@@ -306,6 +359,8 @@ class DirectRun:
         return True if self.other is None else (self.other.advance() or True)
 
     def advance(self) -> bool:
+        if self.failed is not None:
+            raise self.failed
         if self.phase == 5:
             return self.other.advance() if self.other is not None else False
         moved = False
