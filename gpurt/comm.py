@@ -1286,9 +1286,16 @@ class Communicator:
                         got = bd.fast.staged(dp.staged, seq, bd.last_use[b], xf, rf, sid,
                                              4 * seq + 2 + dp.forced, *wx, *wo)
                     else:
+                        # peers enter this rank's buffers once the round stored READY: a
+                        # failure from there on (a signal's exception as it returns) must
+                        # drain, until resume() makes the DirectRun the active call
+                        acc = self._direct
+                        acc.active = shm_direct.Pending(bd, seq)
                         got = bd.fast.direct(dp.cma, seq, bd.last_use[b], xf, rf, sid,
                                              4 * seq + dp.forced, *wx, *wo,
                                              memcopy.threshold())
+                        if got < shm_direct.D_READY:    # done, or READY not stored
+                            acc.active = None
                     if got != 2:
                         bd.last_use[b] = seq
             if got == 0:

@@ -211,6 +211,8 @@ class Access:
         if run is None or run.phase not in (2, 3) or self.seg is None:
             return
         q, ctrl, seq = run.board.q, run.board.ctrl, run.seq
+        if q[ctrl[run.r] + _READY] < 2 * seq:     # (READY not stored: nobody came in)
+            return
         deadline = time.monotonic() + bound
         while True:
             late = [k for k in range(run.p) if k != run.r and q[ctrl[k] + _FINISHED] < seq
@@ -223,6 +225,19 @@ class Access:
                             [self.ranks[k] for k in late], seq, bound)
                 return
             time.sleep(1e-4)
+
+
+class Pending:
+    """``Access.active`` while the compiled round (``_fastboard``'s ``direct``) runs and
+    until ``DirectRun.resume`` takes over: a failure in that window (a signal's exception
+    raised right after the round returned) drains like one in phase 2 — once the round
+    has stored READY, peers may be in this rank's buffers."""
+
+    __slots__ = ("board", "seq", "p", "r", "phase")
+
+    def __init__(self, board, seq: int):
+        self.board, self.seq, self.p, self.r, self.phase = board, seq, board.nlocal, \
+            board.me, 2
 
 
 class _Buf:
