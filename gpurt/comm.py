@@ -244,8 +244,8 @@ class Communicator:
         """``shm_direct`` on this one-node communicator: its thresholds (decided on rank
         0) and how this rank reaches the others' buffers — or None.  Collective."""
         shm = self._shm()
-        conf = (config.get("GPURT_SHM_DIRECT"), config.get("GPURT_SHM_DIRECT_CMA")) \
-            if self.rank == 0 else None
+        conf = (config.get("GPURT_SHM_DIRECT"), config.get("GPURT_SHM_DIRECT_CMA"),
+                config.get("GPURT_SHM_STAGE")) if self.rank == 0 else None
         got = self.mpi.allgather((conf, getattr(shm, "writev_why", "no shm")))
         dmap = shm_direct.thresholds(got[0][0][0], shm_direct.AUTO_MAP)
         dcma = shm_direct.thresholds(got[0][0][1], shm_direct.AUTO_CMA)
@@ -255,8 +255,14 @@ class Communicator:
         can_map = any(dmap.values()) and not shm.map_why
         can_cma = any(dcma.values()) and not shm.cma_why and not any(w for _, w in got)
         # a staged allreduce (its input through the board) needs neither: it takes
-        # GPURT_SHM_DIRECT_CMA's threshold, as the path it replaces
-        stage = dcma["allreduce"] if self.board.stage else 0
+        # GPURT_SHM_DIRECT_CMA's threshold, as the path it replaces.  GPURT_SHM_STAGE=auto
+        # stages only where the compiled shares by CMA cannot run: they measured faster
+        # (2 ranks 1 MiB 184 against 326 us, 3 ranks 514 against 766, 4 ranks 866 against
+        # 1062; docs/performance.md).  (A rank deciding otherwise — no extension here —
+        # is safe: a call stages only if every rank's header says so.)
+        compiled_cma = can_cma and self.board.fast is not None
+        stage = dcma["allreduce"] if self.board.stage and not (
+            got[0][0][2] == "auto" and compiled_cma) else 0
         if not (can_map or can_cma or stage):
             return None
         seg = shm.seg
@@ -862,7 +868,9 @@ class Communicator:
     def _direct_mins(self, coll: str, forced: bool) -> tuple[int, int, int]:
         """The least S for a call whose buffers are shared arrays / reached by CMA /
         staged through the board."""
-        return (1, 1, 1) if forced else tuple(m or 1 << 62 for m in self._direct_min[coll])
+        mins = tuple(m or 1 << 62 for m in self._direct_min[coll])
+        # forced: every way from 1 byte, staging too where a staging room is in use
+        return (1, 1, 1 if mins[2] < 1 << 62 else mins[2]) if forced else mins
 
     def _schedule_start(self, sched, x: np.ndarray | None, o: np.ndarray | None, dtype,
                         alias, red, seq, sig):
@@ -1266,7 +1274,6 @@ class Communicator:
         site = callsite.site()
         fl = self.flight
         rec = fl.start(seq, coll, dp.fargs, dp.fallback, site) if fl is not None else None
-        xf, rf = x.reshape(-1).view(dtype), res.reshape(-1).view(dtype)
         got = 2
         try:     # (the call counts from here: any failure leaves the ranks out of step,
             # a signal's exception too, right after the compiled round returned)
@@ -1274,8 +1281,9 @@ class Communicator:
                 # the compiled rounds, on ordinary arrays only (the header names a shared
                 # one's file): the staged allreduce (a peer that did not stage sends every
                 # rank to the shares), or the shares by CMA (a peer's shared array sends
-                # every rank to DirectRun, which maps it)
-                wx, wo = shm_direct.where(xf), shm_direct.where(rf)
+                # every rank to DirectRun, which maps it).  (x and res as they are: C-
+                # contiguous, of the plan's dtype — the flat views cost ~3 us to make)
+                wx, wo = shm_direct.where(x), shm_direct.where(res)
                 if not wx[0] and not wo[0]:
                     bd = self.board
                     b = seq & 1
@@ -1283,7 +1291,7 @@ class Communicator:
                         bd.publish_site(site)
                     sid = site if site < shm_board.SITES else 0
                     if dp.staged is not None:
-                        got = bd.fast.staged(dp.staged, seq, bd.last_use[b], xf, rf, sid,
+                        got = bd.fast.staged(dp.staged, seq, bd.last_use[b], x, res, sid,
                                              4 * seq + 2 + dp.forced, *wx, *wo)
                     else:
                         # peers enter this rank's buffers once the round stored READY: a
@@ -1291,7 +1299,7 @@ class Communicator:
                         # drain, until resume() makes the DirectRun the active call
                         acc = self._direct
                         acc.active = shm_direct.Pending(bd, seq)
-                        got = bd.fast.direct(dp.cma, seq, bd.last_use[b], xf, rf, sid,
+                        got = bd.fast.direct(dp.cma, seq, bd.last_use[b], x, res, sid,
                                              4 * seq + dp.forced, *wx, *wo,
                                              memcopy.threshold())
                         if got < shm_direct.D_READY:    # done, or READY not stored
@@ -1304,8 +1312,9 @@ class Communicator:
                 if rec is not None:
                     rec[flight.ALGO] = name
             else:
-                self._direct_rest(coll, dp, xf, rf, res is x, root, n, seq, site, got, rec,
-                                  timeout)
+                self._direct_rest(coll, dp, x.reshape(-1).view(dtype),
+                                  res.reshape(-1).view(dtype), res is x, root, n, seq, site,
+                                  got, rec, timeout)
         except BaseException as e:
             eng.poison(e)           # (run_inline has annotated and poisoned what it ran)
             raise

@@ -102,14 +102,16 @@ VARIABLES: tuple[Var, ...] = (
     Var("GPURT_SHM_BOARD", "256K", _bytes,
         "shm: bytes per board buffer; collectives whose per-rank data fits use the one-round "
         "board protocol when all ranks share a node (0 disables it)."),
-    Var("GPURT_SHM_STAGE", "2M", _bytes,
+    Var("GPURT_SHM_STAGE", "auto", _bytes_or_auto,
         "shm: an allreduce of at most this many bytes that would take shm_direct on "
         "ordinary (not comm.empty) arrays is staged through the board instead: every rank "
         "copies its input into its board buffer with the agreement's header, reduces its "
         "block of all of them, and copies the others' reduced blocks out (memcpy speed, "
         "no process_vm_readv/writev; no rank touches another's arrays).  The board's "
         "buffers (two per rank) grow to this size (each at most 32 MiB / local ranks); "
-        "0 disables."),
+        "0 disables.  auto: 2M, staged only where the compiled shares by "
+        "process_vm_readv/writev cannot run (CMA forbidden, or gpurt._fastboard not "
+        "built), since they measured faster."),
     Var("GPURT_SHM_HELP", "1M", _bytes,
         "shm: a single-copy receive of at least this many bytes (straight into the "
         "destination) is shared with the sender, which copies chunks into it "

@@ -210,7 +210,8 @@ def _native_board() -> dict:
         return {"built": True, "in_use": False, "why": "built; off (GPURT_NATIVE=0)"}
     return {"built": True, "in_use": True,
             "why": "gpurt._fastboard: the board's blocking round and reads; the staged "
-                   "allreduce's round; the shm cooperative single copy"}
+                   "allreduce's round; shm_direct's shares by process_vm_readv/writev; "
+                   "the shm cooperative single copy"}
 
 
 def _host_memory() -> dict:
@@ -227,6 +228,7 @@ def _host_memory() -> dict:
     nt = memcopy.streaming_why()
     llc = memcopy.llc_bytes()
     from gpurt.transports import shm_direct
+    from gpurt.transports.shm import STAGE_AUTO
 
     def mib(th: dict) -> str:
         on = [f"{c} from {v / 2**20:g} MiB" for c, v in th.items() if v]
@@ -234,13 +236,16 @@ def _host_memory() -> dict:
 
     dmap = shm_direct.thresholds(config.get("GPURT_SHM_DIRECT"), shm_direct.AUTO_MAP)
     dcma = shm_direct.thresholds(config.get("GPURT_SHM_DIRECT_CMA"), shm_direct.AUTO_CMA)
-    stage = int(config.get("GPURT_SHM_STAGE")) if dcma["allreduce"] else 0
+    stage = config.get("GPURT_SHM_STAGE")
+    auto = stage == "auto"
+    stage = (STAGE_AUTO if auto else int(stage)) if dcma["allreduce"] else 0
     direct = shared and any(dmap.values()) or any(dcma.values())
     direct_why = (f"one-node collectives as loads and stores into every rank's buffers; "
                   f"comm.empty arrays: {mib(dmap)} (GPURT_SHM_DIRECT); other arrays, "
                   f"through process_vm_readv/writev: {mib(dcma)} (GPURT_SHM_DIRECT_CMA), "
                   f"an allreduce up to {stage / 2**20:g} MiB staged through the board "
-                  f"instead (GPURT_SHM_STAGE, at most 32 MiB / local ranks per buffer); "
+                  f"instead{' where process_vm_readv cannot be used' if auto else ''} "
+                  f"(GPURT_SHM_STAGE, at most 32 MiB / local ranks per buffer); "
                   f"algo='shm_direct' forces it") if direct else \
         "off (GPURT_SHM_DIRECT=0 and GPURT_SHM_DIRECT_CMA=0)"
     return {"direct": direct, "direct_why": direct_why,

@@ -73,8 +73,10 @@ paths: list[str] = []
 
 
 # an allreduce on NumPy arrays (every rank's) that fits the board's staging room is
-# staged through the board (shm_staged), whether or not CMA reaches the peers
-STAGE = comm.board.stage if comm.board is not None else 0
+# staged through the board (shm_staged), where a room is in use (GPURT_SHM_STAGE=auto:
+# only without the compiled CMA shares)
+STAGE = comm.board.stage if comm.board is not None and comm._direct is not None and \
+    comm._direct_min["allreduce"][2] else 0
 
 
 def staged(nbytes: int) -> bool:

@@ -97,17 +97,18 @@ if c.rank == 0:
 
 def test_direct_forced_by_gpurt_algo():
     """GPURT_ALGO=allreduce:shm_direct forces it at every size (the board's inline path
-    steps aside; a call that fits GPURT_SHM_STAGE on NumPy arrays is its staged variant);
-    other collectives keep the tuner's choice."""
+    steps aside; where a staging room is in use — GPURT_SHM_STAGE given — a call that
+    fits it on NumPy arrays is its staged variant); other collectives keep the tuner's
+    choice."""
     out = run_mpi(3, ["-c", _ENV_FORCED], env={"GPURT_ALGO": "allreduce:shm_direct"}).stdout
     lines = sorted(out.strip().splitlines())
     assert len(lines) == 3, out
     for line in lines:
-        assert "[('shm_staged', True), ('shm_direct', True), ('shm_board', True)]" in line, out
-    out = run_mpi(3, ["-c", _ENV_FORCED], env={"GPURT_ALGO": "allreduce:shm_direct",
-                                               "GPURT_SHM_STAGE": "0"}).stdout
-    for line in sorted(out.strip().splitlines()):
         assert "[('shm_direct', True), ('shm_direct', True), ('shm_board', True)]" in line, out
+    out = run_mpi(3, ["-c", _ENV_FORCED], env={"GPURT_ALGO": "allreduce:shm_direct",
+                                               "GPURT_SHM_STAGE": "2M"}).stdout
+    for line in sorted(out.strip().splitlines()):
+        assert "[('shm_staged', True), ('shm_direct', True), ('shm_board', True)]" in line, out
 
 
 _DIES_MID_SHARE = """
@@ -159,9 +160,11 @@ def test_a_rank_dying_mid_share_is_a_peer_failure(mode, tmp_path):
     import sys
 
     before = set(gpurt_shm_files())
+    import os
+    env = dict(os.environ, GPURT_SHM_STAGE="2M") if mode == "staged" else None
     proc = subprocess.run([mpiexec(), "-disable-auto-cleanup", "-n", "3", sys.executable, "-c",
                            _DIES_MID_SHARE, mode, str(tmp_path)], capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=120, env=env)
     got = {f.name: f.read_text() for f in tmp_path.iterdir()}
     killed = float(got.get("killed", "nan"))
     for r in (0, 1):
@@ -284,8 +287,9 @@ def test_a_profile_that_measured_shm_direct_fastest_is_followed(tmp_path):
             "every = c.mpi.gather(ran, 0)\n"
             "if c.rank == 0: print('ran', every, flush=True)\n")
     out = run_mpi(2, ["-c", code], env={"GPURT_PROFILE": str(f)}).stdout
-    # (shm_direct on NumPy arrays that fit GPURT_SHM_STAGE: its staged variant)
-    assert "ran " + str([[("shm_staged", True), ("ring", True)]] * 2) in out, out
+    # (shm_direct on NumPy arrays: the compiled shares by CMA; GPURT_SHM_STAGE=auto
+    # stages only where they cannot run)
+    assert "ran " + str([[("shm_direct", True), ("ring", True)]] * 2) in out, out
 
 
 # -- staged through the board (shm_staged) ----------------------------------------------
@@ -296,7 +300,8 @@ import numpy as np, gpurt
 c = gpurt.init()
 r, p = c.rank, c.size
 mixed, late = sys.argv[1] == "mixed", sys.argv[1] == "late"
-stage = c.board.stage
+# the staging room in use (GPURT_SHM_STAGE=auto stages only without the compiled CMA shares)
+stage = c.board.stage if c._direct_min["allreduce"][2] else 0
 bad = []
 codes = []
 if late and r == 1:
@@ -358,7 +363,7 @@ for n in (65537, 100003, 262144, 262145):   # S just above the board .. just abo
 if late and r != 1 and not {1, 4} <= set(codes):
     bad.append(f"the compiled round answered only {sorted(set(codes))}, never both 1 "
                f"(published) and 4 (reduced)")
-if not late and not mixed and c.board.fast is not None and 0 not in codes:
+if stage and not late and not mixed and c.board.fast is not None and 0 not in codes:
     bad.append(f"the compiled staged round never finished a call: {sorted(set(codes))}")
 every = c.mpi.gather(bad, 0)
 if r == 0:
@@ -367,12 +372,16 @@ if r == 0:
 """
 
 
+_2M = {"GPURT_SHM_STAGE": "2M"}    # staging asked for although CMA is there
+
+
 @pytest.mark.parametrize("n,mode,env", [
-    (2, "numpy", {}), (3, "numpy", {}), (5, "numpy", {}),
-    (3, "mixed", {}),                              # rank 0's arrays shared: not staged
-    (3, "late", {}),   # rank 1 in Python and late: the compiled rounds hand over midway
+    (2, "numpy", _2M), (3, "numpy", _2M), (5, "numpy", _2M),
+    (3, "mixed", _2M),                             # rank 0's arrays shared: not staged
+    (3, "late", _2M),  # rank 1 in Python and late: the compiled rounds hand over midway
     (3, "numpy", {"GPURT_SHM_STAGE": "512K"}),     # 1 MiB then by process_vm_readv/writev
-    (2, "numpy", {"GPURT_TEST_FORBID_CMA": "1"}),  # staging needs no CMA
+    (2, "numpy", {"GPURT_TEST_FORBID_CMA": "1"}),  # staging needs no CMA (auto: staged)
+    (3, "numpy", {}),       # auto with CMA: never staged, the compiled shares instead
 ])
 def test_staged_allreduce(n, mode, env):
     """An allreduce on NumPy arrays that fits GPURT_SHM_STAGE is staged through the board
@@ -380,9 +389,12 @@ def test_staged_allreduce(n, mode, env):
     block of every board buffer and copies the others' out): exact for SUM, AVG, MAX and
     PROD in four dtypes, into ``out``, in place and on a request, from just above the
     board's one-round limit to just above the staging room (then ``shm_direct``); not
-    staged where a rank's arrays are shared (``comm.empty``: mapped directly)."""
+    staged where a rank's arrays are shared (``comm.empty``: mapped directly), nor with
+    GPURT_SHM_STAGE=auto where CMA reaches the peers (the compiled shares run instead)."""
     out = run_mpi(n, ["-c", _STAGED, mode], env=env, timeout=300).stdout
-    stage = 512 << 10 if env.get("GPURT_SHM_STAGE") == "512K" else 2 << 20
+    stage = {"512K": 512 << 10, "2M": 2 << 20}.get(env.get("GPURT_SHM_STAGE"), 0)
+    if env.get("GPURT_TEST_FORBID_CMA") == "1":
+        stage = 2 << 20
     assert out.startswith(f"ok staged={stage} on {n} ranks"), out
 
 
@@ -425,7 +437,7 @@ def test_a_staged_call_that_gives_up_leaves_the_peers_right_or_failing():
     arrays afterwards (no rank touches another's arrays in a staged call), and the peers
     either finish with the exact sum (every input was in the board) or raise PeerFailure
     — never a wrong answer — and their next call raises PeerFailure."""
-    out = run_mpi(3, ["-c", _STAGED_GIVES_UP], timeout=120).stdout
+    out = run_mpi(3, ["-c", _STAGED_GIVES_UP], env=_2M, timeout=120).stdout
     lines = sorted(ln for ln in out.splitlines() if ln.startswith("rank "))
     assert lines[0].startswith("rank 0: CollectiveTimeout rewritten=0, then ") and \
         not lines[0].endswith("barrier ok"), out

@@ -152,6 +152,9 @@ def clean_stale(directory: str, min_age: float = 30.0) -> list[str]:
     return removed
 
 
+STAGE_AUTO = 2 << 20      # GPURT_SHM_STAGE=auto: the staging room (where staging is used)
+
+
 def geometry(nlocal: int) -> tuple[int, int, int, int, int]:
     """(slot bytes, slots on the collective lane, slots on the p2p lane, board limit, board
     buffer bytes) for ``nlocal`` ranks: the configured sizes, shrunk (the staging room
@@ -168,7 +171,9 @@ def geometry(nlocal: int) -> tuple[int, int, int, int, int]:
         budget = 1 << 30
     pairs = nlocal * (nlocal - 1)
     board = int(config.get("GPURT_SHM_BOARD")) // 64 * 64
-    stage = min(int(config.get("GPURT_SHM_STAGE")), (32 << 20) // max(1, nlocal)) // 4096 * 4096
+    stage = config.get("GPURT_SHM_STAGE")
+    stage = min(STAGE_AUTO if stage == "auto" else int(stage),
+                (32 << 20) // max(1, nlocal)) // 4096 * 4096
     stage = stage if board and stage > board else 0
 
     def size(s: int, k: int) -> int:
