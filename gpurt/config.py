@@ -149,7 +149,8 @@ VARIABLES: tuple[Var, ...] = (
     Var("GPURT_SHM_DIRECT_CMA", "auto", _bytes_or_auto,
         "shm: the same where some buffer is an ordinary array, reached with "
         "process_vm_readv/writev where the probe allows it (an allreduce that fits "
-        "GPURT_SHM_STAGE is staged through the board instead); auto: 256K; 0 disables."),
+        "GPURT_SHM_STAGE is staged through the board instead); auto: 64K (where the "
+        "tuner would pick a schedule; the board keeps what it runs); 0 disables."),
     Var("GPURT_SHM_DIR", "/dev/shm", str, "shm: where segments are created (then unlinked)."),
     Var("GPURT_SOCKET_IFNAME", "", str,
         "tcp: the interface whose IPv4 address a rank advertises, as NCCL_SOCKET_IFNAME: "
