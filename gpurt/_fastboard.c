@@ -451,6 +451,26 @@ static int finish(const FastBoard *fb, const Plan *pl, uint64_t seq, char *out) 
     return DONE;
 }
 
+/* an array's nbytes, or -1 with an exception set */
+static Py_ssize_t nbytes_of(PyObject *arr) {
+    PyObject *nbo = PyObject_GetAttrString(arr, "nbytes");
+    if (!nbo) return -1;
+    Py_ssize_t nbv = PyLong_AsSsize_t(nbo);
+    Py_DECREF(nbo);
+    if (nbv < 0 && !PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "negative nbytes");
+    return nbv < 0 ? -1 : nbv;
+}
+
+/* staged()'s and direct()'s words: seq, last (args 1, 2), site and the extra words (args
+ * 5 ..): 0, or -1 with an exception set */
+static int round_words(PyObject *const *args, uint64_t *v) {
+    for (int i = 0; i < 3 + N_EXTRA; i++) {
+        v[i] = PyLong_AsUnsignedLongLong(args[i < 2 ? 1 + i : 3 + i]);
+        if (v[i] == (uint64_t)-1 && PyErr_Occurred()) return -1;
+    }
+    return 0;
+}
+
 /* ---- the staged allreduce -----------------------------------------------------------
  * staged(plan, seq, last, x, out, site, w0, x_loc, x_off, x_addr, o_loc, o_off, o_addr)
  *   -> DONE, NOTHING (buffer `seq % 2` not free yet: nothing done), PUBLISHED (input and
@@ -560,21 +580,15 @@ static PyObject *fb_staged(FastBoard *fb, PyObject *const *args, Py_ssize_t narg
     /* every byte this round reads from x and writes into out lies inside them (the caller
      * passes C-contiguous arrays: Communicator._inline_res) */
     for (int i = 3; i <= 4; i++) {
-        PyObject *nbo = PyObject_GetAttrString(args[i], "nbytes");
-        if (!nbo) return NULL;
-        Py_ssize_t nbv = PyLong_AsSsize_t(nbo);
-        Py_DECREF(nbo);
-        if (nbv == -1 && PyErr_Occurred()) return NULL;
+        Py_ssize_t nbv = nbytes_of(args[i]);
+        if (nbv == -1) return NULL;
         if (nbv != pl->wbytes) {
             PyErr_SetString(PyExc_ValueError, "staged: x and out must hold the plan's bytes");
             return NULL;
         }
     }
     uint64_t v[3 + N_EXTRA];      /* seq, last, site, the extra words */
-    for (int i = 0; i < 3 + N_EXTRA; i++) {
-        v[i] = PyLong_AsUnsignedLongLong(args[i < 2 ? 1 + i : 3 + i]);
-        if (v[i] == (uint64_t)-1 && PyErr_Occurred()) return NULL;
-    }
+    if (round_words(args, v)) return NULL;
     const char *x = ((np_head *)args[3])->data;
     char *out = ((np_head *)args[4])->data;
     int got;
@@ -906,21 +920,15 @@ static PyObject *fb_direct(FastBoard *fb, PyObject *const *args, Py_ssize_t narg
     Py_ssize_t want[2];
     direct_sizes(pl, fb->p, fb->me, &want[0], &want[1]);
     for (int i = 0; i < 2; i++) {
-        PyObject *nbo = PyObject_GetAttrString(args[3 + i], "nbytes");
-        if (!nbo) return NULL;
-        Py_ssize_t nbv = PyLong_AsSsize_t(nbo);
-        Py_DECREF(nbo);
-        if (nbv == -1 && PyErr_Occurred()) return NULL;
+        Py_ssize_t nbv = nbytes_of(args[3 + i]);
+        if (nbv == -1) return NULL;
         if (nbv < want[i]) {
             PyErr_SetString(PyExc_ValueError, "direct: x or out is smaller than the plan");
             return NULL;
         }
     }
     uint64_t v[3 + N_EXTRA];      /* seq, last, site, the extra words */
-    for (int i = 0; i < 3 + N_EXTRA; i++) {
-        v[i] = PyLong_AsUnsignedLongLong(args[i < 2 ? 1 + i : 3 + i]);
-        if (v[i] == (uint64_t)-1 && PyErr_Occurred()) return NULL;
-    }
+    if (round_words(args, v)) return NULL;
     Py_ssize_t nt = PyLong_AsSsize_t(args[6 + N_EXTRA]);
     if (nt == -1 && PyErr_Occurred()) return NULL;
     if (red && !fb->scratch) {

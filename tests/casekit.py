@@ -52,6 +52,26 @@ def verdict(world, comm, chk: Checks, note: str = "") -> None:
     sys.exit(1 if any(failed) else 0)
 
 
+def spy_compiled(comm, method: str) -> list[int]:
+    """Every answer of the compiled round's ``method`` (``staged``, ``direct``) on this
+    rank, appended to the list returned, as the calls go."""
+    codes: list[int] = []
+    fast = comm.board.fast
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(fast, name)
+
+    def spied(*a):
+        codes.append(getattr(fast, method)(*a))
+        return codes[-1]
+
+    spy = Spy()
+    setattr(spy, method, spied)
+    comm.board.fast = spy
+    return codes
+
+
 def python_direct(comm) -> None:
     """This rank runs shm_direct's and the board's rounds in Python (``DirectRun``,
     ``BoardRun``), not the compiled ones, which must interoperate with it."""

@@ -52,18 +52,7 @@ if late and r == 1:
             return share(run)
         shm_direct._SHARES[name] = slow_share
 elif comm.board.fast is not None:
-    class Spy:    # the compiled round's answers on this rank
-        def __init__(self, fast):
-            self.fast = fast
-
-        def direct(self, *a):
-            codes.append(self.fast.direct(*a))
-            return codes[-1]
-
-        def __getattr__(self, name):
-            return getattr(self.fast, name)
-
-    comm.board.fast = Spy(comm.board.fast)
+    codes = casekit.spy_compiled(comm, "direct")
 
 alloc = comm.empty if mixed and r == 0 else np.empty
 calls = 0

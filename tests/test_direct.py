@@ -304,27 +304,16 @@ mixed, late = sys.argv[1] == "mixed", sys.argv[1] == "late"
 stage = c.board.stage if c._direct_min["allreduce"][2] else 0
 bad = []
 codes = []
+sys.path.insert(0, "tests")
+import casekit
 if late and r == 1:
     # this rank runs the Python round, 20 ms late before publishing and before reducing:
     # the peers' compiled rounds give up waiting (after ~2 ms) and hand the call to
     # DirectRun both after publishing (1) and after reducing their block (4)
     import time
-    sys.path.insert(0, "tests")
-    import casekit
     casekit.slow_python_staging(c, 0.02)
 elif c.board.fast is not None:
-    class Spy:   # the compiled round's answers on this rank
-        def __init__(self, fast):
-            self.fast = fast
-
-        def staged(self, *a):
-            codes.append(self.fast.staged(*a))
-            return codes[-1]
-
-        def __getattr__(self, name):
-            return getattr(self.fast, name)
-
-    c.board.fast = Spy(c.board.fast)
+    codes = casekit.spy_compiled(c, "staged")
 for n in (65537, 100003, 262144, 262145):   # S just above the board .. just above the room
     for dt, op in ((np.float32, "sum"), (np.float64, "avg"), (np.int32, "max"),
                    (np.int64, "prod")):
