@@ -89,6 +89,9 @@ typedef struct {
     Py_ssize_t *pid, *err;
     char *scratch;
     uint64_t *xa, *oa;
+    /* rounds running without the GIL (changed with the GIL held), and close() under way:
+     * close waits for them before it frees the tables (the segment is unmapped next) */
+    int busy, closing;
 } FastBoard;
 
 typedef struct {
@@ -237,6 +240,7 @@ static int fb_init(FastBoard *fb, PyObject *args, PyObject *kw) {
     fb->u8 = (char *)(uintptr_t)addr;
     fb->p = p; fb->me = me; fb->slot = slot;
     fb->spin_ns = 0; fb->budget_ns = 1000000;
+    fb->busy = fb->closing = 0;
     return 0;
 }
 
@@ -248,9 +252,27 @@ static PyObject *fb_set_wait(FastBoard *fb, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* close(): no new round starts; the ones running without the GIL (another thread's call,
+ * bounded by its wait budget and its share) end first */
 static PyObject *fb_close(FastBoard *fb, PyObject *unused) {
+    fb->closing = 1;
+    while (fb->busy) {
+        Py_BEGIN_ALLOW_THREADS
+        struct timespec ts = {0, 100000};
+        nanosleep(&ts, NULL);
+        Py_END_ALLOW_THREADS
+    }
     fb_free_tables(fb);
     Py_RETURN_NONE;
+}
+
+/* the checks before a round: the board is open (NULL and an exception set otherwise) */
+static int fb_open(const FastBoard *fb) {
+    if (fb->q == NULL || fb->closing) {
+        PyErr_SetString(PyExc_RuntimeError, "the board is closed");
+        return 0;
+    }
+    return 1;
 }
 
 /* plan(coll, sig, meta(5 ints), n, itemsize, type, op, root, wbytes) */
@@ -320,10 +342,7 @@ static PyObject *fb_run(FastBoard *fb, PyObject *const *args, Py_ssize_t nargs) 
         PyErr_SetString(PyExc_TypeError, "run(plan, seq, last, x, out)");
         return NULL;
     }
-    if (fb->q == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "the board is closed");
-        return NULL;
-    }
+    if (!fb_open(fb)) return NULL;
     const Plan *pl = (const Plan *)args[0];
     if (!ndarray_type || Py_TYPE(args[3]) != ndarray_type || Py_TYPE(args[4]) != ndarray_type) {
         PyErr_SetString(PyExc_TypeError, "run: x and out must be numpy.ndarray");
@@ -356,9 +375,11 @@ static PyObject *fb_run(FastBoard *fb, PyObject *const *args, Py_ssize_t nargs) 
     /* 3. wait for every peer's flag (briefly; then Python waits, with deadlines) */
     if (!peers_ready(fb, seq)) {
         int ok;
+        fb->busy++;
         Py_BEGIN_ALLOW_THREADS
         ok = wait_peers(fb, seq);
         Py_END_ALLOW_THREADS
+        fb->busy--;
         if (!ok) return PyLong_FromLong(PUBLISHED);
     }
     return PyLong_FromLong(finish(fb, pl, seq, out) == DONE ? DONE : PUBLISHED);
@@ -373,10 +394,7 @@ static PyObject *fb_complete(FastBoard *fb, PyObject *const *args, Py_ssize_t na
         PyErr_SetString(PyExc_TypeError, "complete(plan, seq, out)");
         return NULL;
     }
-    if (fb->q == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "the board is closed");
-        return NULL;
-    }
+    if (!fb_open(fb)) return NULL;
     if (!ndarray_type || Py_TYPE(args[2]) != ndarray_type) {
         PyErr_SetString(PyExc_TypeError, "complete: out must be a numpy.ndarray");
         return NULL;
@@ -563,10 +581,7 @@ static PyObject *fb_staged(FastBoard *fb, PyObject *const *args, Py_ssize_t narg
                                          "x_off, x_addr, o_loc, o_off, o_addr)");
         return NULL;
     }
-    if (fb->q == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "the board is closed");
-        return NULL;
-    }
+    if (!fb_open(fb)) return NULL;
     const Plan *pl = (const Plan *)args[0];
     if (pl->coll != C_ALLREDUCE || !has_kernel(pl->type, pl->op) || pl->n < 1 ||
         pl->wbytes != pl->n * pl->itemsize) {
@@ -592,9 +607,11 @@ static PyObject *fb_staged(FastBoard *fb, PyObject *const *args, Py_ssize_t narg
     const char *x = ((np_head *)args[3])->data;
     char *out = ((np_head *)args[4])->data;
     int got;
+    fb->busy++;
     Py_BEGIN_ALLOW_THREADS
     got = staged_round(fb, pl, v[0], v[1], x, out, v[2], v + 3);
     Py_END_ALLOW_THREADS
+    fb->busy--;
     return PyLong_FromLong(got);
 }
 
@@ -896,10 +913,7 @@ static PyObject *fb_direct(FastBoard *fb, PyObject *const *args, Py_ssize_t narg
                                          "x_off, x_addr, o_loc, o_off, o_addr, nt)");
         return NULL;
     }
-    if (fb->q == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "the board is closed");
-        return NULL;
-    }
+    if (!fb_open(fb)) return NULL;
     if (fb->pid == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "direct: set_direct was not called");
         return NULL;
@@ -938,9 +952,11 @@ static PyObject *fb_direct(FastBoard *fb, PyObject *const *args, Py_ssize_t narg
     const char *x = ((np_head *)args[3])->data;
     char *out = ((np_head *)args[4])->data;
     int got;
+    fb->busy++;
     Py_BEGIN_ALLOW_THREADS
     got = direct_round(fb, pl, v[0], v[1], x, out, v[2], v + 3, nt);
     Py_END_ALLOW_THREADS
+    fb->busy--;
     return PyLong_FromLong(got);
 }
 

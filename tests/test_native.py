@@ -285,3 +285,42 @@ def test_a_receiver_that_gives_up_is_not_written_into(tmp_path):
     text = "".join(f.read_text() for f in sorted(tmp_path.iterdir()))
     assert "rank 1: TransportError; bytes written after: 0" in text, \
         (text, proc.stdout[-3000:], proc.stderr[-3000:])
+
+
+def test_close_waits_for_a_round_running_without_the_gil():
+    """Closing the board from another thread while a compiled round waits with the GIL
+    released (here for a peer that never publishes) waits for that round to end before
+    the tables go — the segment is unmapped next — and a later call says the board is
+    closed instead of touching freed memory.  (One process, a board in a NumPy buffer.)"""
+    _need_native()
+    import threading
+    import time
+
+    import numpy as np
+
+    from gpurt.ops import Op
+    from gpurt.transports import shm_board
+
+    slot = 4096
+    u8 = np.zeros(shm_board.region_bytes(2, slot), np.uint8)
+    bd = shm_board.Board(memoryview(u8).cast("Q"), u8, 0, 2, 0, slot)
+    assert bd.fast is not None
+    bd.fast.set_wait(0, 300_000_000)          # the round waits 0.3 s for rank 1's flag
+    f32 = np.dtype(np.float32)
+    meta = shm_board.meta_of("allreduce", f32, 4, Op.SUM, 0)
+    plan = bd.fast_plan("allreduce", 1234, meta, f32, 4, Op.SUM, 0)
+    x, out = np.ones(4, np.float32), np.zeros(4, np.float32)
+    got = []
+    t = threading.Thread(target=lambda: got.append(bd.fast.run(plan, 1, 0, x, out)))
+    t.start()
+    time.sleep(0.05)
+    t0 = time.monotonic()
+    fast = bd.fast
+    bd.close()
+    waited = time.monotonic() - t0
+    t.join()
+    assert got == [1]                         # published; the peer never came
+    assert waited > 0.15, waited
+    with pytest.raises(RuntimeError, match="closed"):
+        fast.run(plan, 2, 0, x, out)
+
