@@ -27,7 +27,7 @@ import time
 import weakref
 import zlib
 from functools import lru_cache
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -235,10 +235,22 @@ class Communicator:
             return []
         self.board = board
         board.set_wait(self.engine.spin or 0.0)
-        return [Native(coll, "shm_board", _board_cost(coll),
+        return [Native(coll, "shm_board", _board_cost(coll, self._board_copy_share),
                        (lambda c: lambda p, S: shm_board.written_bytes(c, p, S) <= board.limit)(coll),
                        "one shared-memory round, the flag in the data")
                 for coll in shm_board.COLLS]
+
+    def _board_copy_share(self) -> float:
+        """The share of a message's β that the board's copies cost in the tuner's model:
+        a half where the compiled CMA shares replace the schedules above 64 KiB (they
+        measured faster than the board there: a 2-rank allgather of 512 KiB 44 against
+        78 µs), a quarter where they cannot run — cache-resident `memcpy`s against a
+        schedule's steps of Python (2 ranks, CMA forbidden, 128 KiB: the board's
+        alltoall 23 µs, the `direct` schedule's 140; its reduce_scatter 22 against
+        121)."""
+        acc = self._direct
+        return 0.5 if acc is not None and acc.can_cma and self.board.fast is not None \
+            else 0.25
 
     def _direct_setup(self) -> "shm_direct.Access | None":
         """``shm_direct`` on this one-node communicator: its thresholds (decided on rank
@@ -1939,9 +1951,10 @@ def _board_meta(coll: str, dtype: np.dtype, n: int, op: Op | None, root: int,
     return shm_board.meta_of(coll, dtype, n, op, root, alg=alg)
 
 
-def _board_cost(coll: str):
+def _board_cost(coll: str, share: Callable[[], float]):
     """α-β-γ cost of the board protocol: one publication, then reads (W written, R read,
-    G reduced bytes per rank, for a call of size S on p ranks)."""
+    G reduced bytes per rank, for a call of size S on p ranks); ``share()``: the share of
+    a message's β that its copies cost (``Communicator._board_copy_share``)."""
     alpha = 15e-6   # one inline round of Python: write, publish, poll, read
 
     def cost(p: int, S: float, c) -> float:
@@ -1951,8 +1964,8 @@ def _board_cost(coll: str):
         R = {"barrier": 0, "scatter": S / p}.get(coll, S)
         G = {"allreduce": (p - 1) * S, "reduce": (p - 1) * S,
              "reduce_scatter": (p - 1) * S / p}.get(coll, 0)
-        # W and R are single copies (into / out of shared memory): half a message's β
-        return alpha + 0.2e-6 * (p - 1) + (W + R) * c.beta / 2 + G * c.gamma
+        # W and R are single copies (into / out of shared memory)
+        return alpha + 0.2e-6 * (p - 1) + (W + R) * c.beta * share() + G * c.gamma
 
     return cost
 
