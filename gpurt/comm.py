@@ -236,9 +236,23 @@ class Communicator:
         self.board = board
         board.set_wait(self.engine.spin or 0.0)
         return [Native(coll, "shm_board", _board_cost(coll, self._board_copy_share),
-                       (lambda c: lambda p, S: shm_board.written_bytes(c, p, S) <= board.limit)(coll),
+                       (lambda c: lambda p, S: shm_board.written_bytes(c, p, S) <=
+                        self._board_room(c))(coll),
                        "one shared-memory round, the flag in the data")
                 for coll in shm_board.COLLS]
+
+    def _board_room(self, coll: str) -> int:
+        """The most bytes a rank may write into the board for one call of ``coll``:
+        ``GPURT_SHM_BOARD``'s limit — or, where no compiled CMA shares run and the
+        buffers are larger (the staging room), the whole buffer for every collective but
+        the reductions to one or all (which stage or reduce p inputs on every rank).
+        2 ranks, CMA forbidden, 512 KiB / 1 MiB / 2 MiB: alltoall 71 / 190 / 373 µs on the
+        board against 126 / 256 / 398 by the schedule, reduce_scatter 75 / 189 / 406
+        against 218 / 357 / 630, broadcast 52 / 95 / 228 against 142 / 223 / 351."""
+        board = self.board
+        if coll in ("allreduce", "reduce") or self._board_copy_share() == 0.5:
+            return board.limit
+        return board.slot
 
     def _board_copy_share(self) -> float:
         """The share of a message's β that the board's copies cost in the tuner's model:
@@ -248,33 +262,34 @@ class Communicator:
         schedule's steps of Python (2 ranks, CMA forbidden, 128 KiB: the board's
         alltoall 23 µs, the `direct` schedule's 140; its reduce_scatter 22 against
         121)."""
-        acc = self._direct
-        return 0.5 if acc is not None and acc.can_cma and self.board.fast is not None \
-            else 0.25
+        return 0.5 if getattr(self, "_cma_shares", False) else 0.25
 
     def _direct_setup(self) -> "shm_direct.Access | None":
         """``shm_direct`` on this one-node communicator: its thresholds (decided on rank
         0) and how this rank reaches the others' buffers — or None.  Collective."""
         shm = self._shm()
+        self._cma_shares = False
         conf = (config.get("GPURT_SHM_DIRECT"), config.get("GPURT_SHM_DIRECT_CMA"),
                 config.get("GPURT_SHM_STAGE")) if self.rank == 0 else None
-        got = self.mpi.allgather((conf, getattr(shm, "writev_why", "no shm")))
+        got = self.mpi.allgather((conf, getattr(shm, "writev_why", "no shm"),
+                                  self.board.fast is not None))
         dmap = shm_direct.thresholds(got[0][0][0], shm_direct.AUTO_MAP)
         dcma = shm_direct.thresholds(got[0][0][1], shm_direct.AUTO_CMA)
         ranks = list(self.topo.local_ranks[self.node])
         if shm is None or shm.seg is None or ranks != list(range(self.size)):
             return None
         can_map = any(dmap.values()) and not shm.map_why
-        can_cma = any(dcma.values()) and not shm.cma_why and not any(w for _, w in got)
+        can_cma = any(dcma.values()) and not shm.cma_why and not any(w for _, w, _ in got)
+        # the compiled shares can run on every rank (agreed: the tuner's board costs and
+        # the staging rule depend on it, and every rank must choose alike)
+        self._cma_shares = can_cma and all(f for _, _, f in got)
         # a staged allreduce (its input through the board) needs neither: it takes
         # GPURT_SHM_DIRECT_CMA's threshold, as the path it replaces.  GPURT_SHM_STAGE=auto
         # stages only where the compiled shares by CMA cannot run: they measured faster
         # (2 ranks 1 MiB 184 against 326 us, 3 ranks 514 against 766, 4 ranks 866 against
-        # 1062; docs/performance.md).  (A rank deciding otherwise — no extension here —
-        # is safe: a call stages only if every rank's header says so.)
-        compiled_cma = can_cma and self.board.fast is not None
+        # 1062; docs/performance.md)
         stage = dcma["allreduce"] if self.board.stage and not (
-            got[0][0][2] == "auto" and compiled_cma) else 0
+            got[0][0][2] == "auto" and self._cma_shares) else 0
         if not (can_map or can_cma or stage):
             return None
         seg = shm.seg

@@ -493,3 +493,49 @@ def test_an_exception_in_a_peers_share_fails_the_compiled_rounds():
     assert lines == ["rank 0: PeerFailure rank=1 True in <1s",
                      "rank 1: RuntimeError boom in the share in <1s",
                      "rank 2: PeerFailure rank=1 True in <1s"], out
+
+
+_ROOM = """
+import numpy as np, gpurt
+c = gpurt.init()
+r, p = c.rank, c.size
+bad, ran = [], set()
+n = (1 << 18) // p + 3                       # ~1 MiB of float32 per call
+for k in range(2):
+    mine = (np.arange(p * n, dtype=np.float32) * (r + 2) + k) % 1000
+    every = [(np.arange(p * n, dtype=np.float32) * (j + 2) + k) % 1000 for j in range(p)]
+    out = c.alltoall(mine)
+    ran.add(("alltoall", c.last_algorithm))
+    want = np.concatenate([every[j][r * n:(r + 1) * n] for j in range(p)])
+    bad += [] if np.array_equal(out, want) else ["alltoall"]
+    out = c.allgather(mine[:n])
+    ran.add(("allgather", c.last_algorithm))
+    bad += [] if np.array_equal(out.reshape(-1), np.concatenate([e[:n] for e in every])) \
+        else ["allgather"]
+    b = mine.copy()
+    c.broadcast(b, root=p - 1)
+    ran.add(("broadcast", c.last_algorithm))
+    bad += [] if np.array_equal(b, every[p - 1]) else ["broadcast"]
+    out = c.reduce_scatter(mine)
+    ran.add(("reduce_scatter", c.last_algorithm))
+    bad += [] if np.array_equal(out, sum(every)[r * n:(r + 1) * n]) else ["reduce_scatter"]
+got = c.mpi.gather((bad, sorted(ran)), 0)
+if r == 0:
+    print("bad", [b for b, _ in got], "ran", got[0][1], flush=True)
+"""
+
+
+@pytest.mark.parametrize("n,cma", [(2, False), (3, False), (2, True)])
+def test_the_board_takes_the_copies_where_no_cma_shares_run(n, cma):
+    """With process_vm_readv forbidden (GPURT_TEST_FORBID_CMA stands in for a container
+    without CAP_SYS_PTRACE), the one-round board takes the copy collectives up to its
+    whole buffer (the 2 MiB staging room), not only GPURT_SHM_BOARD's 256 KiB: exact
+    alltoall, allgather, broadcast and reduce_scatter of ~1 MiB run on the board instead
+    of a schedule.  With CMA the compiled shares run them (shm_direct)."""
+    env = {} if cma else {"GPURT_TEST_FORBID_CMA": "1"}
+    out = run_mpi(n, ["-c", _ROOM], env=env).stdout
+    assert f"bad {[[]] * n}" in out, out
+    want = "shm_direct" if cma else "shm_board"
+    for coll in ("allgather", "alltoall", "broadcast", "reduce_scatter"):
+        assert f"('{coll}', '{want}')" in out, out
+
