@@ -479,6 +479,28 @@ static Py_ssize_t nbytes_of(PyObject *arr) {
     return nbv < 0 ? -1 : nbv;
 }
 
+/* staged()'s and direct()'s x and out (args 3, 4): numpy.ndarray holding `want` bytes
+ * (exactly, or at least), so that every byte the round reads from x and writes into out
+ * lies inside them (the caller passes C-contiguous arrays: Communicator._inline_res);
+ * 1, or 0 with an exception set */
+static int round_arrays(PyObject *const *args, const Py_ssize_t *want, int exact,
+                        const char *who) {
+    if (!ndarray_type || Py_TYPE(args[3]) != ndarray_type || Py_TYPE(args[4]) != ndarray_type) {
+        PyErr_Format(PyExc_TypeError, "%s: x and out must be numpy.ndarray", who);
+        return 0;
+    }
+    for (int i = 0; i < 2; i++) {
+        Py_ssize_t nbv = nbytes_of(args[3 + i]);
+        if (nbv == -1) return 0;
+        if (exact ? nbv != want[i] : nbv < want[i]) {
+            PyErr_Format(PyExc_ValueError, exact ? "%s: x and out must hold the plan's bytes"
+                                                 : "%s: x or out is smaller than the plan", who);
+            return 0;
+        }
+    }
+    return 1;
+}
+
 /* staged()'s and direct()'s words: seq, last (args 1, 2), site and the extra words (args
  * 5 ..): 0, or -1 with an exception set */
 static int round_words(PyObject *const *args, uint64_t *v) {
@@ -588,20 +610,8 @@ static PyObject *fb_staged(FastBoard *fb, PyObject *const *args, Py_ssize_t narg
         PyErr_SetString(PyExc_ValueError, "staged: an allreduce plan with a kernel");
         return NULL;
     }
-    if (!ndarray_type || Py_TYPE(args[3]) != ndarray_type || Py_TYPE(args[4]) != ndarray_type) {
-        PyErr_SetString(PyExc_TypeError, "staged: x and out must be numpy.ndarray");
-        return NULL;
-    }
-    /* every byte this round reads from x and writes into out lies inside them (the caller
-     * passes C-contiguous arrays: Communicator._inline_res) */
-    for (int i = 3; i <= 4; i++) {
-        Py_ssize_t nbv = nbytes_of(args[i]);
-        if (nbv == -1) return NULL;
-        if (nbv != pl->wbytes) {
-            PyErr_SetString(PyExc_ValueError, "staged: x and out must hold the plan's bytes");
-            return NULL;
-        }
-    }
+    const Py_ssize_t want[2] = {pl->wbytes, pl->wbytes};
+    if (!round_arrays(args, want, 1, "staged")) return NULL;
     uint64_t v[3 + N_EXTRA];      /* seq, last, site, the extra words */
     if (round_words(args, v)) return NULL;
     const char *x = ((np_head *)args[3])->data;
@@ -925,22 +935,9 @@ static PyObject *fb_direct(FastBoard *fb, PyObject *const *args, Py_ssize_t narg
                                           "(a reduction with a kernel)");
         return NULL;
     }
-    if (!ndarray_type || Py_TYPE(args[3]) != ndarray_type || Py_TYPE(args[4]) != ndarray_type) {
-        PyErr_SetString(PyExc_TypeError, "direct: x and out must be numpy.ndarray");
-        return NULL;
-    }
-    /* every byte the share reads from x and writes into out lies inside them (the caller
-     * passes C-contiguous arrays) */
     Py_ssize_t want[2];
     direct_sizes(pl, fb->p, fb->me, &want[0], &want[1]);
-    for (int i = 0; i < 2; i++) {
-        Py_ssize_t nbv = nbytes_of(args[3 + i]);
-        if (nbv == -1) return NULL;
-        if (nbv < want[i]) {
-            PyErr_SetString(PyExc_ValueError, "direct: x or out is smaller than the plan");
-            return NULL;
-        }
-    }
+    if (!round_arrays(args, want, 0, "direct")) return NULL;
     uint64_t v[3 + N_EXTRA];      /* seq, last, site, the extra words */
     if (round_words(args, v)) return NULL;
     Py_ssize_t nt = PyLong_AsSsize_t(args[6 + N_EXTRA]);

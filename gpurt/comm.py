@@ -92,6 +92,9 @@ class Communicator:
     to every peer (``shm`` inside a node).
     """
 
+    # shm_direct's compiled shares by CMA can run on every rank (``_direct_setup``)
+    _cma_shares = False
+
     def __init__(self, mpi_comm: Any = None, *, _owned: bool = False):
         MPI = _mpi()
         if mpi_comm is None:
@@ -250,9 +253,8 @@ class Communicator:
         board against 126 / 256 / 398 by the schedule, reduce_scatter 75 / 189 / 406
         against 218 / 357 / 630, broadcast 52 / 95 / 228 against 142 / 223 / 351."""
         board = self.board
-        if coll in ("allreduce", "reduce") or self._board_copy_share() == 0.5:
-            return board.limit
-        return board.slot
+        return board.limit if coll in ("allreduce", "reduce") or self._cma_shares \
+            else board.slot
 
     def _board_copy_share(self) -> float:
         """The share of a message's β that the board's copies cost in the tuner's model:
@@ -262,13 +264,12 @@ class Communicator:
         schedule's steps of Python (2 ranks, CMA forbidden, 128 KiB: the board's
         alltoall 23 µs, the `direct` schedule's 140; its reduce_scatter 22 against
         121)."""
-        return 0.5 if getattr(self, "_cma_shares", False) else 0.25
+        return 0.5 if self._cma_shares else 0.25
 
     def _direct_setup(self) -> "shm_direct.Access | None":
         """``shm_direct`` on this one-node communicator: its thresholds (decided on rank
         0) and how this rank reaches the others' buffers — or None.  Collective."""
         shm = self._shm()
-        self._cma_shares = False
         conf = (config.get("GPURT_SHM_DIRECT"), config.get("GPURT_SHM_DIRECT_CMA"),
                 config.get("GPURT_SHM_STAGE")) if self.rank == 0 else None
         got = self.mpi.allgather((conf, getattr(shm, "writev_why", "no shm"),
