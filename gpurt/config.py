@@ -151,6 +151,12 @@ VARIABLES: tuple[Var, ...] = (
         "process_vm_readv/writev where the probe allows it (an allreduce that fits "
         "GPURT_SHM_STAGE is staged through the board instead); auto: 64K (where the "
         "tuner would pick a schedule; the board keeps what it runs); 0 disables."),
+    Var("GPURT_SHM_PTRACER", "1", _flag,
+        "shm: where Yama's ptrace_scope is 1 (Ubuntu's default), which refuses "
+        "process_vm_readv/writev between sibling processes such as MPI ranks, every rank "
+        "declares any process of its user a permitted ptracer (prctl PR_SET_PTRACER_ANY, as "
+        "Open MPI does) before the start-up probe, so that single copies (CMA) work; 0 "
+        "leaves Yama's rule alone (CMA is then off: two copies through shared memory)."),
     Var("GPURT_SHM_DIR", "/dev/shm", str, "shm: where segments are created (then unlinked)."),
     Var("GPURT_SOCKET_IFNAME", "", str,
         "tcp: the interface whose IPv4 address a rank advertises, as NCCL_SOCKET_IFNAME: "

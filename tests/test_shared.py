@@ -207,7 +207,8 @@ def test_shared_arrays_off():
 
 
 def test_shared_arrays_without_cma():
-    """Where process_vm_readv is forbidden (Yama ptrace_scope=1; simulated here — as root
+    """Where process_vm_readv is forbidden (a container without CAP_SYS_PTRACE, Yama scope
+    2 or 3, or 1 with GPURT_SHM_PTRACER=0; simulated here — as root
     it cannot be forbidden — by GPURT_TEST_FORBID_CMA): shared arrays still go single
     copy through mappings, helped by the sender only into shared destinations; every
     other message goes through the rings.  Streaming copies forced from 4 KiB."""

@@ -168,6 +168,35 @@ def test_cma_reads_this_process_and_explains_failures():
     assert "exited" in cma.probe(2 ** 22 + 12345, cma.address(src), b"x" * 8)
 
 
+
+def test_yama_scope_decides_whether_ranks_declare_ptracers(tmp_path):
+    """The decisions behind transports.cma.allow_peers.  This host's kernel has no Yama, so
+    the real thing (scope 1, an unprivileged user, CMA on and off) runs in the Debian guest:
+    tests/test_verbs.py::test_single_copies_under_yama_ptrace_scope_1."""
+    from gpurt.transports import cma
+
+    f = tmp_path / "ptrace_scope"
+    for text, want in (("1\n", 1), ("2", 2), ("junk", None)):
+        f.write_text(text)
+        assert cma.yama_scope(str(f)) == want
+    assert cma.yama_scope(str(tmp_path / "absent")) is None
+    assert cma.ptracer_plan(1, True) == "declare"
+    for scope, allowed in ((1, False), (0, True), (None, True), (2, True), (3, True)):
+        assert cma.ptracer_plan(scope, allowed) == "none"
+        assert cma.allow_peers(allowed, scope) == ""      # nothing declared
+    assert cma.yama_hint(None, True) == cma.yama_hint(0, False) == ""
+    assert "GPURT_SHM_PTRACER=0" in cma.yama_hint(1, False)
+    assert "seccomp" in cma.yama_hint(1, True)
+    assert "CAP_SYS_PTRACE" in cma.yama_hint(2, True)
+    assert "ptrace_scope=3" in cma.yama_hint(3, True)
+    # scope 1 declares with prctl; where the kernel has no Yama prctl refuses it (EINVAL),
+    # and the text says so
+    got = cma.allow_peers(True, 1)
+    if cma.yama_scope() is None:
+        assert got == "PR_SET_PTRACER_ANY failed: Invalid argument"
+    else:
+        assert got.startswith("PR_SET_PTRACER_ANY")
+
 def test_forced_native_protocol_falls_back_where_unavailable(monkeypatch):
     """GPURT_ALGO may name shm_board for every communicator; one without the board (a
     single rank, or several nodes) uses the tuner's choice instead of failing."""

@@ -656,11 +656,12 @@ class ShmTransport:
         if not os.access(d, os.W_OK):
             return False, f"{d} is not writable"
         free = st.f_bavail * st.f_frsize
-        try:
-            with open("/proc/sys/kernel/yama/ptrace_scope") as f:
-                scope = f"Yama ptrace_scope={f.read().strip()}"
-        except OSError:
-            scope = "no Yama"
+        ys = cma.yama_scope()
+        allowed = bool(config.get("GPURT_SHM_PTRACER"))
+        scope = "no Yama" if ys is None else f"Yama ptrace_scope={ys}" + (
+            ": the ranks declare each other as ptracers (PR_SET_PTRACER_ANY; "
+            "GPURT_SHM_PTRACER=0 does not)" if cma.ptracer_plan(ys, allowed) == "declare"
+            else cma.yama_hint(ys, allowed))
         single = cma_threshold(2)
         auto = config.get("GPURT_SHM_CMA") == "auto"
         cma_txt = (f"single-copy (CMA) for messages >= {single / 2**20:g} MiB"
@@ -756,7 +757,8 @@ class ShmTransport:
             raise TransportError("shm: " + "; ".join(errs))
         if self.local_rank == 0:
             self.seg.q[0] = _MAGIC
-        self.cma_why = self._probe_cma(node, comm.rank)
+        self.cma_why = self._probe_cma(node, comm.rank,
+                                       topo.local_ranks[topo.node_of[comm.rank]])
         self.map_why = self._probe_map(node, comm.rank) if config.get("GPURT_SHM_SHARED") \
             else "off (GPURT_SHM_SHARED=0)"
         if board:
@@ -824,11 +826,20 @@ class ShmTransport:
             log.info("shm: reading peers' shared arrays (gpurt.empty) disabled: %s", whys[0])
         return whys[0] if whys else ""
 
-    def _probe_cma(self, node, rank: int) -> str:
+    def _probe_cma(self, node, rank: int, node_ranks) -> str:
         """Can every local rank read every other's memory with process_vm_readv?  ''
-        if so (agreed by all), else the first reason it cannot.  Collective on ``node``."""
+        if so (agreed by all), else the first reason it cannot.  Collective on ``node``
+        (whose local rank k is rank ``node_ranks[k]``)."""
         me, nlocal, seg = self.local_rank, node.Get_size(), self.seg
         q = seg.q
+        # Yama's ptrace_scope=1 refuses process_vm_readv between siblings unless the one
+        # read has declared its readers: every rank declares before any peer probes it
+        scope = cma.yama_scope()
+        allowed = bool(config.get("GPURT_SHM_PTRACER"))
+        uses = config.get("GPURT_SHM_CMA") != 0 or config.get("GPURT_SHM_DIRECT_CMA") != 0
+        done = cma.allow_peers(allowed and uses, scope) if nlocal > 1 else ""
+        if done:
+            log.info("shm: Yama ptrace_scope=%s: %s", scope, done)
         token = np.frombuffer(struct.pack("<QQ", os.getpid(), _MAGIC), np.uint8).copy()
         q[seg.probe_i(me)] = cma.address(token)
         node.Barrier()
@@ -837,12 +848,14 @@ class ShmTransport:
             if k != me and not why:
                 pid = q[seg.pid_i(k)]
                 expect = struct.pack("<QQ", pid, _MAGIC)
-                why = cma.probe(pid, q[seg.probe_i(k)], expect)
+                why = cma.probe(pid, q[seg.probe_i(k)], expect, node_ranks[k])
                 if why:
-                    why = f"local rank {me} (rank {rank}) cannot read local rank {k}: {why}"
+                    why = (f"local rank {me} (rank {rank}) cannot read local rank {k} "
+                           f"(rank {node_ranks[k]}): {why}{cma.yama_hint(scope, allowed)}")
         if os.environ.get("GPURT_TEST_FORBID_CMA") == "1":
-            # tests only: stands in for Yama ptrace_scope=1, which forbids process_vm_readv
-            # but not the /proc/<pid>/fd opens of shared arrays (not reproducible as root)
+            # tests only: stands in for a refusal (no CAP_SYS_PTRACE, Yama), which forbids
+            # process_vm_readv but not the /proc/<pid>/fd opens of shared arrays (not
+            # reproducible as root)
             why = why or f"local rank {me} (rank {rank}): forbidden by GPURT_TEST_FORBID_CMA"
         whys = [w for w in node.allgather(why) if w]
         # the cooperative copy's sender writes (process_vm_writev): the same permission as
