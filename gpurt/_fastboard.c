@@ -38,6 +38,7 @@
 #include <errno.h>
 #include <stdlib.h>
 #include <sys/uio.h>
+#include <unistd.h>
 #if defined(__x86_64__) && defined(__SSE2__)
 #include <emmintrin.h>
 #define HAVE_STREAM 1
@@ -55,9 +56,10 @@ enum { T_NONE = -1, T_I8, T_I16, T_I32, T_I64, T_U8, T_U16, T_U32, T_U64, T_F32,
 
 /* what run(), staged() and direct() return (direct's D_STOPPED and D_CMAFAIL carry the
  * peer's local rank in bits 8..19, D_CMAFAIL also the direction in bit 20 (1: a write
- * into the peer) and errno in bits 21..30) */
+ * into the peer) and errno in bits 21..30; D_CLOSED: stop() came before READY was stored,
+ * so no peer is let into this rank's buffers) */
 enum { DONE = 0, PUBLISHED = 1, NOTHING = 2, HANDBACK = 3, REDUCED = 4,
-       D_READY = 5, D_FINISHED = 6, D_STOPPED = 7, D_CMAFAIL = 8 };
+       D_READY = 5, D_FINISHED = 6, D_STOPPED = 7, D_CMAFAIL = 8, D_CLOSED = 9 };
 
 #define HDR_SITE 8
 #define HDR_EXTRA 9             /* header words 9..15: shm_direct's (call word, locations) */
@@ -69,7 +71,7 @@ enum { DONE = 0, PUBLISHED = 1, NOTHING = 2, HANDBACK = 3, REDUCED = 4,
 #define D_COPY (2 << 20)        /* direct(): bytes copied between checks of the peers */
 #define STAGE_PIECE (64 << 10)  /* bytes reduced at a time (they stay in the core's L2) */
 #define ALIGN_BYTES 4096        /* shm_direct.blocks: blocks split on 4 KiB boundaries */
-#define ABI 6                   /* bumped whenever Python's use of this module changes */
+#define ABI 7                   /* bumped whenever Python's use of this module changes */
 
 static PyTypeObject *ndarray_type;  /* numpy.ndarray, given by set_ndarray (run checks it) */
 
@@ -89,9 +91,12 @@ typedef struct {
     Py_ssize_t *pid, *err;
     char *scratch;
     uint64_t *xa, *oa;
-    /* rounds running without the GIL (changed with the GIL held), and close() under way:
-     * close waits for them before it frees the tables (the segment is unmapped next) */
+    /* rounds running without the GIL (changed with the GIL held), and stop() or close()
+     * under way (read by direct() without the GIL: atomics): close waits for the rounds
+     * before it frees the tables (the segment is unmapped next) — in the process that
+     * made the board only (a child forked during a round inherits busy, never the round) */
     int busy, closing;
+    pid_t owner;
 } FastBoard;
 
 typedef struct {
@@ -241,6 +246,7 @@ static int fb_init(FastBoard *fb, PyObject *args, PyObject *kw) {
     fb->p = p; fb->me = me; fb->slot = slot;
     fb->spin_ns = 0; fb->budget_ns = 1000000;
     fb->busy = fb->closing = 0;
+    fb->owner = getpid();
     return 0;
 }
 
@@ -255,8 +261,8 @@ static PyObject *fb_set_wait(FastBoard *fb, PyObject *args) {
 /* close(): no new round starts; the ones running without the GIL (another thread's call,
  * bounded by its wait budget and its share) end first */
 static PyObject *fb_close(FastBoard *fb, PyObject *unused) {
-    fb->closing = 1;
-    while (fb->busy) {
+    __atomic_store_n(&fb->closing, 1, __ATOMIC_SEQ_CST);
+    while (fb->busy && fb->owner == getpid()) {
         Py_BEGIN_ALLOW_THREADS
         struct timespec ts = {0, 100000};
         nanosleep(&ts, NULL);
@@ -266,9 +272,17 @@ static PyObject *fb_close(FastBoard *fb, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+/* stop(): no new round starts, and a direct() round that has not stored READY yet stops
+ * there (D_CLOSED): Communicator.close() from another thread, before it waits for the
+ * call to end (the tables and the segment stay until close()) */
+static PyObject *fb_stop(FastBoard *fb, PyObject *unused) {
+    __atomic_store_n(&fb->closing, 1, __ATOMIC_SEQ_CST);
+    Py_RETURN_NONE;
+}
+
 /* the checks before a round: the board is open (NULL and an exception set otherwise) */
 static int fb_open(const FastBoard *fb) {
-    if (fb->q == NULL || fb->closing) {
+    if (fb->q == NULL || __atomic_load_n(&fb->closing, __ATOMIC_SEQ_CST)) {
         PyErr_SetString(PyExc_RuntimeError, "the board is closed");
         return 0;
     }
@@ -316,7 +330,8 @@ static inline int peers_at(const FastBoard *fb, int w, uint64_t seq) {
 static inline int peers_ready(const FastBoard *fb, uint64_t seq) { return peers_at(fb, 0, seq); }
 
 /* Spin, then yield, until every peer's word `w` has reached `seq` or `budget` ns are
- * gone.  Called without the GIL. */
+ * gone, or stop() or close() was called (Python then goes on, or stops).  Called without
+ * the GIL. */
 static int wait_word(const FastBoard *fb, int w, uint64_t seq, int64_t budget) {
     int64_t start = now_ns(), t;
     for (;;) {
@@ -325,7 +340,8 @@ static int wait_word(const FastBoard *fb, int w, uint64_t seq, int64_t budget) {
             cpu_relax();
         }
         t = now_ns() - start;
-        if (t >= budget) return peers_at(fb, w, seq);
+        if (t >= budget || __atomic_load_n(&fb->closing, __ATOMIC_RELAXED))
+            return peers_at(fb, w, seq);
         if (t >= fb->spin_ns) sched_yield();
     }
 }
@@ -898,7 +914,10 @@ static int direct_round(const FastBoard *fb, const Plan *pl, uint64_t seq, uint6
         fb->xa[k] = w[3];
         fb->oa[k] = w[6];
     }
-    /* 4. done with the headers (BoardRun's round ends here); READY */
+    /* 4. done with the headers (BoardRun's round ends here); READY — unless the
+     * communicator is being closed: then no peer may come in (they find this rank's error,
+     * published by the caller, or its READY missing) */
+    if (__atomic_load_n(&fb->closing, __ATOMIC_SEQ_CST)) return D_CLOSED;
     store_rel(&q[fb->ctrl[me] + 1], seq);
     store_rel(&q[fb->ctrl[me] + W_READY], 2 * seq);
     if (!peers_at(fb, W_READY, 2 * seq) && !wait_word(fb, W_READY, 2 * seq, budget))
@@ -1161,6 +1180,7 @@ static PyMethodDef fb_methods[] = {
      "plan(coll, sig, meta, n, itemsize, type, op, root, wbytes)"},
     {"set_wait", (PyCFunction)fb_set_wait, METH_VARARGS, "set_wait(spin_ns, budget_ns)"},
     {"close", (PyCFunction)fb_close, METH_NOARGS, "forget the segment (it is being unmapped)"},
+    {"stop", (PyCFunction)fb_stop, METH_NOARGS, "no new round; direct() stops before READY"},
     {NULL}
 };
 

@@ -20,9 +20,11 @@ from __future__ import annotations
 import atexit
 import functools
 import itertools
+import logging
 import os
 import socket
 import sys
+import threading
 import time
 import weakref
 import zlib
@@ -48,6 +50,8 @@ from .wait import spin_seconds
 
 from gpurt.transports import shm_board, shm_direct  # noqa: E402  (after the core imports)
 from gpurt.transports.tcp import _settings as tcp_settings  # noqa: E402
+
+log = logging.getLogger("gpurt.comm")
 
 _LIVE: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
 _COMM_IDS = itertools.count()
@@ -94,6 +98,12 @@ class Communicator:
 
     # shm_direct's compiled shares by CMA can run on every rank (``_direct_setup``)
     _cma_shares = False
+    # inline shm_direct calls under way (``_direct_go``; peers may be in their buffers),
+    # the thread of the last one, and the process that made this communicator: close()
+    # from another thread waits for them (``_stop_calls``)
+    _direct_calls = 0
+    _direct_thread = 0
+    _pid = 0
 
     def __init__(self, mpi_comm: Any = None, *, _owned: bool = False):
         MPI = _mpi()
@@ -106,6 +116,7 @@ class Communicator:
             raise TypeError("gpurt.Communicator needs an intracommunicator (got an "
                             "intercommunicator; Merge() it first)")
         self._closed = False
+        self._pid = os.getpid()
         self._transports: list = []
         self.dev, self.dev_why, self.dev_endpoints, self.dev_ipc = None, "not set up", {}, None
         self._devtuner = self._devtmp = self._devlast = None
@@ -1303,6 +1314,8 @@ class Communicator:
         fl = self.flight
         rec = fl.start(seq, coll, dp.fargs, dp.fallback, site) if fl is not None else None
         got = 2
+        self._direct_calls += 1
+        self._direct_thread = threading.get_ident()
         try:     # (the call counts from here: any failure leaves the ranks out of step,
             # a signal's exception too, right after the compiled round returned)
             if dp.staged is not None or dp.cma is not None:
@@ -1330,8 +1343,10 @@ class Communicator:
                         got = bd.fast.direct(dp.cma, seq, bd.last_use[b], x, res, sid,
                                              4 * seq + dp.forced, *wx, *wo,
                                              memcopy.threshold())
-                        if got < shm_direct.D_READY:    # done, or READY not stored
-                            acc.active = None
+                        if got < shm_direct.D_READY or got == shm_direct.D_CLOSED:
+                            acc.active = None           # done, or READY not stored
+                        if got == shm_direct.D_CLOSED:
+                            raise self._closed_in_call(coll, seq)
                     if got != 2:
                         bd.last_use[b] = seq
             if got == 0:
@@ -1343,10 +1358,57 @@ class Communicator:
                 self._direct_rest(coll, dp, x.reshape(-1).view(dtype),
                                   res.reshape(-1).view(dtype), res is x, root, n, seq, site,
                                   got, rec, timeout)
+        except shm_direct.Stopped:      # (DirectRun's: closing, before READY)
+            e = self._closed_in_call(coll, seq)
+            eng.poison(e)
+            raise e from None
         except BaseException as e:
             eng.poison(e)           # (run_inline has annotated and poisoned what it ran)
+            if self._closed and isinstance(e, Exception) and \
+                    not isinstance(e, CommunicatorClosed):
+                # closed by another thread meanwhile (the board's "closed", ...)
+                raise CommunicatorClosed(f"rank {self.rank}: communicator closed during "
+                                         f"{coll} (call #{seq})") from e
             raise
+        finally:
+            self._direct_calls -= 1
         return self._inline_end(coll, o, res, root, rec)
+
+    def _closed_in_call(self, coll: str, seq: int) -> CommunicatorClosed:
+        """close() (from another thread) stopped an inline shm_direct call before any peer
+        was let into this rank's buffers: the caller's error, and the peers' — published,
+        so that they raise ``PeerFailure`` at once rather than wait for this rank."""
+        text = f"rank {self.rank} closed the communicator during {coll} (call #{seq})"
+        for t in self._transports:
+            publish = getattr(t, "publish_error", None)
+            if publish is not None:
+                try:
+                    publish(text)
+                except Exception:  # noqa: BLE001 - the error below is what matters
+                    pass
+        return CommunicatorClosed(text)
+
+    def _stop_calls(self) -> None:
+        """close() while an inline shm_direct call runs in another thread: the compiled
+        round stops before it lets peers into the caller's buffers (``stop``), and a call
+        past that point — peers loading from and storing into its buffers — ends (it has
+        its deadline) before the transports, and the board with them, go away."""
+        bd = self.board
+        fast = getattr(bd, "fast", None)
+        if fast is not None:
+            fast.stop()
+        if getattr(self, "_direct", None) is not None:
+            self._direct.stopping = True
+        if not self._direct_calls or self._direct_thread == threading.get_ident() or \
+                os.getpid() != self._pid:     # (this thread's own call; a forked child)
+            return
+        eng = getattr(self, "engine", None)
+        deadline = time.monotonic() + (eng._timeout() if eng is not None else 60.0) + 5.0
+        while self._direct_calls and time.monotonic() < deadline:
+            time.sleep(1e-4)
+        if self._direct_calls:
+            log.warning("rank %d: closing while a shm_direct call is still running in "
+                        "another thread", self.rank)
 
     def _direct_rest(self, coll: str, dp: "_DirectPlan", xf: np.ndarray, rf: np.ndarray,
                      alias: bool, root: int, n: int, seq: int, site: int, got: int,
@@ -1819,6 +1881,7 @@ class Communicator:
         self._release()
 
     def _release(self) -> None:
+        self._stop_calls()
         self._direct_drain()
         ipc = getattr(self, "dev_ipc", None)
         if ipc is not None:

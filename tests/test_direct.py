@@ -539,3 +539,54 @@ def test_the_board_takes_the_copies_where_no_cma_shares_run(n, cma):
     for coll in ("allgather", "alltoall", "broadcast", "reduce_scatter"):
         assert f"('{coll}', '{want}')" in out, out
 
+
+
+def _close_race(mode: str) -> dict[int, dict]:
+    import json
+    out = run_mpi(2, ["tests/close_race_cases.py", mode], env={"GPURT_TIMEOUT": "20"},
+                  timeout=120).stdout
+    recs = {}
+    for line in out.splitlines():
+        if line.startswith("CLOSE_RACE "):
+            rec = json.loads(line[len("CLOSE_RACE "):])
+            recs[rec["rank"]] = rec
+    assert sorted(recs) == [0, 1], out
+    return recs
+
+
+@pytest.mark.parametrize("mode", ["before", "before_fast"])
+def test_close_from_another_thread_stops_a_direct_call_before_peers_come_in(mode):
+    """close() from another thread while rank 0's blocking shm_direct call (the compiled
+    round) waits for rank 1's header: the call stops before READY — CommunicatorClosed on
+    rank 0 at once, PeerFailure naming the close on rank 1, and nothing written into rank
+    0's output after its call returned (before the fix: a ValueError from the released
+    segment, then rank 1's whole block written into the returned array)."""
+    recs = _close_race(mode)
+    r0, r1 = recs[0], recs[1]
+    assert r0["outcome"] == ("CommunicatorClosed: rank 0 closed the communicator during "
+                             "allgather (call #2)"), r0
+    assert r0["written_after"] == 0 and r0["close_seconds"] < 5 and r0["seconds"] < 5, r0
+    assert r1["outcome"].startswith("PeerFailure: ") and \
+        "rank 0 closed the communicator during allgather (call #2)" in r1["outcome"], r1
+    assert r1["seconds"] < 10, r1          # not the 20 s deadline
+
+
+def test_close_from_another_thread_lets_a_direct_call_moving_data_end():
+    """The close comes once rank 0 has stored READY (rank 1, on the Python round, is still
+    in its share): the call ends first, exact on both ranks, then close() returns; nothing
+    is written into the output after the call returned."""
+    recs = _close_race("after")
+    r0, r1 = recs[0], recs[1]
+    assert r0["outcome"] == r1["outcome"] == "ok" and r0["exact"] and r1["exact"], recs
+    assert r0["written_after"] == 0 and r0["codes"] and r0["codes"][-1] >= \
+        shm_direct.D_READY, r0
+    assert r0["close_seconds"] > 0.1, r0     # it waited for rank 1's slow share
+
+
+def test_a_child_forked_during_a_compiled_round_closes_at_once():
+    """A thread forks while the compiled round runs without the GIL: the child inherits
+    the round's busy count but not the round, and its FastBoard.close() (the atexit
+    hook's too) must not wait for it (it waited forever)."""
+    recs = _close_race("fork")
+    assert recs[0]["child"] == {"exit": 0, "seconds": recs[0]["child"]["seconds"]}, recs[0]
+    assert recs[0]["child"]["seconds"] < 5 and recs[0]["exact"] and recs[1]["exact"], recs

@@ -92,7 +92,7 @@ import os
 import time
 
 from gpurt import memcopy, sharedmem
-from gpurt.errors import PeerFailure, TransportError, relayed_rank
+from gpurt.errors import CommunicatorClosed, PeerFailure, TransportError, relayed_rank
 from gpurt.tuner import collective_bytes  # noqa: F401 - S as nccl-tests counts it (also for comm)
 
 from . import cma
@@ -138,7 +138,7 @@ _ALIGN = 4096
 _READY, _FINISHED, _REDUCED = 2, 3, 4
 # what the compiled round (_fastboard: staged, direct) returns, past DONE (0), PUBLISHED
 # (1), NOTHING (2) and REDUCED (4); the low byte (D_STOPPED, D_CMAFAIL carry more)
-D_READY, D_FINISHED, D_STOPPED, D_CMAFAIL = 5, 6, 7, 8
+D_READY, D_FINISHED, D_STOPPED, D_CMAFAIL, D_CLOSED = 5, 6, 7, 8, 9
 STAGED = "shm_staged"      # what a staged call reports as its algorithm
 _U8 = np.dtype(np.uint8)
 
@@ -179,6 +179,9 @@ class Access:
         self.err_i = [seg.err_off(k) // 8 for k in range(len(pids))] if seg is not None \
             else []
         self.active: "DirectRun | None" = None     # the call between READY and the end
+        # close() from another thread is under way: a call that has not stored READY
+        # stops there (``Stopped``), as the compiled round does (D_CLOSED)
+        self.stopping = False
         # tests only: this rank fails to open its peers' buffers (stands in for a mapping
         # that cannot be made: no file descriptor or address space left)
         self.fail_open = os.environ.get("GPURT_TEST_DIRECT_OPEN_FAIL") == str(me)
@@ -228,6 +231,11 @@ class Access:
                             [self.ranks[k] for k in late], seq, bound)
                 return
             time.sleep(1e-4)
+
+
+class Stopped(CommunicatorClosed):
+    """A call stopped before READY because its communicator is being closed (no peer was
+    let into this rank's buffers); the communicator turns it into its own error."""
 
 
 class Pending:
@@ -385,6 +393,9 @@ class DirectRun:
         if self.phase in (6, 7):
             return _staged_allreduce(self)
         if self.phase == 0:
+            if self.acc.stopping:
+                raise Stopped(f"rank {self.acc.ranks[self.r]}: communicator closed during call "
+                              f"#{self.seq}, before its peers were let in")
             moved = self.hdr.advance()
             if not self.hdr.done:
                 return moved
