@@ -130,11 +130,19 @@ static inline void cpu_relax(void) {
 #endif
 }
 
-/* ---- reduction kernels: out = out op src, n elements ---------------------------------- */
+/* ---- reduction kernels: out = out op src, n elements ----------------------------------
+ * The arrays may be unaligned (a NumPy view at an odd offset is still C-contiguous):
+ * elements are read and written through types of alignment 1, so the compiler assumes
+ * nothing (a loop peeled "up to alignment" from a T* would fault with aligned vector
+ * loads on an odd address) — unaligned vector loads cost the same on x86-64 */
+#define UNALIGNED(T) typedef T __attribute__((aligned(1), may_alias)) T##_u;
+UNALIGNED(int8_t) UNALIGNED(int16_t) UNALIGNED(int32_t) UNALIGNED(int64_t)
+UNALIGNED(uint8_t) UNALIGNED(uint16_t) UNALIGNED(uint32_t) UNALIGNED(uint64_t)
+UNALIGNED(float) UNALIGNED(double)
 
 #define INT_KERNEL(T, U)                                                                   \
     static void red_##T(int op, char *o_, const char *s_, Py_ssize_t n) {                \
-        T *o = (T *)o_; const T *s = (const T *)s_; Py_ssize_t i;                        \
+        T##_u *o = (T##_u *)o_; const T##_u *s = (const T##_u *)s_; Py_ssize_t i;        \
         switch (op) {                                                                      \
         case O_SUM: for (i = 0; i < n; i++) o[i] = (T)(U)((uint64_t)(U)o[i] + (uint64_t)(U)s[i]); break; \
         case O_PROD: for (i = 0; i < n; i++) o[i] = (T)(U)((uint64_t)(U)o[i] * (uint64_t)(U)s[i]); break; \
@@ -159,7 +167,7 @@ INT_KERNEL(uint64_t, uint64_t)
  * NaN), and between equal values (0.0 and -0.0) the second */
 #define FLOAT_KERNEL(T)                                                                    \
     static void red_##T(int op, char *o_, const char *s_, Py_ssize_t n) {                \
-        T *o = (T *)o_; const T *s = (const T *)s_; Py_ssize_t i;                        \
+        T##_u *o = (T##_u *)o_; const T##_u *s = (const T##_u *)s_; Py_ssize_t i;        \
         switch (op) {                                                                      \
         case O_SUM: for (i = 0; i < n; i++) o[i] = o[i] + s[i]; break;                   \
         case O_PROD: for (i = 0; i < n; i++) o[i] = o[i] * s[i]; break;                  \

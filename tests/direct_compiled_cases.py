@@ -2,7 +2,7 @@
 READY, the share by process_vm_readv/writev, FINISHED, all without the GIL), run by
 tests/test_direct.py under mpiexec:
 
-    python tests/direct_compiled_cases.py numpy|late|mixed
+    python tests/direct_compiled_cases.py numpy|late|mixed|unaligned
 
 - ``numpy``: every collective shm_direct runs, on NumPy arrays, exact, in several dtypes
   and ops, odd counts, every root kind, in place where the API allows; the compiled
@@ -13,7 +13,10 @@ tests/test_direct.py under mpiexec:
   exact results;
 - ``mixed``: rank 0's arrays are ``comm.empty`` ones (mapped, not reached by CMA): it
   does not try the compiled round, and the others' hand every call to DirectRun after
-  the header round (answer 1).
+  the header round (answer 1);
+- ``unaligned``: as ``numpy``, every array a view at an odd byte offset (C-contiguous,
+  not aligned: NumPy allows it), which the compiled kernels read and write through
+  types of alignment 1.
 """
 
 from __future__ import annotations
@@ -54,7 +57,18 @@ if late and r == 1:
 elif comm.board.fast is not None:
     codes = casekit.spy_compiled(comm, "direct")
 
-alloc = comm.empty if mixed and r == 0 else np.empty
+
+def odd(n, dt):
+    """n elements of dt at an odd address (3 bytes past an aligned one)."""
+    dt = np.dtype(dt)
+    a = np.empty(n * dt.itemsize + 64, np.uint8)
+    k = (-a.ctypes.data) % 64 + 3
+    v = a[k:k + n * dt.itemsize].view(dt)
+    assert not v.flags.aligned or dt.itemsize == 1
+    return v
+
+
+alloc = comm.empty if mixed and r == 0 else odd if mode == "unaligned" else np.empty
 calls = 0
 
 

@@ -438,14 +438,15 @@ def test_a_staged_call_that_gives_up_leaves_the_peers_right_or_failing():
 # -- the compiled shares by CMA (gpurt._fastboard's direct) -------------------------------
 
 @pytest.mark.parametrize("n,mode", [(2, "numpy"), (3, "numpy"), (5, "numpy"), (2, "late"),
-                                    (3, "late"), (5, "late"), (3, "mixed")])
+                                    (3, "late"), (5, "late"), (3, "mixed"), (3, "unaligned")])
 def test_compiled_shares(n, mode):
     """Blocking collectives on NumPy arrays whose buffers are all reached by CMA run the
     compiled round (header round, READY, share, FINISHED without the GIL): exact for
     every collective shm_direct runs, odd counts, four dtype/op pairs, both root kinds, in
     place; with one rank on the Python round and late at each phase, the others hand
     their calls to DirectRun where they are (answers 1, 5, 6); with one rank's arrays
-    shared, after the header round (tests/direct_compiled_cases.py)."""
+    shared, after the header round; on arrays at odd addresses
+    (tests/direct_compiled_cases.py)."""
     out = run_mpi(n, ["tests/direct_compiled_cases.py", mode], timeout=400).stdout
     assert out.startswith("ok") and f"on {n} ranks" in out, out
 
