@@ -104,6 +104,10 @@ class Communicator:
     _direct_calls = 0
     _direct_thread = 0
     _pid = 0
+    # an error for the peers that the thread of an inline shm_direct call publishes when
+    # its call stops (another thread's abort() or close() came while it may still be
+    # writing into their buffers: a published error tells them it has stopped)
+    _deferred: str | None = None
 
     def __init__(self, mpi_comm: Any = None, *, _owned: bool = False):
         MPI = _mpi()
@@ -559,7 +563,27 @@ class Communicator:
         if self.flight is not None:
             self.flight.name_site(callsite.site())   # inline calls record no site (cost)
             self.flight.dump(exc)
-        text = relay_text(exc)
+        if self._elsewhere():
+            # (abort() from a watchdog thread) the call's own thread publishes and drains
+            # when it stops: until then it may be writing into the peers' buffers
+            self._deferred = relay_text(exc)
+            return
+        self._publish(relay_text(exc))
+        self._direct_drain()
+
+    def _elsewhere(self) -> bool:
+        """An inline shm_direct call is under way in another thread of this process."""
+        return bool(self._direct_calls) and self._direct_thread != threading.get_ident() \
+            and os.getpid() == self._pid
+
+    def _publish_deferred(self) -> None:
+        if self._deferred is not None:
+            text, self._deferred = self._deferred, None
+            self._publish(text)
+
+    def _publish(self, text: str) -> None:
+        """Every transport tells this rank's peers ``text`` (shm: the error record; tcp:
+        an error frame): they raise ``PeerFailure`` instead of waiting for it."""
         for t in self._transports:
             publish = getattr(t, "publish_error", None)
             if publish is not None:
@@ -567,7 +591,6 @@ class Communicator:
                     publish(text)
                 except Exception:  # noqa: BLE001 - never mask the failure itself
                     pass
-        self._direct_drain()
 
     def _direct_drain(self) -> None:
         """Peers of a shm_direct call in flight load from and store into this rank's
@@ -1112,6 +1135,7 @@ class Communicator:
         except BaseException as e:
             eng._annotate(e, f"in {coll} (call #{seq}): ")
             eng.poison(e)
+            self._closed_raise(e, coll, seq)
             raise
         return self._inline_end(coll, o, res, root, rec)
 
@@ -1284,6 +1308,7 @@ class Communicator:
             # with the call half done on the board: the communicator is unusable, as after
             # any failure inside a call
             eng.poison(e)
+            self._closed_raise(e, coll, seq)
             raise
         return self._inline_end(coll, o, res, root, rec if fl is not None else None)
 
@@ -1346,7 +1371,7 @@ class Communicator:
                         if got < shm_direct.D_READY or got == shm_direct.D_CLOSED:
                             acc.active = None           # done, or READY not stored
                         if got == shm_direct.D_CLOSED:
-                            raise self._closed_in_call(coll, seq)
+                            raise shm_direct.Stopped("closed before READY")
                     if got != 2:
                         bd.last_use[b] = seq
             if got == 0:
@@ -1358,35 +1383,35 @@ class Communicator:
                 self._direct_rest(coll, dp, x.reshape(-1).view(dtype),
                                   res.reshape(-1).view(dtype), res is x, root, n, seq, site,
                                   got, rec, timeout)
-        except shm_direct.Stopped:      # (DirectRun's: closing, before READY)
-            e = self._closed_in_call(coll, seq)
-            eng.poison(e)
-            raise e from None
         except BaseException as e:
             eng.poison(e)           # (run_inline has annotated and poisoned what it ran)
-            if self._closed and isinstance(e, Exception) and \
-                    not isinstance(e, CommunicatorClosed):
-                # closed by another thread meanwhile (the board's "closed", ...)
-                raise CommunicatorClosed(f"rank {self.rank}: communicator closed during "
-                                         f"{coll} (call #{seq})") from e
+            if self._closed and isinstance(e, Exception):
+                # closed by another thread meanwhile (stopped before READY, interrupted,
+                # the board's "closed", ...)
+                text = f"rank {self.rank} closed the communicator during {coll} (call #{seq})"
+                self._deferred = None
+                self._publish(text)
+                self._direct_drain()
+                raise CommunicatorClosed(text) from (None if isinstance(
+                    e, shm_direct.Stopped) else e)
+            self._publish_deferred()        # (another thread's abort(): now it stopped)
+            # peers may be in this rank's buffers: the caller has them back only after the
+            # drain (a no-op if _on_poison drained here already)
+            self._direct_drain()
             raise
         finally:
             self._direct_calls -= 1
+            self._publish_deferred()        # (the call ended as the abort came)
         return self._inline_end(coll, o, res, root, rec)
 
-    def _closed_in_call(self, coll: str, seq: int) -> CommunicatorClosed:
-        """close() (from another thread) stopped an inline shm_direct call before any peer
-        was let into this rank's buffers: the caller's error, and the peers' — published,
-        so that they raise ``PeerFailure`` at once rather than wait for this rank."""
-        text = f"rank {self.rank} closed the communicator during {coll} (call #{seq})"
-        for t in self._transports:
-            publish = getattr(t, "publish_error", None)
-            if publish is not None:
-                try:
-                    publish(text)
-                except Exception:  # noqa: BLE001 - the error below is what matters
-                    pass
-        return CommunicatorClosed(text)
+    def _closed_raise(self, e: BaseException, coll: str, seq: int) -> None:
+        """An inline call (the board's, across nodes) that failed because another thread
+        closed the communicator meanwhile (interrupted, or the board released under it):
+        its peers are told, and the caller gets ``CommunicatorClosed``."""
+        if self._closed and isinstance(e, Exception):
+            text = f"rank {self.rank} closed the communicator during {coll} (call #{seq})"
+            self._publish(text)
+            raise CommunicatorClosed(text) from e
 
     def _stop_calls(self) -> None:
         """close() while an inline shm_direct call runs in another thread: the compiled
@@ -1876,6 +1901,13 @@ class Communicator:
         self._closed = True
         if self.flight is not None:
             self.flight.dumped = True   # a plain close is no failure: nothing to report
+            last = self.flight.events[-1] if self.flight.events else None
+            if last is not None and last[flight.STATE] == "running" and \
+                    not self._elsewhere():
+                # a call in flight (another thread's): its peers are told at once (an
+                # inline shm_direct call's thread tells them when it has stopped writing)
+                self._publish(f"rank {self.rank} closed the communicator during "
+                              f"{last[flight.KIND]} (call #{last[flight.SEQ]})")
         if hasattr(self, "engine"):
             self.engine.poison(CommunicatorClosed(f"rank {self.rank}: communicator closed"))
         self._release()

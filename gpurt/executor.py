@@ -387,11 +387,17 @@ class Engine:
         try:
             if run.advance() and run.done:
                 return
-            self._drive(run.advance, lambda: run.done, run.waiting_on, timeout,
+            # another thread's abort() (a watchdog's) or failure poisons the engine: the
+            # wait ends there, as a Request's does (poison() sets its error)
+            self._drive(run.advance, lambda: run.done or self.poisoned is not None,
+                        run.waiting_on, timeout,
                         lambda t, missing: CollectiveTimeout(
                             f"rank {self.rank}: {name} (call #{seq}) did not complete within "
                             f"{t:g} s; still waiting for rank(s) {missing}",
                             collective=name, seq=seq, missing=tuple(missing)))
+            if not run.done:
+                raise CommunicatorClosed(f"rank {self.rank}: {name} (call #{seq}) "
+                                         f"interrupted: {self.poisoned}") from self.poisoned
         except BaseException as e:
             self._annotate(e, f"in {name} (call #{seq}): ")
             self.poison(e)

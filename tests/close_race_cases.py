@@ -8,9 +8,11 @@ MODE``.  Each rank prints one line ``CLOSE_RACE {json}``.
   promptly, and nothing is written into rank 0's output after its call returned.
 - ``before_fast``: the same, the close 0.5 ms into the round and rank 1 2.5 ms late:
   the compiled round itself stops (D_CLOSED) or hands over to Python, which stops.
-- ``after``: the close comes once rank 0 has stored READY (rank 1, in Python, takes 0.3 s
-  more over its share): the call, already moving data, ends first, exact; close() returns
-  after it, and nothing is written after the call returned either.
+- ``after``: the close comes once rank 0 has stored READY (rank 1, in Python, sleeps
+  0.3 s before its share): rank 0's call is interrupted (``CommunicatorClosed``), its
+  error published once it has stopped writing, and its caller has the arrays back only
+  after rank 1 stopped (``PeerFailure``); close() waits for that; nothing is written after
+  the call returned either.
 - ``fork``: a thread forks during a long compiled round; the child's ``FastBoard.close()``
   (the atexit hook's, too) must not wait for a round that runs only in its parent.
 """

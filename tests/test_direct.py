@@ -572,16 +572,22 @@ def test_close_from_another_thread_stops_a_direct_call_before_peers_come_in(mode
     assert r1["seconds"] < 10, r1          # not the 20 s deadline
 
 
-def test_close_from_another_thread_lets_a_direct_call_moving_data_end():
-    """The close comes once rank 0 has stored READY (rank 1, on the Python round, is still
-    in its share): the call ends first, exact on both ranks, then close() returns; nothing
-    is written into the output after the call returned."""
+def test_close_from_another_thread_stops_a_direct_call_moving_data_safely():
+    """The close comes once rank 0 has stored READY (rank 1, on the Python round, is
+    still sleeping before its share): rank 0's call ends with CommunicatorClosed, its error
+    published only once its own share is done (it might be writing into rank 1's arrays
+    until then), and its caller has the arrays back only after rank 1 stopped — close()
+    waits for that; rank 1 raises PeerFailure naming the close; nothing is written into
+    rank 0's output after the call returned."""
     recs = _close_race("after")
     r0, r1 = recs[0], recs[1]
-    assert r0["outcome"] == r1["outcome"] == "ok" and r0["exact"] and r1["exact"], recs
+    assert r0["outcome"] == ("CommunicatorClosed: rank 0 closed the communicator during "
+                             "allgather (call #2)"), r0
     assert r0["written_after"] == 0 and r0["codes"] and r0["codes"][-1] >= \
         shm_direct.D_READY, r0
-    assert r0["close_seconds"] > 0.1, r0     # it waited for rank 1's slow share
+    assert r0["close_seconds"] > 0.1, r0     # it waited for rank 1 to stop
+    assert r1["outcome"].startswith("PeerFailure: ") and \
+        "rank 0 closed the communicator during allgather (call #2)" in r1["outcome"], r1
 
 
 def test_a_child_forked_during_a_compiled_round_closes_at_once():

@@ -438,3 +438,37 @@ def test_fifty_rounds_of_start_and_kill_leak_nothing():
     assert set(gpurt_shm_files()) - before == set()
     assert [p for p in seen if _alive(p)] == []
     _remove_new_mpich_segments(mpich_before)
+
+
+@pytest.mark.parametrize("mode", ["board", "direct", "sharing", "net"])
+def test_abort_from_a_watchdog_thread_unblocks_the_call_in_flight(mode):
+    """comm.abort() from another thread (a watchdog, as ncclCommAbort is used) ends the
+    blocking call in flight on the spot with CommunicatorClosed — it waited for the late
+    peer (6 s here before the fix, up to the deadline in general) and on the board even
+    returned "ok" after the abort; the peer gets PeerFailure naming rank 0 in its call or,
+    where that could end from what rank 0 had published, in its next one; and with the
+    peer in the middle of its share, rank 0's caller gets its output back only once the
+    peer has stopped writing into it (tests/abort_cases.py)."""
+    import json
+    env = {"GPURT_TIMEOUT": "20"}
+    if mode == "net":
+        env["MPIR_CVAR_NUM_CLIQUES"] = "2"
+    out = run_mpi(2, ["tests/abort_cases.py", mode], env=env, timeout=120).stdout
+    recs = {}
+    for line in out.splitlines():
+        if line.startswith("ABORT_CASE "):
+            rec = json.loads(line[len("ABORT_CASE "):])
+            recs[rec["rank"]] = rec
+    assert sorted(recs) == [0, 1], out
+    r0, r1 = recs[0], recs[1]
+    assert r0["outcome"].startswith("CommunicatorClosed: rank 0: ") and \
+        "interrupted: rank 0: watchdog: step hung" in r0["outcome"], r0
+    assert r0["seconds"] < 0.9 and r0["written_after"] == 0, r0   # not the peer's 1 s
+    failed = "rank 0" in r1.get("next" if r1["outcome"] == "ok" else "outcome", "") and \
+        "watchdog: step hung" in r1.get("next" if r1["outcome"] == "ok" else "outcome", "")
+    assert failed, r1
+    if r1["outcome"] == "ok":
+        assert mode in ("board", "net") and r1["next"].startswith("PeerFailure: "), r1
+        assert r1["next_seconds"] < 5, r1
+    else:
+        assert r1["outcome"].startswith("PeerFailure: ") and r1["seconds"] < 5, r1

@@ -835,9 +835,9 @@ class ShmTransport:
         # Yama's ptrace_scope=1 refuses process_vm_readv between siblings unless the one
         # read has declared its readers: every rank declares before any peer probes it
         scope = cma.yama_scope()
-        allowed = bool(config.get("GPURT_SHM_PTRACER"))
         uses = config.get("GPURT_SHM_CMA") != 0 or config.get("GPURT_SHM_DIRECT_CMA") != 0
-        done = cma.allow_peers(allowed and uses, scope) if nlocal > 1 else ""
+        allowed = bool(config.get("GPURT_SHM_PTRACER")) and uses
+        done = cma.allow_peers(allowed, scope) if nlocal > 1 else ""
         if done:
             log.info("shm: Yama ptrace_scope=%s: %s", scope, done)
         token = np.frombuffer(struct.pack("<QQ", os.getpid(), _MAGIC), np.uint8).copy()

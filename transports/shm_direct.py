@@ -89,6 +89,7 @@ import numpy as np
 
 import logging
 import os
+import threading
 import time
 
 from gpurt import memcopy, sharedmem
@@ -182,6 +183,8 @@ class Access:
         # close() from another thread is under way: a call that has not stored READY
         # stops there (``Stopped``), as the compiled round does (D_CLOSED)
         self.stopping = False
+        self._draining = threading.RLock()
+        self._pid = os.getpid()
         # tests only: this rank fails to open its peers' buffers (stands in for a mapping
         # that cannot be made: no file descriptor or address space left)
         self.fail_open = os.environ.get("GPURT_TEST_DIRECT_OPEN_FAIL") == str(me)
@@ -213,6 +216,20 @@ class Access:
         before its caller gets the buffers back, wait — boundedly — until every live peer
         has finished its share or stopped (published its own error), since peers load
         from and store into this rank's buffers until then."""
+        if os.getpid() != self._pid:   # a forked child: the calls are its parent's
+            self.active = None
+            return
+        # a second thread's drain waits for the first's (re-entered from the same thread —
+        # a signal handler's close() — it finds nothing left to drain); bounded
+        if not self._draining.acquire(timeout=bound + 1.0):
+            log.warning("shm_direct: another thread's drain did not end in %g s", bound + 1.0)
+            return
+        try:
+            self._drain(bound)
+        finally:
+            self._draining.release()
+
+    def _drain(self, bound: float) -> None:
         run, self.active = self.active, None
         if run is None or run.phase not in (2, 3) or self.seg is None:
             return

@@ -1,0 +1,117 @@
+"""comm.abort() from a watchdog thread unblocks the blocking call in flight, 2 ranks:
+``mpiexec -n 2 python tests/abort_cases.py MODE``; each rank prints ``ABORT_CASE {json}``.
+
+Rank 0 calls first; rank 1 comes 1 s late.  0.3 s into rank 0's call a watchdog thread
+calls ``comm.abort("watchdog: step hung")`` (NCCL's ncclCommAbort pattern).  Rank 0's call
+must end at once with ``CommunicatorClosed`` ("interrupted"), not when rank 1 arrives or at
+the deadline, and rank 1 must get ``PeerFailure`` naming rank 0 as soon as it calls — or,
+where its call could end from what rank 0 had published before the abort (the board's
+data, a folded message), in its next call.
+
+- ``board``: a 64-byte allreduce (the board's compiled round, then BoardRun);
+- ``direct``: a 4 MiB-per-rank allgather (shm_direct's compiled round, then DirectRun in
+  its header phase);
+- ``sharing``: the same, but rank 1 (on the Python round) arrives in time and is slow in
+  its share: the abort comes once rank 0 has stored READY, and rank 0's caller must not
+  have its output back while rank 1 may still write into it (nothing written after the
+  call returned);
+- ``net``: under ``MPIR_CVAR_NUM_CLIQUES=2`` (two "nodes"): a 64-byte allreduce across
+  nodes (the agreement's exchange over tcp).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import casekit  # noqa: E402
+import gpurt  # noqa: E402
+from gpurt.transports import shm_direct  # noqa: E402
+
+
+def main() -> int:
+    mode = sys.argv[1]
+    world = MPI.COMM_WORLD
+    comm = gpurt.Communicator(world)
+    r, p = comm.rank, comm.size
+    big = mode in ("direct", "sharing")
+    n = 1 << 20 if big else 16
+    x = np.full(n, r + 1, np.float32)
+    y = np.zeros(p * n, np.float32)
+
+    def call():
+        if big:
+            comm.allgather(x, out=y)
+        else:
+            y[:n] = x
+            comm.allreduce(y[:n])
+    call()                                   # warm-up (the compiled rounds on both)
+    if mode == "sharing" and r == 1:
+        casekit.python_direct(comm)
+        share = shm_direct._SHARES["allgather"]
+
+        def slow(d):
+            time.sleep(0.3)
+            return share(d)
+        shm_direct._SHARES["allgather"] = slow
+    res: dict = {"rank": r, "mode": mode}
+
+    seq = comm._seq + 1                      # the call watched
+
+    def watchdog():
+        if mode == "sharing":     # until rank 0's READY is stored (rank 1 may come in)
+            bd = comm.board
+            word = bd.ctrl[bd.me] + shm_direct._READY
+            while bd.q[word] < 2 * seq:
+                time.sleep(1e-4)
+        else:
+            time.sleep(0.3)
+        comm.abort("watchdog: step hung")
+
+    world.Barrier()
+    y[:] = 0
+    th = None
+    if r == 0:
+        th = threading.Thread(target=watchdog)
+        th.start()
+    elif mode != "sharing":
+        time.sleep(1.0)
+    t0 = time.monotonic()
+    try:
+        call()
+        res["outcome"] = "ok"
+    except BaseException as e:  # noqa: BLE001 - reported
+        res["outcome"] = f"{type(e).__name__}: {e}"
+    res["seconds"] = round(time.monotonic() - t0, 3)
+    if r == 1 and res["outcome"] == "ok":
+        # its call could end from what rank 0 had published before the abort (the board's
+        # data, a folded message): the next one must fail, naming rank 0, at once
+        t0 = time.monotonic()
+        try:
+            call()
+            res["next"] = "ok"
+        except BaseException as e:  # noqa: BLE001 - reported
+            res["next"] = f"{type(e).__name__}: {e}"
+        res["next_seconds"] = round(time.monotonic() - t0, 3)
+    if th is not None:
+        th.join()
+        y[:] = -1                            # the caller owns its output again
+        time.sleep(0.6)
+        res["written_after"] = int(np.count_nonzero(y != -1))
+    print("ABORT_CASE " + json.dumps(res), flush=True)
+    world.Barrier()
+    comm.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
