@@ -85,23 +85,11 @@ def main() -> int:
         th.start()
     elif mode != "sharing":
         time.sleep(1.0)
-    t0 = time.monotonic()
-    try:
-        call()
-        res["outcome"] = "ok"
-    except BaseException as e:  # noqa: BLE001 - reported
-        res["outcome"] = f"{type(e).__name__}: {e}"
-    res["seconds"] = round(time.monotonic() - t0, 3)
+    res["outcome"], res["seconds"] = casekit.outcome(call)
     if r == 1 and res["outcome"] == "ok":
         # its call could end from what rank 0 had published before the abort (the board's
         # data, a folded message): the next one must fail, naming rank 0, at once
-        t0 = time.monotonic()
-        try:
-            call()
-            res["next"] = "ok"
-        except BaseException as e:  # noqa: BLE001 - reported
-            res["next"] = f"{type(e).__name__}: {e}"
-        res["next_seconds"] = round(time.monotonic() - t0, 3)
+        res["next"], res["next_seconds"] = casekit.outcome(call)
     if th is not None:
         th.join()
         y[:] = -1                            # the caller owns its output again

@@ -96,3 +96,16 @@ def slow_python_staging(comm, seconds: float) -> None:
         return staged(d)
 
     shm_direct._staged_allreduce = slow
+
+
+def outcome(fn) -> tuple[str, float]:
+    """Run ``fn()``: ("ok" or "Type: message", seconds it took) — for the case scripts
+    that report how a call ended rather than assert it."""
+    import time
+    t0 = time.monotonic()
+    try:
+        fn()
+        text = "ok"
+    except BaseException as e:  # noqa: BLE001 - reported
+        text = f"{type(e).__name__}: {e}"
+    return text, round(time.monotonic() - t0, 3)

@@ -90,14 +90,9 @@ def main() -> int:
         th.start()
     if r == 1 and mode.startswith("before"):
         time.sleep(1.0 if mode == "before" else 0.0025)
-    t0 = time.monotonic()
-    try:
-        comm.allgather(x, out=y)
-        res["outcome"] = "ok"
+    res["outcome"], res["seconds"] = casekit.outcome(lambda: comm.allgather(x, out=y))
+    if res["outcome"] == "ok":
         res["exact"] = bool(all((y[k * n:(k + 1) * n] == k + 1).all() for k in range(p)))
-    except BaseException as e:  # noqa: BLE001 - reported
-        res["outcome"] = f"{type(e).__name__}: {e}"
-    res["seconds"] = round(time.monotonic() - t0, 3)
     if th is not None:
         th.join()
         res["close_seconds"] = closed[0] if closed else None

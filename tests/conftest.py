@@ -54,6 +54,19 @@ def run_mpi(n: int, args: list[str], *, env: dict | None = None, timeout: float 
     return proc
 
 
+def rank_records(out: str, prefix: str, ranks: int) -> dict[int, dict]:
+    """The JSON record each rank printed after ``prefix`` (``PREFIX {json}``), by its
+    "rank"; asserts every one of ``ranks`` printed one."""
+    import json
+    recs = {}
+    for line in out.splitlines():
+        if line.startswith(prefix + " "):
+            rec = json.loads(line[len(prefix) + 1:])
+            recs[rec["rank"]] = rec
+    assert sorted(recs) == list(range(ranks)), out
+    return recs
+
+
 def gpurt_shm_files() -> list[str]:
     return sorted(f for f in os.listdir("/dev/shm") if f.startswith("gpurt-"))
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import run_mpi
+from conftest import rank_records, run_mpi
 from gpurt.transports import shm_direct
 
 
@@ -543,16 +543,9 @@ def test_the_board_takes_the_copies_where_no_cma_shares_run(n, cma):
 
 
 def _close_race(mode: str) -> dict[int, dict]:
-    import json
     out = run_mpi(2, ["tests/close_race_cases.py", mode], env={"GPURT_TIMEOUT": "20"},
                   timeout=120).stdout
-    recs = {}
-    for line in out.splitlines():
-        if line.startswith("CLOSE_RACE "):
-            rec = json.loads(line[len("CLOSE_RACE "):])
-            recs[rec["rank"]] = rec
-    assert sorted(recs) == [0, 1], out
-    return recs
+    return rank_records(out, "CLOSE_RACE", 2)
 
 
 @pytest.mark.parametrize("mode", ["before", "before_fast"])

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from conftest import (ROOT, gpurt_shm_files, is_hydra, mpiexec, remove_leaked_mpich_segments,
-                      run_mpi)
+from conftest import (ROOT, gpurt_shm_files, is_hydra, mpiexec, rank_records,
+                      remove_leaked_mpich_segments, run_mpi)
 
 SIZES = [1, 2, 3, 4, 5]
 
@@ -449,18 +449,11 @@ def test_abort_from_a_watchdog_thread_unblocks_the_call_in_flight(mode):
     where that could end from what rank 0 had published, in its next one; and with the
     peer in the middle of its share, rank 0's caller gets its output back only once the
     peer has stopped writing into it (tests/abort_cases.py)."""
-    import json
     env = {"GPURT_TIMEOUT": "20"}
     if mode == "net":
         env["MPIR_CVAR_NUM_CLIQUES"] = "2"
     out = run_mpi(2, ["tests/abort_cases.py", mode], env=env, timeout=120).stdout
-    recs = {}
-    for line in out.splitlines():
-        if line.startswith("ABORT_CASE "):
-            rec = json.loads(line[len("ABORT_CASE "):])
-            recs[rec["rank"]] = rec
-    assert sorted(recs) == [0, 1], out
-    r0, r1 = recs[0], recs[1]
+    r0, r1 = (rank_records(out, "ABORT_CASE", 2)[k] for k in (0, 1))
     assert r0["outcome"].startswith("CommunicatorClosed: rank 0: ") and \
         "interrupted: rank 0: watchdog: step hung" in r0["outcome"], r0
     assert r0["seconds"] < 0.9 and r0["written_after"] == 0, r0   # not the peer's 1 s
