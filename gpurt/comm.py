@@ -1385,15 +1385,9 @@ class Communicator:
                                   got, rec, timeout)
         except BaseException as e:
             eng.poison(e)           # (run_inline has annotated and poisoned what it ran)
-            if self._closed and isinstance(e, Exception):
-                # closed by another thread meanwhile (stopped before READY, interrupted,
-                # the board's "closed", ...)
-                text = f"rank {self.rank} closed the communicator during {coll} (call #{seq})"
-                self._deferred = None
-                self._publish(text)
-                self._direct_drain()
-                raise CommunicatorClosed(text) from (None if isinstance(
-                    e, shm_direct.Stopped) else e)
+            # closed by another thread meanwhile (stopped before READY, interrupted, the
+            # board's "closed", ...): told, drained, raised
+            self._closed_raise(e, coll, seq, drain=True)
             self._publish_deferred()        # (another thread's abort(): now it stopped)
             # peers may be in this rank's buffers: the caller has them back only after the
             # drain (a no-op if _on_poison drained here already)
@@ -1404,14 +1398,20 @@ class Communicator:
             self._publish_deferred()        # (the call ended as the abort came)
         return self._inline_end(coll, o, res, root, rec)
 
-    def _closed_raise(self, e: BaseException, coll: str, seq: int) -> None:
-        """An inline call (the board's, across nodes) that failed because another thread
-        closed the communicator meanwhile (interrupted, or the board released under it):
-        its peers are told, and the caller gets ``CommunicatorClosed``."""
+    def _closed_raise(self, e: BaseException, coll: str, seq: int, drain: bool = False
+                      ) -> None:
+        """An inline call that failed because another thread closed the communicator
+        meanwhile (interrupted, stopped before READY, or the board released under it): its
+        peers are told (now: this thread has stopped writing), an shm_direct call's
+        arrays drained (``drain``), and the caller gets ``CommunicatorClosed``."""
         if self._closed and isinstance(e, Exception):
             text = f"rank {self.rank} closed the communicator during {coll} (call #{seq})"
+            self._deferred = None
             self._publish(text)
-            raise CommunicatorClosed(text) from e
+            if drain:
+                self._direct_drain()
+            raise CommunicatorClosed(text) from (None if isinstance(e, shm_direct.Stopped)
+                                                 else e)
 
     def _stop_calls(self) -> None:
         """close() while an inline shm_direct call runs in another thread: the compiled
