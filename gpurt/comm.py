@@ -24,7 +24,6 @@ import logging
 import os
 import socket
 import sys
-import threading
 import time
 import weakref
 import zlib
@@ -98,16 +97,16 @@ class Communicator:
 
     # shm_direct's compiled shares by CMA can run on every rank (``_direct_setup``)
     _cma_shares = False
-    # inline shm_direct calls under way (``_direct_go``; peers may be in their buffers),
-    # the thread of the last one, and the process that made this communicator: close()
-    # from another thread waits for them (``_stop_calls``)
-    _direct_calls = 0
-    _direct_thread = 0
+    # the process that made this communicator (a forked child's close() waits for no
+    # call: they run in its parent)
     _pid = 0
-    # an error for the peers that the thread of an inline shm_direct call publishes when
-    # its call stops (another thread's abort() or close() came while it may still be
-    # writing into their buffers: a published error tells them it has stopped)
+    # an error for the peers that the thread advancing a call (``Engine.busy``: an inline
+    # one, or a Request's wait) publishes when it stops: another thread's abort() or
+    # close() came while it may still be writing into their buffers, and a published
+    # error tells them it has stopped (``_on_poison``, ``_publish_deferred``)
     _deferred: str | None = None
+    # that thread is publishing it and draining now (close() waits for the end)
+    _telling = False
 
     def __init__(self, mpi_comm: Any = None, *, _owned: bool = False):
         MPI = _mpi()
@@ -168,6 +167,7 @@ class Communicator:
             self.flight = FlightRecorder(self.rank, self.size, self.cid, nflight) \
                 if nflight > 0 else None
             self.engine.on_poison = self._on_poison
+            self.engine.on_stopped = self._publish_deferred
             cost, levels, forced, profile, check, fold = self._tuner_inputs()
             natives = self._natives()             # sets self.board on one-node communicators
             self._direct = self._direct_setup() if self.board is not None else None
@@ -563,23 +563,42 @@ class Communicator:
         if self.flight is not None:
             self.flight.name_site(callsite.site())   # inline calls record no site (cost)
             self.flight.dump(exc)
-        if self._elsewhere():
-            # (abort() from a watchdog thread) the call's own thread publishes and drains
-            # when it stops: until then it may be writing into the peers' buffers
-            self._deferred = relay_text(exc)
+        if self._defer(relay_text(exc)):
             return
         self._publish(relay_text(exc))
         self._direct_drain()
 
     def _elsewhere(self) -> bool:
-        """An inline shm_direct call is under way in another thread of this process."""
-        return bool(self._direct_calls) and self._direct_thread != threading.get_ident() \
-            and os.getpid() == self._pid
+        """A call is being advanced in another thread of this process (``Engine.busy``)."""
+        return self.engine.elsewhere() and os.getpid() == self._pid
+
+    def _defer(self, text: str) -> bool:
+        """(abort() or close() from a watchdog thread) If another thread is advancing a
+        call, which may be storing into the peers' buffers, that thread publishes ``text``
+        and drains once it has stopped (``_publish_deferred``; its shm_direct share stops
+        at its next piece): True.  Else False: the caller tells the peers itself."""
+        eng = self.engine
+        with eng.lock:
+            if not self._elsewhere():
+                return False
+            self._deferred = text
+        if getattr(self, "_direct", None) is not None:
+            self._direct.stopping = True
+        return True
 
     def _publish_deferred(self) -> None:
-        if self._deferred is not None:
+        """In the thread that advanced a call, once it stopped: the error that another
+        thread's abort()/close() left to it, published, then the drain; ``_deferred`` is
+        cleared only then (close() waits for that before it releases the transports)."""
+        with self.engine.lock:
             text, self._deferred = self._deferred, None
-            self._publish(text)
+            self._telling = text is not None
+        if text is not None:
+            try:
+                self._publish(text)
+                self._direct_drain()
+            finally:
+                self._telling = False
 
     def _publish(self, text: str) -> None:
         """Every transport tells this rank's peers ``text`` (shm: the error record; tcp:
@@ -1339,8 +1358,7 @@ class Communicator:
         fl = self.flight
         rec = fl.start(seq, coll, dp.fargs, dp.fallback, site) if fl is not None else None
         got = 2
-        self._direct_calls += 1
-        self._direct_thread = threading.get_ident()
+        busy = eng.enter()   # (another thread's abort()/close() leaves the telling to us)
         try:     # (the call counts from here: any failure leaves the ranks out of step,
             # a signal's exception too, right after the compiled round returned)
             if dp.staged is not None or dp.cma is not None:
@@ -1394,8 +1412,7 @@ class Communicator:
             self._direct_drain()
             raise
         finally:
-            self._direct_calls -= 1
-            self._publish_deferred()        # (the call ended as the abort came)
+            eng.leave(busy)       # (the call ended as an abort came: _publish_deferred)
         return self._inline_end(coll, o, res, root, rec)
 
     def _closed_raise(self, e: BaseException, coll: str, seq: int, drain: bool = False
@@ -1414,26 +1431,35 @@ class Communicator:
                                                  else e)
 
     def _stop_calls(self) -> None:
-        """close() while an inline shm_direct call runs in another thread: the compiled
-        round stops before it lets peers into the caller's buffers (``stop``), and a call
-        past that point — peers loading from and storing into its buffers — ends (it has
-        its deadline) before the transports, and the board with them, go away."""
+        """close() while another thread advances a call (inline, or a Request's wait):
+        the compiled round stops before it lets peers into the caller's buffers (``stop``),
+        an shm_direct share at its next piece (``stopping``), and that thread — which
+        tells the peers once it has stopped writing, and drains — is waited for (bounded)
+        before the transports, and the board with them, go away."""
         bd = self.board
         fast = getattr(bd, "fast", None)
         if fast is not None:
             fast.stop()
         if getattr(self, "_direct", None) is not None:
             self._direct.stopping = True
-        if not self._direct_calls or self._direct_thread == threading.get_ident() or \
-                os.getpid() != self._pid:     # (this thread's own call; a forked child)
-            return
         eng = getattr(self, "engine", None)
-        deadline = time.monotonic() + (eng._timeout() if eng is not None else 60.0) + 5.0
-        while self._direct_calls and time.monotonic() < deadline:
+        if eng is None or os.getpid() != self._pid:     # (a forked child: its parent's)
+            return
+        now = time.monotonic()
+        deadline, grace = now + eng._timeout() + 5.0, now + 0.5
+        while now < deadline:
+            if self._elsewhere() or self._telling:
+                grace = now + 0.5
+            elif self._deferred is None or eng.busy or now > grace:
+                break   # (busy here: close() inside this thread's own call, a signal's)
             time.sleep(1e-4)
-        if self._direct_calls:
-            log.warning("rank %d: closing while a shm_direct call is still running in "
-                        "another thread", self.rank)
+            now = time.monotonic()
+        if self._elsewhere():
+            log.warning("rank %d: closing while a call is still running in another thread",
+                        self.rank)
+        if self._deferred is not None:      # (its thread did not tell them: we do)
+            text, self._deferred = self._deferred, None
+            self._publish(text)
 
     def _direct_rest(self, coll: str, dp: "_DirectPlan", xf: np.ndarray, rf: np.ndarray,
                      alias: bool, root: int, n: int, seq: int, site: int, got: int,
@@ -1902,12 +1928,13 @@ class Communicator:
         if self.flight is not None:
             self.flight.dumped = True   # a plain close is no failure: nothing to report
             last = self.flight.events[-1] if self.flight.events else None
-            if last is not None and last[flight.STATE] == "running" and \
-                    not self._elsewhere():
-                # a call in flight (another thread's): its peers are told at once (an
-                # inline shm_direct call's thread tells them when it has stopped writing)
-                self._publish(f"rank {self.rank} closed the communicator during "
-                              f"{last[flight.KIND]} (call #{last[flight.SEQ]})")
+            if last is not None and last[flight.STATE] == "running":
+                # a call in flight (another thread's): its peers are told at once, or by
+                # the thread advancing it once that has stopped writing
+                text = (f"rank {self.rank} closed the communicator during "
+                        f"{last[flight.KIND]} (call #{last[flight.SEQ]})")
+                if not hasattr(self, "engine") or not self._defer(text):
+                    self._publish(text)
         if hasattr(self, "engine"):
             self.engine.poison(CommunicatorClosed(f"rank {self.rank}: communicator closed"))
         self._release()

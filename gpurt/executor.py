@@ -17,6 +17,7 @@ the communicator raises at once.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from typing import Callable
@@ -280,6 +281,32 @@ class Engine:
         self.poisoned: BaseException | None = None
         self._timeout = default_timeout
         self._check_peers = check_peers
+        #: the thread advancing a run right now (0: none) — a run may be storing into
+        #: the peers' buffers, so another thread's abort() must not tell the peers that
+        #: this rank is out of them before it stopped (``Communicator._on_poison``)
+        self.busy = 0
+        #: held by another thread's abort()/close() while it decides to defer its telling
+        #: to the advancing thread, and by that thread while it takes the task over
+        self.lock = threading.Lock()
+        #: called in the advancing thread when it stops with the engine poisoned meanwhile
+        self.on_stopped: Callable[[], None] | None = None
+
+    def enter(self) -> int:
+        """This thread advances a run from here (until ``leave``; nests)."""
+        prev, self.busy = self.busy, threading.get_ident()
+        return prev
+
+    def leave(self, prev: int) -> None:
+        self.busy = prev
+        # (busy is cleared before poisoned is read, and another thread sets poisoned before
+        # it reads busy: either it saw this thread out and told the peers itself, or it
+        # left that to on_stopped, which then sees the poison)
+        if not prev and self.poisoned is not None and self.on_stopped is not None:
+            self.on_stopped()
+
+    def elsewhere(self) -> bool:
+        """Another thread of this process is advancing a run now."""
+        return self.busy != 0 and self.busy != threading.get_ident()
 
     def submit(self, req: Request) -> Request:
         self.raise_if_poisoned()
@@ -344,11 +371,14 @@ class Engine:
         return moved
 
     def _step_begin(self) -> None:
+        prev = self.enter()
         try:
             self._begin_head()
         except BaseException as e:
             self._fail(e, self.colls[0] if self.colls else None)
             raise
+        finally:
+            self.leave(prev)
 
     def _step(self, req: Request) -> bool:
         """Advance one request.  Any exception — a mismatch, a dead peer, but also a NumPy
@@ -357,14 +387,25 @@ class Engine:
         run = req.run
         if run is None:
             return False
+        prev = self.enter()
         try:
             moved = run.advance()
             if run.done:
                 req._complete()
             return moved
         except BaseException as e:
+            if self._stopped_by_poison(e) and req.error is not None:
+                return True     # (another thread's abort()/close(): the request has its error)
             self._fail(e, req)
             raise
+        finally:
+            self.leave(prev)
+
+    def _stopped_by_poison(self, e: BaseException) -> bool:
+        """A run stopped (``CommunicatorClosed`` from it: a transport's "stopping", a
+        released segment's) because another thread poisoned the engine meanwhile."""
+        return self.poisoned is not None and self.poisoned is not e and \
+            isinstance(e, CommunicatorClosed)
 
     def _fail(self, e: BaseException, req: Request | None) -> None:
         if isinstance(e, Exception):
@@ -384,6 +425,7 @@ class Engine:
         """Drive one collective to completion right here — the blocking fast path, used
         only while no other collective is queued (so call order is kept) and without a
         ``Request``.  Same deadlines, liveness checks and poisoning as ``wait``."""
+        prev = self.enter()
         try:
             if run.advance() and run.done:
                 return
@@ -396,12 +438,19 @@ class Engine:
                             f"{t:g} s; still waiting for rank(s) {missing}",
                             collective=name, seq=seq, missing=tuple(missing)))
             if not run.done:
-                raise CommunicatorClosed(f"rank {self.rank}: {name} (call #{seq}) "
-                                         f"interrupted: {self.poisoned}") from self.poisoned
+                raise self._interrupted(name, seq) from self.poisoned
         except BaseException as e:
+            if self._stopped_by_poison(e):
+                raise self._interrupted(name, seq) from self.poisoned
             self._annotate(e, f"in {name} (call #{seq}): ")
             self.poison(e)
             raise
+        finally:
+            self.leave(prev)
+
+    def _interrupted(self, name: str, seq: int) -> CommunicatorClosed:
+        return CommunicatorClosed(f"rank {self.rank}: {name} (call #{seq}) interrupted: "
+                                  f"{self.poisoned}")
 
     def _drive(self, step: Callable[[], bool], finished: Callable[[], bool],
                waiting_on: Callable[[], list[int]], timeout: float | None,

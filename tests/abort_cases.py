@@ -17,6 +17,12 @@ data, a folded message), in its next call.
   call returned);
 - ``net``: under ``MPIR_CVAR_NUM_CLIQUES=2`` (two "nodes"): a 64-byte allreduce across
   nodes (the agreement's exchange over tcp).
+- ``request`` / ``request_close``: rank 0 waits on an ``iallgather`` Request (DirectRun,
+  driven by ``Request.wait``) and is the slow one in its share, which writes into rank 1's
+  output; the watchdog calls ``abort()`` / ``close()`` while that share runs (between
+  its first piece's check and its stores).  Rank 1 must
+  not have its output back while rank 0 may still write into it (rank 0 tells it only once
+  its share has stopped), and rank 0's share stops at its next piece.
 """
 
 from __future__ import annotations
@@ -43,7 +49,8 @@ def main() -> int:
     world = MPI.COMM_WORLD
     comm = gpurt.Communicator(world)
     r, p = comm.rank, comm.size
-    big = mode in ("direct", "sharing")
+    req = mode.startswith("request")
+    big = mode in ("direct", "sharing") or req
     n = 1 << 20 if big else 16
     x = np.full(n, r + 1, np.float32)
     y = np.zeros(p * n, np.float32)
@@ -55,6 +62,21 @@ def main() -> int:
             y[:n] = x
             comm.allreduce(y[:n])
     call()                                   # warm-up (the compiled rounds on both)
+    if req and r == 0:
+        check = shm_direct.Access.stop_if_failed
+        armed = []
+
+        def slow_piece(acc):
+            # the first piece of the watched share is slow (a large one, a descheduled
+            # rank): the watchdog comes in after its check, before its stores
+            check(acc)
+            if armed:
+                armed.clear()
+                time.sleep(0.3)
+        shm_direct.Access.stop_if_failed = slow_piece
+
+        def call():                          # noqa: F811 - the watched call, by Request
+            comm.iallgather(x, out=y).wait()
     if mode == "sharing" and r == 1:
         casekit.python_direct(comm)
         share = shm_direct._SHARES["allgather"]
@@ -68,24 +90,38 @@ def main() -> int:
     seq = comm._seq + 1                      # the call watched
 
     def watchdog():
-        if mode == "sharing":     # until rank 0's READY is stored (rank 1 may come in)
+        if mode == "sharing" or req:    # until rank 0's READY is stored (rank 1 may come in)
             bd = comm.board
             word = bd.ctrl[bd.me] + shm_direct._READY
             while bd.q[word] < 2 * seq:
                 time.sleep(1e-4)
+            if req:                     # and rank 1's: rank 0 is then in its share
+                word = bd.ctrl[1 - bd.me] + shm_direct._READY
+                while bd.q[word] < 2 * seq:
+                    time.sleep(1e-4)
+                time.sleep(0.1)
         else:
             time.sleep(0.3)
-        comm.abort("watchdog: step hung")
+        if mode == "request_close":
+            comm.close()
+        else:
+            comm.abort("watchdog: step hung")
 
     world.Barrier()
     y[:] = 0
+    if req and r == 0:
+        armed.append(1)
     th = None
     if r == 0:
         th = threading.Thread(target=watchdog)
         th.start()
-    elif mode != "sharing":
+    elif mode != "sharing" and not req:
         time.sleep(1.0)
     res["outcome"], res["seconds"] = casekit.outcome(call)
+    if req and r == 1:       # its output is its own again: rank 0 must not write into it
+        y[:] = -1
+        time.sleep(0.6)
+        res["written_after"] = int(np.count_nonzero(y != -1))
     if r == 1 and res["outcome"] == "ok":
         # its call could end from what rank 0 had published before the abort (the board's
         # data, a folded message): the next one must fail, naming rank 0, at once

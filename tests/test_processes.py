@@ -465,3 +465,25 @@ def test_abort_from_a_watchdog_thread_unblocks_the_call_in_flight(mode):
         assert r1["next_seconds"] < 5, r1
     else:
         assert r1["outcome"].startswith("PeerFailure: ") and r1["seconds"] < 5, r1
+
+
+@pytest.mark.parametrize("mode", ["request", "request_close"])
+def test_abort_or_close_during_a_requests_share_tells_peers_only_once_it_stopped(mode):
+    """A watchdog thread's abort() (or close()) while the thread in ``Request.wait``
+    is in the middle of an shm_direct share that stores into the peer's output: the peer
+    is told only once that share has stopped (at its next piece), so it never has its
+    output back while rank 0 still writes into it.  Before, the watchdog published at once
+    and rank 1's returned output took 512 KiB of rank 0's stores afterwards; the close
+    released the transports under the waiting thread (a ValueError from a released
+    memoryview on rank 0) — tests/abort_cases.py."""
+    out = run_mpi(2, ["tests/abort_cases.py", mode], env={"GPURT_TIMEOUT": "20"},
+                  timeout=120).stdout
+    r0, r1 = (rank_records(out, "ABORT_CASE", 2)[k] for k in (0, 1))
+    why = "watchdog: step hung" if mode == "request" else "communicator closed"
+    told = "watchdog: step hung" if mode == "request" else \
+        "rank 0 closed the communicator during allgather (call #2)"
+    assert r0["outcome"] == f"CommunicatorClosed: rank 0: {why}", r0
+    assert r0["seconds"] < 0.9 and r0["written_after"] == 0, r0
+    assert r1["outcome"].startswith("PeerFailure: ") and "rank 0" in r1["outcome"] and \
+        told in r1["outcome"] and r1["seconds"] < 5, r1
+    assert r1["written_after"] == 0, r1

@@ -180,8 +180,9 @@ class Access:
         self.err_i = [seg.err_off(k) // 8 for k in range(len(pids))] if seg is not None \
             else []
         self.active: "DirectRun | None" = None     # the call between READY and the end
-        # close() from another thread is under way: a call that has not stored READY
-        # stops there (``Stopped``), as the compiled round does (D_CLOSED)
+        # abort() or close() from another thread is under way: a call that has not stored
+        # READY stops there (``Stopped``), as the compiled round does (D_CLOSED), and a
+        # share at its next piece (``stop_if_failed``)
         self.stopping = False
         self._draining = threading.RLock()
         self._pid = os.getpid()
@@ -196,7 +197,12 @@ class Access:
 
     def stop_if_failed(self) -> None:
         """PeerFailure if a peer has published an error (it is going down, and may already
-        have its buffers back): no more loads or stores into its memory."""
+        have its buffers back): no more loads or stores into its memory.  ``Stopped`` if
+        another thread is aborting or closing this rank's communicator: it tells the peers
+        once this share has stopped storing into their buffers."""
+        if self.stopping:
+            raise Stopped(f"rank {self.ranks[self.me]}: stopped during shm_direct: the "
+                          f"communicator is being aborted or closed by another thread")
         seg = self.seg
         if seg is None:
             return
@@ -411,8 +417,8 @@ class DirectRun:
             return _staged_allreduce(self)
         if self.phase == 0:
             if self.acc.stopping:
-                raise Stopped(f"rank {self.acc.ranks[self.r]}: communicator closed during call "
-                              f"#{self.seq}, before its peers were let in")
+                raise Stopped(f"rank {self.acc.ranks[self.r]}: communicator aborted or closed "
+                              f"during call #{self.seq}, before its peers were let in")
             moved = self.hdr.advance()
             if not self.hdr.done:
                 return moved
