@@ -24,6 +24,7 @@ import logging
 import os
 import socket
 import sys
+import threading
 import time
 import weakref
 import zlib
@@ -105,8 +106,10 @@ class Communicator:
     # close() came while it may still be writing into their buffers, and a published
     # error tells them it has stopped (``_on_poison``, ``_publish_deferred``)
     _deferred: str | None = None
-    # that thread is publishing it and draining now (close() waits for the end)
-    _telling = False
+    # the thread publishing it and draining now (0: none; close() waits for the end)
+    _telling = 0
+    # what close() tells the peers of a call in flight (None: no call was running)
+    _close_text: str | None = None
 
     def __init__(self, mpi_comm: Any = None, *, _owned: bool = False):
         MPI = _mpi()
@@ -557,15 +560,22 @@ class Communicator:
         """The communicator just failed here (a mismatch, a dead peer, a timeout, abort(),
         an exception mid-transfer): dump the flight recorder, and tell every peer, so that
         ranks waiting for this one raise ``PeerFailure`` at once instead of at their
-        deadline (once per communicator; best effort, bounded)."""
+        deadline (once per communicator; best effort, bounded).  close() comes here too,
+        with the text for a call in flight, if any (a plain close() is no failure: the
+        peers see the connections go).  Both before the requests get their error: the
+        caller of a Request has its arrays back only after the drain."""
         if self._closed:
-            return      # a plain close() is no failure (peers see the connections go)
-        if self.flight is not None:
-            self.flight.name_site(callsite.site())   # inline calls record no site (cost)
-            self.flight.dump(exc)
-        if self._defer(relay_text(exc)):
+            text = self._close_text
+            if text is None:
+                return
+        else:
+            if self.flight is not None:
+                self.flight.name_site(callsite.site())   # inline calls record no site
+                self.flight.dump(exc)
+            text = relay_text(exc)
+        if self._defer(text):
             return
-        self._publish(relay_text(exc))
+        self._publish(text)
         self._direct_drain()
 
     def _elsewhere(self) -> bool:
@@ -578,27 +588,34 @@ class Communicator:
         and drains once it has stopped (``_publish_deferred``; its shm_direct share stops
         at its next piece): True.  Else False: the caller tells the peers itself."""
         eng = self.engine
+        if getattr(self, "_direct", None) is not None:
+            self._direct.stopping = True    # (before busy is read: see Engine.enter)
         with eng.lock:
             if not self._elsewhere():
                 return False
             self._deferred = text
-        if getattr(self, "_direct", None) is not None:
-            self._direct.stopping = True
         return True
 
     def _publish_deferred(self) -> None:
         """In the thread that advanced a call, once it stopped: the error that another
         thread's abort()/close() left to it, published, then the drain; ``_deferred`` is
         cleared only then (close() waits for that before it releases the transports)."""
-        with self.engine.lock:
-            text, self._deferred = self._deferred, None
-            self._telling = text is not None
-        if text is not None:
-            try:
-                self._publish(text)
-                self._direct_drain()
-            finally:
-                self._telling = False
+        text, told = None, False
+        try:
+            with self.engine.lock:
+                text, self._deferred = self._deferred, None
+                if text is not None:
+                    self._telling = threading.get_ident()
+            if text is None:
+                return
+            self._publish(text)
+            told = True
+            self._direct_drain()
+        finally:
+            if text is not None:
+                if not told:            # (interrupted: a KeyboardInterrupt) close() tells
+                    self._deferred = text
+                self._telling = 0
 
     def _publish(self, text: str) -> None:
         """Every transport tells this rank's peers ``text`` (shm: the error record; tcp:
@@ -1361,6 +1378,8 @@ class Communicator:
         busy = eng.enter()   # (another thread's abort()/close() leaves the telling to us)
         try:     # (the call counts from here: any failure leaves the ranks out of step,
             # a signal's exception too, right after the compiled round returned)
+            if eng.poisoned is not None:    # (read after enter(): see there)
+                raise eng._interrupted(coll, seq) from eng.poisoned
             if dp.staged is not None or dp.cma is not None:
                 # the compiled rounds, on ordinary arrays only (the header names a shared
                 # one's file): the staged allreduce (a peer that did not stage sends every
@@ -1445,20 +1464,24 @@ class Communicator:
         eng = getattr(self, "engine", None)
         if eng is None or os.getpid() != self._pid:     # (a forked child: its parent's)
             return
+        me = threading.get_ident()
         now = time.monotonic()
         deadline, grace = now + eng._timeout() + 5.0, now + 0.5
         while now < deadline:
-            if self._elsewhere() or self._telling:
+            with eng.lock:
+                deferred, telling = self._deferred, self._telling
+            if self._elsewhere() or telling not in (0, me):
                 grace = now + 0.5
-            elif self._deferred is None or eng.busy or now > grace:
-                break   # (busy here: close() inside this thread's own call, a signal's)
+            elif deferred is None or eng.busy or telling or now > grace:
+                break   # (busy, telling: close() inside this thread's own call, a signal's)
             time.sleep(1e-4)
             now = time.monotonic()
         if self._elsewhere():
             log.warning("rank %d: closing while a call is still running in another thread",
                         self.rank)
-        if self._deferred is not None:      # (its thread did not tell them: we do)
+        with eng.lock:
             text, self._deferred = self._deferred, None
+        if text is not None:                # (its thread did not tell them: we do)
             self._publish(text)
 
     def _direct_rest(self, coll: str, dp: "_DirectPlan", xf: np.ndarray, rf: np.ndarray,
@@ -1931,10 +1954,12 @@ class Communicator:
             if last is not None and last[flight.STATE] == "running":
                 # a call in flight (another thread's): its peers are told at once, or by
                 # the thread advancing it once that has stopped writing
-                text = (f"rank {self.rank} closed the communicator during "
-                        f"{last[flight.KIND]} (call #{last[flight.SEQ]})")
-                if not hasattr(self, "engine") or not self._defer(text):
-                    self._publish(text)
+                # (in _on_poison, as an abort's: after the poison, before the requests'
+                # errors, deferred to the thread advancing it if any)
+                self._close_text = (f"rank {self.rank} closed the communicator during "
+                                    f"{last[flight.KIND]} (call #{last[flight.SEQ]})")
+                if not hasattr(self, "engine"):
+                    self._publish(self._close_text)
         if hasattr(self, "engine"):
             self.engine.poison(CommunicatorClosed(f"rank {self.rank}: communicator closed"))
         self._release()

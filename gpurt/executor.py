@@ -287,17 +287,23 @@ class Engine:
         self.busy = 0
         #: held by another thread's abort()/close() while it decides to defer its telling
         #: to the advancing thread, and by that thread while it takes the task over
-        self.lock = threading.Lock()
+        #: (re-entrant: a signal handler's close() may come in while this thread holds it)
+        self.lock = threading.RLock()
         #: called in the advancing thread when it stops with the engine poisoned meanwhile
         self.on_stopped: Callable[[], None] | None = None
 
     def enter(self) -> int:
-        """This thread advances a run from here (until ``leave``; nests)."""
-        prev, self.busy = self.busy, threading.get_ident()
-        return prev
+        """This thread advances a run from here until ``leave`` (nests in one thread; a
+        second thread advancing at once — unsupported — takes the mark over).  The caller
+        must not advance anything if the engine is poisoned once this returned: another
+        thread's abort() may have seen ``busy`` still clear and told the peers itself."""
+        me = threading.get_ident()
+        prev, self.busy = self.busy, me
+        return prev if prev == me else 0
 
     def leave(self, prev: int) -> None:
-        self.busy = prev
+        if self.busy == threading.get_ident():
+            self.busy = prev
         # (busy is cleared before poisoned is read, and another thread sets poisoned before
         # it reads busy: either it saw this thread out and told the peers itself, or it
         # left that to on_stopped, which then sees the poison)
@@ -389,13 +395,18 @@ class Engine:
             return False
         prev = self.enter()
         try:
+            if self.poisoned is not None:       # (read after enter(): see there)
+                return False
             moved = run.advance()
             if run.done:
                 req._complete()
             return moved
         except BaseException as e:
-            if self._stopped_by_poison(e) and req.error is not None:
-                return True     # (another thread's abort()/close(): the request has its error)
+            if self._stopped_by_poison(e):
+                # another thread's abort()/close(): the request ends with its error
+                if req.error is None:
+                    req.error = self.poisoned
+                return True
             self._fail(e, req)
             raise
         finally:
@@ -427,6 +438,8 @@ class Engine:
         ``Request``.  Same deadlines, liveness checks and poisoning as ``wait``."""
         prev = self.enter()
         try:
+            if self.poisoned is not None:       # (read after enter(): see there)
+                raise self._interrupted(name, seq) from self.poisoned
             if run.advance() and run.done:
                 return
             # another thread's abort() (a watchdog's) or failure poisons the engine: the

@@ -20,9 +20,13 @@ data, a folded message), in its next call.
 - ``request`` / ``request_close``: rank 0 waits on an ``iallgather`` Request (DirectRun,
   driven by ``Request.wait``) and is the slow one in its share, which writes into rank 1's
   output; the watchdog calls ``abort()`` / ``close()`` while that share runs (between
-  its first piece's check and its stores).  Rank 1 must
-  not have its output back while rank 0 may still write into it (rank 0 tells it only once
-  its share has stopped), and rank 0's share stops at its next piece.
+  its first piece's check and its stores).  Rank 1 must not have its output back while
+  rank 0 may still write into it (rank 0 tells it only once its share has stopped), and
+  rank 0's share stops at its next piece.
+- ``request_waiting`` / ``request_waiting_close``: both ranks wait on Requests; rank 0's
+  share is done (it waits for rank 1's FINISHED, between steps) and rank 1 is the slow one
+  in its share, which stores into rank 0's output, when the watchdog calls ``abort()`` /
+  ``close()``: rank 0's caller must have its output back only once rank 1 stopped.
 """
 
 from __future__ import annotations
@@ -34,22 +38,19 @@ import threading
 import time
 
 import numpy as np
-from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import casekit  # noqa: E402
-import gpurt  # noqa: E402
 from gpurt.transports import shm_direct  # noqa: E402
 
 
 def main() -> int:
     mode = sys.argv[1]
-    world = MPI.COMM_WORLD
-    comm = gpurt.Communicator(world)
-    r, p = comm.rank, comm.size
+    world, comm, r, p, _ = casekit.start()
     req = mode.startswith("request")
+    slow = 1 if "waiting" in mode else 0    # (request modes) the rank slow in its share
     big = mode in ("direct", "sharing") or req
     n = 1 << 20 if big else 16
     x = np.full(n, r + 1, np.float32)
@@ -62,7 +63,7 @@ def main() -> int:
             y[:n] = x
             comm.allreduce(y[:n])
     call()                                   # warm-up (the compiled rounds on both)
-    if req and r == 0:
+    if req and r == slow:
         check = shm_direct.Access.stop_if_failed
         armed = []
 
@@ -74,7 +75,7 @@ def main() -> int:
                 armed.clear()
                 time.sleep(0.3)
         shm_direct.Access.stop_if_failed = slow_piece
-
+    if req and (r == 0 or slow == 1):
         def call():                          # noqa: F811 - the watched call, by Request
             comm.iallgather(x, out=y).wait()
     if mode == "sharing" and r == 1:
@@ -95,21 +96,25 @@ def main() -> int:
             word = bd.ctrl[bd.me] + shm_direct._READY
             while bd.q[word] < 2 * seq:
                 time.sleep(1e-4)
-            if req:                     # and rank 1's: rank 0 is then in its share
+            if req:                     # and rank 1's: the slow rank is then in its share
                 word = bd.ctrl[1 - bd.me] + shm_direct._READY
                 while bd.q[word] < 2 * seq:
                     time.sleep(1e-4)
+                if slow == 1:           # rank 0 has finished its share: between steps
+                    word = bd.ctrl[bd.me] + shm_direct._FINISHED
+                    while bd.q[word] < seq:
+                        time.sleep(1e-4)
                 time.sleep(0.1)
         else:
             time.sleep(0.3)
-        if mode == "request_close":
+        if mode.endswith("close"):
             comm.close()
         else:
             comm.abort("watchdog: step hung")
 
     world.Barrier()
     y[:] = 0
-    if req and r == 0:
+    if req and r == slow:
         armed.append(1)
     th = None
     if r == 0:
@@ -118,7 +123,7 @@ def main() -> int:
     elif mode != "sharing" and not req:
         time.sleep(1.0)
     res["outcome"], res["seconds"] = casekit.outcome(call)
-    if req and r == 1:       # its output is its own again: rank 0 must not write into it
+    if req:         # its output is its own again: the peer must not write into it
         y[:] = -1
         time.sleep(0.6)
         res["written_after"] = int(np.count_nonzero(y != -1))
@@ -128,6 +133,7 @@ def main() -> int:
         res["next"], res["next_seconds"] = casekit.outcome(call)
     if th is not None:
         th.join()
+    if th is not None and not req:
         y[:] = -1                            # the caller owns its output again
         time.sleep(0.6)
         res["written_after"] = int(np.count_nonzero(y != -1))

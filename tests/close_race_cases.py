@@ -32,15 +32,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import casekit  # noqa: E402
-import gpurt  # noqa: E402
 from gpurt.transports import shm_direct  # noqa: E402
 
 
 def main() -> int:
     mode = sys.argv[1]
-    world = MPI.COMM_WORLD
-    comm = gpurt.Communicator(world)
-    r, p = comm.rank, comm.size
+    world, comm, r, p, _ = casekit.start()
     n = 1 << 20 if mode != "fork" else 16 << 20      # float32 per rank
     x = np.full(n, r + 1, np.float32)
     y = np.zeros(p * n, np.float32)

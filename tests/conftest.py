@@ -59,10 +59,14 @@ def rank_records(out: str, prefix: str, ranks: int) -> dict[int, dict]:
     "rank"; asserts every one of ``ranks`` printed one."""
     import json
     recs = {}
-    for line in out.splitlines():
-        if line.startswith(prefix + " "):
-            rec = json.loads(line[len(prefix) + 1:])
-            recs[rec["rank"]] = rec
+    dec = json.JSONDecoder()
+    # (mpiexec forwards each rank's output as it comes: two ranks printing at once can
+    # land on one line, one record right after the other, the newlines after both)
+    for piece in out.split(prefix + " ")[1:]:
+        if not piece.startswith("{"):
+            continue        # (the print in a traceback's source line)
+        rec = dec.raw_decode(piece)[0]
+        recs[rec["rank"]] = rec
     assert sorted(recs) == list(range(ranks)), out
     return recs
 

@@ -467,21 +467,26 @@ def test_abort_from_a_watchdog_thread_unblocks_the_call_in_flight(mode):
         assert r1["outcome"].startswith("PeerFailure: ") and r1["seconds"] < 5, r1
 
 
-@pytest.mark.parametrize("mode", ["request", "request_close"])
+@pytest.mark.parametrize("mode", ["request", "request_close", "request_waiting",
+                                  "request_waiting_close"])
 def test_abort_or_close_during_a_requests_share_tells_peers_only_once_it_stopped(mode):
-    """A watchdog thread's abort() (or close()) while the thread in ``Request.wait``
-    is in the middle of an shm_direct share that stores into the peer's output: the peer
-    is told only once that share has stopped (at its next piece), so it never has its
-    output back while rank 0 still writes into it.  Before, the watchdog published at once
-    and rank 1's returned output took 512 KiB of rank 0's stores afterwards; the close
-    released the transports under the waiting thread (a ValueError from a released
-    memoryview on rank 0) — tests/abort_cases.py."""
+    """A watchdog thread's abort() (or close()) while calls wait on Requests in the middle
+    of shm_direct shares that store into each other's outputs: a rank is told only once
+    the aborting rank's share has stopped (at its next piece), and the aborting rank's
+    caller has its output back only once the peer stopped — so no output is written after
+    its call returned.  ``request*``: rank 0, the aborting one, is slow in its share (before,
+    the watchdog told rank 1 at once and rank 1's returned output took 512 KiB of rank 0's
+    stores; close() released the transports under the waiting thread: a ValueError from a
+    released memoryview); ``request_waiting*``: rank 1 is slow while rank 0 waits between
+    steps (before, close() handed rank 0's output back at once and rank 1 then stored 512
+    KiB into it) — tests/abort_cases.py."""
     out = run_mpi(2, ["tests/abort_cases.py", mode], env={"GPURT_TIMEOUT": "20"},
                   timeout=120).stdout
     r0, r1 = (rank_records(out, "ABORT_CASE", 2)[k] for k in (0, 1))
-    why = "watchdog: step hung" if mode == "request" else "communicator closed"
-    told = "watchdog: step hung" if mode == "request" else \
-        "rank 0 closed the communicator during allgather (call #2)"
+    closing = mode.endswith("close")
+    why = "communicator closed" if closing else "watchdog: step hung"
+    told = "rank 0 closed the communicator during allgather (call #2)" if closing else \
+        "watchdog: step hung"
     assert r0["outcome"] == f"CommunicatorClosed: rank 0: {why}", r0
     assert r0["seconds"] < 0.9 and r0["written_after"] == 0, r0
     assert r1["outcome"].startswith("PeerFailure: ") and "rank 0" in r1["outcome"] and \

@@ -316,3 +316,70 @@ def test_a_transfer_finished_while_waiting_leaves_its_peer_unchecked():
     with pytest.raises(PeerFailure, match="rank 1 closed") as e:   # still owed: a failure
         run(finish_peer1=False)
     assert e.value.rank == 1
+
+
+def test_engine_leaves_the_telling_to_the_thread_advancing_a_run():
+    """Another thread's abort() while a run is being advanced: on_poison sees that
+    (``elsewhere``), and the advancing thread calls on_stopped once it left its outermost
+    ``enter`` — not before, not twice; a thread that enters after the poison advances
+    nothing; a run that stops because of the poison (``CommunicatorClosed`` from it)
+    ends its Request with the abort's error, not its own (tests/abort_cases.py runs the
+    same on real ranks)."""
+    import threading
+
+    from gpurt.errors import CommunicatorClosed
+    from gpurt.executor import Engine, Request
+
+    eng = Engine(0, lambda: 10.0, lambda peers: None, spin=0.0)
+    seen = []
+    eng.on_poison = lambda exc: seen.append(("told", eng.elsewhere()))
+    eng.on_stopped = lambda: seen.append(("stopped", threading.get_ident()))
+    inside, go = threading.Event(), threading.Event()
+    advanced = []
+
+    class Run:
+        done = False
+
+        def advance(self):
+            advanced.append(1)
+            inside.set()
+            go.wait(5)
+            raise CommunicatorClosed("stopped: the communicator is being aborted")
+
+        def waiting_on(self):
+            return []
+
+    req = Request(eng, "allgather", 1, Run)
+    eng.submit(req)                       # (begins it: no advance yet)
+    errors = []
+
+    def waiter():
+        try:
+            req.wait()
+        except CommunicatorClosed as e:
+            errors.append(str(e))
+    t = threading.Thread(target=waiter)
+    t.start()
+    assert inside.wait(5)
+    eng.poison(CommunicatorClosed("rank 0: watchdog: step hung"))
+    assert seen == [("told", True)]       # deferred: the waiter is in its advance
+    go.set()
+    t.join(5)
+    assert seen == [("told", True), ("stopped", t.ident)], seen
+    assert errors == ["rank 0: watchdog: step hung"], errors
+    # after the poison a thread that enters advances nothing, and leaves told
+    prev = eng.enter()
+    assert prev == 0 and not eng.elsewhere()
+    late = Request(eng, "allreduce", 2, Run)
+    late.run = Run()
+    assert eng._step(late) is False
+    eng.leave(prev)
+    assert len(advanced) == 1 and seen[-1] == ("stopped", threading.get_ident())
+    # nested in one thread: only the outermost leave tells
+    n = len(seen)
+    outer = eng.enter()
+    inner = eng.enter()
+    eng.leave(inner)
+    assert len(seen) == n
+    eng.leave(outer)
+    assert len(seen) == n + 1 and eng.busy == 0
