@@ -20,9 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from .ops import BFLOAT16, DTYPES, check_dtype
-
-_SUPPORTED = frozenset(DTYPES)
+from .ops import _SUPPORTED, bfloat16, check_dtype
 
 _DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13
 
@@ -72,8 +70,8 @@ def _host(arr: np.ndarray, owner: Any, what: str) -> Buf:
 
 def _cuda(cai: dict, owner: Any, what: str) -> Buf:
     typestr = cai["typestr"]
-    if typestr in _CAI_BF16 and BFLOAT16 is not None:
-        dtype = BFLOAT16
+    if typestr in _CAI_BF16 and bfloat16() is not None:
+        dtype = bfloat16()
     else:
         dtype = check_dtype(np.dtype(typestr))
     shape = tuple(cai["shape"])

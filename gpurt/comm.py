@@ -40,7 +40,7 @@ from .errors import (CollectiveMismatchError, CollectiveTimeout, CommunicatorClo
                      TransportError)
 from .executor import Chain, Engine, Request, _Run, check_timeout
 from .flight import FlightRecorder
-from .ops import DTYPES, Op, as_op, check_op, host_finalize, reducer
+from .ops import FAST_OPS as _FAST_OPS, Op, as_op, check_op, host_finalize, reducer, supported
 from .schedule import Copy, Recv, Schedule, Send, Slice
 from .algorithms import REGISTRY, Cost
 from .hier import HIER, Shape
@@ -1180,7 +1180,7 @@ class Communicator:
         schedule, folded?, algorithm name), decided exactly as ``_submit`` decides; False
         where the general path must run (unsupported dtype or op, shm_direct asked for, no
         messages at all)."""
-        if dtype not in _SUPPORTED_DTYPES or (op is not None and (op, dtype) not in _FAST_OPS) \
+        if not supported(dtype) or (op is not None and (op, dtype) not in _FAST_OPS) \
                 or (op is None and coll in _REDUCING):
             return False      # (op=None on a reduction: the general path raises)
         isz = dtype.itemsize
@@ -1244,7 +1244,7 @@ class Communicator:
         mine = self.rank == root
         if (coll == "reduce" or coll == "gather") and not mine:
             if coll == "reduce" and out is not None and not (
-                    out.flags.c_contiguous and out.dtype in _SUPPORTED_DTYPES):
+                    out.flags.c_contiguous and supported(out.dtype)):
                 return _NO        # ireduce checks out= on every rank (and raises)
             res, ret = x, (None if coll == "gather" else (x if out is None else out))
             if coll == "gather" and not board:
@@ -1550,7 +1550,7 @@ class Communicator:
         compiled plan) when this call goes to the board, a ``_DirectPlan`` when it tries
         shm_direct, else False (then the general path decides, and raises the errors).
         Cached per (collective, dtype, count, op, root): the choice depends on nothing else."""
-        if dtype not in _SUPPORTED_DTYPES or (op is not None and (op, dtype) not in _FAST_OPS) \
+        if not supported(dtype) or (op is not None and (op, dtype) not in _FAST_OPS) \
                 or (op is None and coll in _REDUCING):
             return False      # (op=None on a reduction: the general path raises)
         if algo is None and self._direct is not None and coll in shm_direct.COLLS:
@@ -1994,21 +1994,8 @@ class Communicator:
 _EMPTY_U8 = np.empty(0, np.uint8)
 _U64 = np.dtype(np.uint64)
 _EMPTY_U64 = np.empty(0, _U64)
-_SUPPORTED_DTYPES = frozenset(DTYPES)
 _NO = object()     # "not taken inline" (None is a result: gather's off the root)
 
-# (op as the user passes it, dtype) -> Op, for the pairs that are valid: the fast path's
-# whole argument check of op x dtype is one dict lookup
-_FAST_OPS: dict = {}
-for _o in Op:
-    for _d in DTYPES:
-        try:
-            check_op(_o, _d)
-        except TypeError:
-            continue
-        _FAST_OPS[(_o, _d)] = _o
-        _FAST_OPS[(_o.value, _d)] = _o
-        _FAST_OPS[(_o.name, _d)] = _o
 
 
 _M64 = 0xFFFFFFFFFFFFFFFF

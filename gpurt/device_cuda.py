@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from .errors import ResourceError, TransportError
-from .ops import BFLOAT16, Op
+from .ops import Op, bfloat16, is_bfloat16
 
 log = logging.getLogger("gpurt.device")
 
@@ -47,8 +47,7 @@ _OOM_STATUS = 2                      # cudaErrorMemoryAllocation == CUDA_ERROR_O
 _MEMTYPE_UNREGISTERED, _MEMTYPE_HOST = 0, 1   # cudaMemoryType (2 device, 3 managed)
 
 
-def _is_bf16(dtype) -> bool:
-    return BFLOAT16 is not None and dtype == BFLOAT16
+_is_bf16 = is_bfloat16
 
 
 def _version(v: int) -> str:
@@ -686,7 +685,7 @@ class CudaBackend:
             with self._stream(int(stream)):
                 if bf16:
                     # the divisor as a bfloat16 value, as numpy's divide on bfloat16 uses it
-                    d = float(np.array(divisor, np.float32).astype(BFLOAT16).astype(np.float32))
+                    d = float(np.array(divisor, np.float32).astype(bfloat16()).astype(np.float32))
                     _bf16_scale_kernel()(np.float32(d), w)
                 else:
                     self._cp.divide(w, dtype.type(divisor), out=w)

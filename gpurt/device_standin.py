@@ -46,7 +46,7 @@ import numpy as np
 
 from . import config
 from .errors import ResourceError, TransportError
-from .ops import BFLOAT16, Op
+from .ops import Op, is_bfloat16
 
 _U8 = np.dtype(np.uint8)
 _serials = itertools.count(1)
@@ -353,7 +353,7 @@ class Array:
 
     @property
     def __cuda_array_interface__(self) -> dict:
-        bf16 = BFLOAT16 is not None and self.dtype == BFLOAT16
+        bf16 = is_bfloat16(self.dtype)
         return {"shape": self.shape, "typestr": "<V2" if bf16 else self.dtype.str,
                 "data": (self.ptr, self.readonly), "version": 3, "strides": None,
                 "stream": self.stream}
@@ -609,7 +609,7 @@ class StandinBackend:
 
     def reduce(self, op: Op, acc: View, src: View, out: View, stream, dtype=None) -> None:
         dtype = np.dtype(dtype) if dtype is not None else out.dtype
-        if BFLOAT16 is not None and dtype == BFLOAT16:
+        if is_bfloat16(dtype):
             if op not in _F32:
                 raise TypeError(f"op {op.name} is not defined for bfloat16")
 
@@ -632,7 +632,7 @@ class StandinBackend:
 
         def fn():
             a = v.view(dtype)._np()
-            if BFLOAT16 is not None and dtype == BFLOAT16:
+            if is_bfloat16(dtype):
                 f = (a.view(np.uint16).astype(np.uint32) << 16).view(np.float32) / divisor
                 a.view(np.uint16)[...] = _to_bf16(f)
             else:

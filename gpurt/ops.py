@@ -12,13 +12,6 @@ from typing import Callable
 
 import numpy as np
 
-try:  # bfloat16 for NumPy
-    import ml_dtypes
-
-    BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
-except ImportError:  # pragma: no cover - ml_dtypes is a dependency
-    BFLOAT16 = None
-
 
 class Op(enum.Enum):
     SUM = "sum"
@@ -43,23 +36,117 @@ SUM, PROD, MIN, MAX, AVG, BAND, BOR, BXOR = (Op.SUM, Op.PROD, Op.MIN, Op.MAX, Op
 
 _INTS = [np.dtype(t) for t in ("int8", "int16", "int32", "int64",
                                 "uint8", "uint16", "uint32", "uint64")]
-_FLOATS = [np.dtype(t) for t in ("float16", "float32", "float64")] + ([BFLOAT16] if BFLOAT16 else [])
+_FLOATS = [np.dtype(t) for t in ("float16", "float32", "float64")]
 _COMPLEX = [np.dtype("complex64"), np.dtype("complex128")]
 _BOOL = [np.dtype(bool)]
 
-DTYPES: tuple[np.dtype, ...] = tuple(_BOOL + _INTS + _FLOATS + _COMPLEX)
+# Every dtype by name, in the order of its code on the wire (the shm board's call header):
+# the codes must not depend on whether this rank has bfloat16 loaded yet.
+DTYPE_NAMES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
+               "uint64", "float16", "float32", "float64", "bfloat16", "complex64", "complex128")
 
-# which ops make sense for which dtypes
-_ALLOWED: dict[Op, tuple[np.dtype, ...]] = {
-    Op.SUM: tuple(_INTS + _FLOATS + _COMPLEX),
-    Op.PROD: tuple(_INTS + _FLOATS + _COMPLEX),
-    Op.AVG: tuple(_FLOATS + _COMPLEX),
-    Op.MIN: tuple(_BOOL + _INTS + _FLOATS),
-    Op.MAX: tuple(_BOOL + _INTS + _FLOATS),
-    Op.BAND: tuple(_BOOL + _INTS),
-    Op.BOR: tuple(_BOOL + _INTS),
-    Op.BXOR: tuple(_BOOL + _INTS),
-}
+# bfloat16 is ml_dtypes' NumPy dtype.  ml_dtypes is imported only once a bfloat16 array is
+# seen (or a bfloat16 dtype asked for): importing it takes 1.3 s of CPU with ml_dtypes 0.7
+# (0.14 s with 0.5), which every rank of every job paid at ``import gpurt`` before.  A host
+# array can only have that dtype once ml_dtypes is imported, so nothing is missed; until
+# then the tables below hold the other dtypes, and ``_load_bfloat16`` adds it to them in
+# place (they are shared by reference with comm.py and buffers.py).
+_bf16: np.dtype | None = None     # ml_dtypes.bfloat16 once loaded
+_bf16_tried = False
+
+
+def _allowed_of(bf16: list) -> dict:
+    floats = _FLOATS + bf16
+    return {
+        Op.SUM: tuple(_INTS + floats + _COMPLEX),
+        Op.PROD: tuple(_INTS + floats + _COMPLEX),
+        Op.AVG: tuple(floats + _COMPLEX),
+        Op.MIN: tuple(_BOOL + _INTS + floats),
+        Op.MAX: tuple(_BOOL + _INTS + floats),
+        Op.BAND: tuple(_BOOL + _INTS),
+        Op.BOR: tuple(_BOOL + _INTS),
+        Op.BXOR: tuple(_BOOL + _INTS),
+    }
+
+
+# which ops make sense for which dtypes (as sets: checked on every call)
+_ALLOWED_SETS: dict[Op, set] = {o: set(ds) for o, ds in _allowed_of([]).items()}
+_SUPPORTED: set = set(_BOOL + _INTS + _FLOATS + _COMPLEX)
+# dtype -> its code on the wire (DTYPE_NAMES' index)
+DTYPE_CODE: dict = {d: DTYPE_NAMES.index(d.name) for d in _SUPPORTED}
+# (op as the user passes it: Op, its value or its name; dtype) -> Op, for the valid pairs:
+# the fast path's whole argument check of op x dtype is one dict lookup
+FAST_OPS: dict = {}
+
+
+def _add_fast_ops(dtypes) -> None:
+    for o, allowed in _ALLOWED_SETS.items():
+        for d in dtypes:
+            if d in allowed:
+                FAST_OPS[(o, d)] = FAST_OPS[(o.value, d)] = FAST_OPS[(o.name, d)] = o
+
+
+_add_fast_ops(_SUPPORTED)
+
+
+def _load_bfloat16() -> np.dtype | None:
+    """ml_dtypes' bfloat16 (imported now if it was not), added to every table above;
+    None when ml_dtypes is not installed."""
+    global _bf16, _bf16_tried
+    if _bf16 is None and not _bf16_tried:
+        _bf16_tried = True
+        try:
+            import ml_dtypes
+        except ImportError:  # pragma: no cover - ml_dtypes is a dependency
+            return None
+        d = np.dtype(ml_dtypes.bfloat16)
+        for o, ds in _allowed_of([d]).items():
+            if d in ds:
+                _ALLOWED_SETS[o].add(d)
+        DTYPE_CODE[d] = DTYPE_NAMES.index("bfloat16")
+        _add_fast_ops([d])
+        _SUPPORTED.add(d)      # last: a dtype in _SUPPORTED has every table filled in
+        _bf16 = d
+    return _bf16
+
+
+def bfloat16() -> np.dtype | None:
+    """NumPy's bfloat16 dtype (``ml_dtypes.bfloat16``; imports ml_dtypes), or None when
+    ml_dtypes is not installed."""
+    return _bf16 if _bf16 is not None else _load_bfloat16()
+
+
+def is_bfloat16(dtype) -> bool:
+    """Whether ``dtype`` is bfloat16, without importing ml_dtypes (an array of that dtype
+    can only exist once it is)."""
+    return _bf16 is not None and dtype == _bf16
+
+
+def supported(dtype: np.dtype) -> bool:
+    """Whether gpurt moves and reduces ``dtype`` (a bfloat16 seen for the first time loads
+    it into the tables)."""
+    return dtype in _SUPPORTED or (dtype.name == "bfloat16" and _load_bfloat16() == dtype)
+
+
+def all_dtypes() -> tuple[np.dtype, ...]:
+    """Every supported dtype, bfloat16 included where ml_dtypes is installed (imports it)."""
+    bfloat16()
+    return tuple(np.dtype(n) if n != "bfloat16" else _bf16 for n in DTYPE_NAMES
+                 if n != "bfloat16" or _bf16 is not None)
+
+
+def __getattr__(name: str):
+    """``DTYPES``, ``BFLOAT16`` and ``_ALLOWED`` (every dtype, bfloat16 included) for code
+    that lists them: reading one imports ml_dtypes, which gpurt itself avoids until a
+    bfloat16 array comes."""
+    if name == "DTYPES":
+        return all_dtypes()
+    if name == "BFLOAT16":
+        return bfloat16()
+    if name == "_ALLOWED":
+        return _allowed_of([bfloat16()] if bfloat16() is not None else [])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 # AVG reduces with SUM and scales once at the end
 _UFUNC: dict[Op, np.ufunc] = {
@@ -81,26 +168,21 @@ def as_op(op: "Op | str") -> Op:
     raise ValueError(f"unknown reduction op {op!r} (use one of {names}, or lower-case strings)")
 
 
-_DTYPE_SET = frozenset(DTYPES)
-_ALLOWED_SETS: dict = {}
-
-
 def check_dtype(dtype: np.dtype) -> np.dtype:
     dtype = np.dtype(dtype)
-    if dtype not in _DTYPE_SET:
-        names = ", ".join(str(d) for d in DTYPES)
+    if not supported(dtype):
+        names = ", ".join(n for n in DTYPE_NAMES if n != "bfloat16" or bfloat16() is not None)
         raise TypeError(f"dtype {dtype} is not supported (supported: {names})")
     return dtype
 
 
 def check_op(op: Op, dtype: np.dtype) -> None:
     """TypeError when ``op`` makes no sense for ``dtype`` (before anything moves)."""
-    allowed = _ALLOWED_SETS.get(op)
-    if allowed is None:
-        allowed = _ALLOWED_SETS[op] = frozenset(_ALLOWED[op])
-    if dtype not in allowed:
-        ok = ", ".join(str(d) for d in _ALLOWED[op])
-        raise TypeError(f"op {op.name} is not defined for dtype {dtype} (it is for: {ok})")
+    if dtype not in _ALLOWED_SETS[op]:
+        if not (dtype.name == "bfloat16" and _load_bfloat16() == dtype and
+                dtype in _ALLOWED_SETS[op]):
+            ok = ", ".join(str(d) for d in all_dtypes() if d in _ALLOWED_SETS[op])
+            raise TypeError(f"op {op.name} is not defined for dtype {dtype} (it is for: {ok})")
 
 
 def host_reducer(op: Op) -> Callable[[np.ndarray, np.ndarray, np.ndarray], None]:

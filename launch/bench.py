@@ -728,14 +728,14 @@ class DeviceIO:
             raise ValueError(kind)
 
     def to_dev(self, a: np.ndarray):
-        from gpurt.ops import BFLOAT16
+        from gpurt.ops import is_bfloat16
         if self.kind == "cupy":
-            if a.dtype == BFLOAT16:
+            if is_bfloat16(a.dtype):
                 raise SystemExit("gpurt bench: CuPy has no bfloat16; use --memory torch")
             return self.cp.asarray(a)
         if self.kind == "torch":
             t = self.torch
-            if a.dtype == BFLOAT16:
+            if is_bfloat16(a.dtype):
                 return t.from_numpy(a.view(np.int16).copy()).view(t.bfloat16).cuda()
             return t.from_numpy(a.copy()).cuda()
         return self.si.asarray(a)
@@ -747,8 +747,8 @@ class DeviceIO:
             t = self.torch
             d = d.cpu()
             if d.dtype == t.bfloat16:
-                from gpurt.ops import BFLOAT16
-                return d.view(t.int16).numpy().view(BFLOAT16)
+                from gpurt.ops import bfloat16
+                return d.view(t.int16).numpy().view(bfloat16())
             return d.numpy()
         return d.get()
 

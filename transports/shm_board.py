@@ -41,7 +41,7 @@ from gpurt.callsite import WORDS, at, site, words
 from gpurt.errors import CollectiveMismatchError
 
 from .fence import fence as _fence
-from gpurt.ops import DTYPES, Op
+from gpurt.ops import DTYPE_CODE, DTYPE_NAMES, Op
 
 CTRL = 64            # per rank: flag (+0), done (+8)
 HDR = 128            # per buffer: seq, sig, nbytes, coll, dtype, n, op, root, call site id
@@ -461,7 +461,7 @@ def meta_of(coll: str, dtype: np.dtype, n: int, op: Op | None, root: int,
     """The call's arguments as integers, for the header (and error messages); ``alg``, the
     algorithm or protocol the call runs, rides in the op field: ranks that would run
     different ones for the same call disagree before anything moves."""
-    return (COLLS.index(coll), DTYPES.index(dtype) + (DEVICE_DT if device else 0), n,
+    return (COLLS.index(coll), DTYPE_CODE[dtype] + (DEVICE_DT if device else 0), n,
             _OPS.index(op) | (alg_tag(alg) << ALG_SHIFT if alg else 0), root)
 
 
@@ -471,7 +471,7 @@ def describe(meta: tuple, algo: bool = False) -> str:
         coll, dt, n, opw, root = meta
         op, tag = opw & ((1 << ALG_SHIFT) - 1), opw >> ALG_SHIFT
         kind = " device" if dt >= DEVICE_DT else ""
-        text = f"{COLLS[coll]}({DTYPES[dt % DEVICE_DT]}{kind}, count={n}"
+        text = f"{COLLS[coll]}({DTYPE_NAMES[dt % DEVICE_DT]}{kind}, count={n}"
         if _OPS[op] is not None:
             text += f", op={_OPS[op].name}"
         if COLLS[coll] in ("reduce", "broadcast", "gather", "scatter"):
