@@ -8,6 +8,7 @@ An op is dispatched per memory kind: ``reducer(op, dtype, kind)`` returns a func
 from __future__ import annotations
 
 import enum
+import threading
 from typing import Callable
 
 import numpy as np
@@ -53,6 +54,7 @@ DTYPE_NAMES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "ui
 # place (they are shared by reference with comm.py and buffers.py).
 _bf16: np.dtype | None = None     # ml_dtypes.bfloat16 once loaded
 _bf16_tried = False
+_bf16_lock = threading.Lock()
 
 
 def _allowed_of(bf16: list) -> dict:
@@ -93,20 +95,21 @@ def _load_bfloat16() -> np.dtype | None:
     """ml_dtypes' bfloat16 (imported now if it was not), added to every table above;
     None when ml_dtypes is not installed."""
     global _bf16, _bf16_tried
-    if _bf16 is None and not _bf16_tried:
-        _bf16_tried = True
-        try:
-            import ml_dtypes
-        except ImportError:  # pragma: no cover - ml_dtypes is a dependency
-            return None
-        d = np.dtype(ml_dtypes.bfloat16)
-        for o, ds in _allowed_of([d]).items():
-            if d in ds:
-                _ALLOWED_SETS[o].add(d)
-        DTYPE_CODE[d] = DTYPE_NAMES.index("bfloat16")
-        _add_fast_ops([d])
-        _SUPPORTED.add(d)      # last: a dtype in _SUPPORTED has every table filled in
-        _bf16 = d
+    with _bf16_lock:        # (two threads' first bfloat16 calls: both see it loaded)
+        if _bf16 is None and not _bf16_tried:
+            _bf16_tried = True
+            try:
+                import ml_dtypes
+            except ImportError:  # pragma: no cover - ml_dtypes is a dependency
+                return None
+            d = np.dtype(ml_dtypes.bfloat16)
+            for o, ds in _allowed_of([d]).items():
+                if d in ds:
+                    _ALLOWED_SETS[o].add(d)
+            DTYPE_CODE[d] = DTYPE_NAMES.index("bfloat16")
+            _add_fast_ops([d])
+            _SUPPORTED.add(d)      # last: a dtype in _SUPPORTED has every table filled in
+            _bf16 = d
     return _bf16
 
 
