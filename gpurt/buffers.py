@@ -16,6 +16,7 @@ communicator checks them against its device backend (``gpurt.device``).
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import numpy as np
@@ -109,7 +110,10 @@ def as_buf(x: Any, what: str = "x") -> Buf:
             try:
                 arr = np.from_dlpack(x)
             except (BufferError, TypeError, RuntimeError) as e:
-                raise TypeError(f"{what}: cannot view {type(x).__name__} through DLPack: {e}") from e
+                arr = _torch_bfloat16(x)
+                if arr is None:
+                    raise TypeError(f"{what}: cannot view {type(x).__name__} through DLPack: "
+                                    f"{e}") from e
             return _host(arr, x, what)
         if int(dev_type) in (_DL_CUDA, _DL_CUDA_MANAGED):
             try:   # a CUDA DLPack tensor without __cuda_array_interface__: view it in CuPy
@@ -132,6 +136,19 @@ def as_buf(x: Any, what: str = "x") -> Buf:
     except (ValueError, TypeError) as e:
         raise TypeError(f"{what}: buffer format {mv.format!r} is not understood: {e}") from None
     return _host(arr, x, what)
+
+
+def _torch_bfloat16(x: Any) -> np.ndarray | None:
+    """A PyTorch bfloat16 CPU tensor as a NumPy bfloat16 view of the same memory (NumPy's
+    DLPack import has no bfloat16): through an int16 view of its storage; None for
+    anything else."""
+    torch = sys.modules.get("torch")
+    if torch is None or getattr(x, "dtype", None) is not torch.bfloat16 or bfloat16() is None:
+        return None
+    try:
+        return np.from_dlpack(x.view(torch.int16)).view(bfloat16())
+    except (BufferError, TypeError, RuntimeError, ValueError):
+        return None
 
 
 def check_writable(b: Buf, what: str) -> None:

@@ -419,6 +419,22 @@ def test_torch_cpu_tensors(comm):
     assert isinstance(g, torch.Tensor) and tuple(g.shape) == (comm.size, 2)
 
 
+def test_torch_cpu_bfloat16_tensors(comm):
+    """PyTorch bfloat16 CPU tensors (NumPy's DLPack import has none: viewed through int16),
+    in place, into a new tensor, gathered; small integers, so the sums are exact."""
+    torch = pytest.importorskip("torch", reason="PyTorch is not installed here")
+    p, r = comm.size, comm.rank
+    t = torch.arange(6, dtype=torch.bfloat16) + (r + 1)
+    assert comm.allreduce(t) is t
+    assert t.tolist() == [float(i * p + p * (p + 1) // 2) for i in range(6)]
+    x = torch.full((3,), float(r), dtype=torch.bfloat16)
+    m = comm.allreduce(x, torch.empty_like(x), op=gpurt.MAX)
+    assert m.dtype == torch.bfloat16 and m.tolist() == [float(p - 1)] * 3 and x.tolist() == [r] * 3
+    g = comm.allgather(torch.full((2,), float(r), dtype=torch.bfloat16))
+    assert isinstance(g, torch.Tensor) and g.dtype == torch.bfloat16
+    assert g.tolist() == [[float(q)] * 2 for q in range(p)]
+
+
 @pytest.mark.parametrize("what", ["count", "op", "dtype"])
 def test_board_mismatch_names_both_calls(comm, what):
     """Small collectives use the one-round shm board; ranks whose calls differ all raise
