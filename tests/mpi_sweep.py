@@ -1,6 +1,7 @@
 """Run under ``mpiexec -n N``: many collective cases in one launch, exact checks.
 
     mpiexec -n 3 python tests/mpi_sweep.py [--device standin|cupy|torch] algorithms|dtypes|all
+    mpiexec -n 3 python tests/mpi_sweep.py transport     # fewer cases: see Sweep.algorithms
 
 ``--device`` runs the same cases on device arrays: ``standin`` is gpurt's host-memory
 stand-in for a GPU (``GPURT_DEVICE_BACKEND=standin``, set here; not a GPU), ``cupy`` and
@@ -182,30 +183,41 @@ class Sweep:
         return nat is None or nat.fits(self.p, S)
 
     # -- suites -----------------------------------------------------------------------
-    def algorithms(self) -> bool:
-        """Every collective x every algorithm x sizes x roots, float32 (SUM/MAX)."""
+    def algorithms(self, full: bool = True) -> bool:
+        """Every collective x every algorithm x sizes x roots, float32 (SUM/MAX), in and
+        out of place.  ``full=False`` (the ``transport`` suite): every algorithm's messages
+        at every size (empty, eager, rendezvous, several MiB), SUM, roots 0 and p - 1, in
+        place only from PRIME up — for a transport under test where each case is slow (the
+        Soft-RoCE guest runs under TCG, ~60 ms a case); MAX, the middle root and the small
+        in-place cases exercise the algorithms' own logic, which the host sweeps run in
+        full over shm and tcp."""
         p = self.p
         for coll in ("allreduce", "reduce", "broadcast", "allgather", "reduce_scatter",
                      "alltoall", "gather", "scatter", "barrier"):
             per_rank = coll in ("allgather", "reduce_scatter", "alltoall", "gather", "scatter")
             big = BIG_BYTES // 4 // (p if per_rank else 1)
             sizes = [0] if coll == "barrier" else [0, 1, 7, PRIME, big]
-            roots = sorted({0, p - 1, p // 2}) if coll in ("reduce", "broadcast", "gather",
-                                                           "scatter") else [0]
-            ops = [Op.SUM, Op.MAX] if coll in ("allreduce", "reduce", "reduce_scatter") else [None]
+            roots = sorted({0, p - 1} | ({p // 2} if full else set())) \
+                if coll in ("reduce", "broadcast", "gather", "scatter") else [0]
+            ops = [Op.SUM] + ([Op.MAX] if full else []) \
+                if coll in ("allreduce", "reduce", "reduce_scatter") else [None]
             for algo in self.algos(coll):
                 for n in sizes:
                     if not self.fits(coll, algo, n, 4):
                         continue
+                    inplaces = [False, True] if coll in ("allreduce", "reduce") and \
+                        (full or n >= PRIME) else [False]
                     for root in roots:
                         for op in ops:
                             if op is Op.MAX and n not in (7, PRIME):
                                 continue
-                            for inplace in ([False, True] if coll in ("allreduce", "reduce")
-                                            else [False]):
+                            for inplace in inplaces:
                                 if not self.safe(coll, algo, n, np.float32, op, root, inplace):
                                     return False
         return True
+
+    def transport(self) -> bool:
+        return self.algorithms(full=False)
 
     def dtypes(self) -> bool:
         """Every dtype x every op it supports x the reducing collectives (and every

@@ -1,7 +1,7 @@
 """Run under ``mpiexec`` on several nodes (a virtual cluster, or MPICH cliques): checks
 what a multi-node communicator must be, then every collective with exact results.
 
-    mpiexec ... python tests/multinode_check.py NODES [sweep]
+    mpiexec ... python tests/multinode_check.py NODES [sweep|transport]
 
 * MPI's view: ``comm.nnodes == NODES``; ranks on different nodes are connected by a
   network transport (never ``shm``; ``GPURT_TEST_NET=verbs`` names the one expected), ranks on one node by ``shm`` (unless
@@ -9,7 +9,8 @@ what a multi-node communicator must be, then every collective with exact results
 * the hierarchical schedule is what the tuner picks for large allreduce, reduce_scatter,
   allgather, broadcast and reduce (``comm.last_algorithm``), and gives exact results;
 * ``sweep``: every collective x every algorithm (hierarchical included) x sizes x roots
-  (``tests/mpi_sweep.py algorithms``).
+  (``tests/mpi_sweep.py algorithms``); ``transport``: its share that concerns the transports
+  (every algorithm's messages at every size, ``Sweep.algorithms(full=False)``).
 
 Rank 0 prints one JSON line ``MULTINODE {...}`` with the facts; exit status non-zero if
 any rank saw a failure.
@@ -60,6 +61,8 @@ def main() -> int:
             fails.append(f"{coll} of {n} float32 used {comm.last_algorithm}, not hierarchical")
     if "sweep" in sys.argv[2:]:
         sw.algorithms()
+    elif "transport" in sys.argv[2:]:     # the sweep's transport share (mpi_sweep.py)
+        sw.transport()
     facts = {
         "host": socket.gethostname(), "node": comm.node, "rank": comm.rank,
         "transports": sorted(set(comm.transport_of.values())),
