@@ -143,8 +143,9 @@ def _torch_bfloat16(x: Any) -> np.ndarray | None:
     DLPack import has no bfloat16): through an int16 view of its storage; None for
     anything else."""
     torch = sys.modules.get("torch")
-    if torch is None or getattr(x, "dtype", None) is not torch.bfloat16 or bfloat16() is None:
-        return None
+    if torch is None or getattr(x, "dtype", None) is not torch.bfloat16 or \
+            getattr(x, "requires_grad", False) or bfloat16() is None:
+        return None     # (a tensor that requires grad is refused, as in every other dtype)
     try:
         return np.from_dlpack(x.view(torch.int16)).view(bfloat16())
     except (BufferError, TypeError, RuntimeError, ValueError):

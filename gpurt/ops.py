@@ -8,6 +8,7 @@ An op is dispatched per memory kind: ``reducer(op, dtype, kind)`` returns a func
 from __future__ import annotations
 
 import enum
+import os
 import threading
 from typing import Callable
 
@@ -55,6 +56,8 @@ DTYPE_NAMES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "ui
 _bf16: np.dtype | None = None     # ml_dtypes.bfloat16 once loaded
 _bf16_tried = False
 _bf16_lock = threading.Lock()
+if hasattr(os, "register_at_fork"):   # (a fork while another thread imports holds it)
+    os.register_at_fork(after_in_child=lambda: globals().update(_bf16_lock=threading.Lock()))
 
 
 def _allowed_of(bf16: list) -> dict:
@@ -108,8 +111,8 @@ def _load_bfloat16() -> np.dtype | None:
                     _ALLOWED_SETS[o].add(d)
             DTYPE_CODE[d] = DTYPE_NAMES.index("bfloat16")
             _add_fast_ops([d])
+            _bf16 = d              # (is_bfloat16 true before supported: see there)
             _SUPPORTED.add(d)      # last: a dtype in _SUPPORTED has every table filled in
-            _bf16 = d
     return _bf16
 
 
@@ -120,15 +123,34 @@ def bfloat16() -> np.dtype | None:
 
 
 def is_bfloat16(dtype) -> bool:
-    """Whether ``dtype`` is bfloat16, without importing ml_dtypes (an array of that dtype
-    can only exist once it is)."""
-    return _bf16 is not None and dtype == _bf16
+    """Whether ``dtype`` is bfloat16 (a dtype of that name, seen for the first time, loads
+    it: the user may have imported ml_dtypes before gpurt saw any; other dtypes cost a
+    name compare)."""
+    if _bf16 is not None:
+        return dtype == _bf16
+    return getattr(dtype, "name", None) == "bfloat16" and _load_bfloat16() == dtype
 
 
 def supported(dtype: np.dtype) -> bool:
     """Whether gpurt moves and reduces ``dtype`` (a bfloat16 seen for the first time loads
     it into the tables)."""
-    return dtype in _SUPPORTED or (dtype.name == "bfloat16" and _load_bfloat16() == dtype)
+    return dtype in _SUPPORTED or (getattr(dtype, "name", None) == "bfloat16" and
+                                   _load_bfloat16() == dtype)
+
+
+def _names(allowed: set) -> str:
+    """The names of the dtypes in ``allowed`` (bfloat16 with the other floats, where
+    ml_dtypes is installed), for error messages: without importing ml_dtypes."""
+    global _bf16_installed
+    if _bf16_installed is None:
+        import importlib.util
+        _bf16_installed = importlib.util.find_spec("ml_dtypes") is not None
+    return ", ".join(n for n in DTYPE_NAMES if (
+        np.dtype(n) in allowed if n != "bfloat16" else
+        _bf16_installed and np.dtype(np.float32) in allowed))
+
+
+_bf16_installed: bool | None = None
 
 
 def all_dtypes() -> tuple[np.dtype, ...]:
@@ -174,18 +196,17 @@ def as_op(op: "Op | str") -> Op:
 def check_dtype(dtype: np.dtype) -> np.dtype:
     dtype = np.dtype(dtype)
     if not supported(dtype):
-        names = ", ".join(n for n in DTYPE_NAMES if n != "bfloat16" or bfloat16() is not None)
-        raise TypeError(f"dtype {dtype} is not supported (supported: {names})")
+        raise TypeError(f"dtype {dtype} is not supported (supported: {_names(_SUPPORTED)})")
     return dtype
 
 
 def check_op(op: Op, dtype: np.dtype) -> None:
     """TypeError when ``op`` makes no sense for ``dtype`` (before anything moves)."""
     if dtype not in _ALLOWED_SETS[op]:
-        if not (dtype.name == "bfloat16" and _load_bfloat16() == dtype and
-                dtype in _ALLOWED_SETS[op]):
-            ok = ", ".join(str(d) for d in all_dtypes() if d in _ALLOWED_SETS[op])
-            raise TypeError(f"op {op.name} is not defined for dtype {dtype} (it is for: {ok})")
+        dtype = np.dtype(dtype)
+        if not (supported(dtype) and dtype in _ALLOWED_SETS[op]):
+            raise TypeError(f"op {op.name} is not defined for dtype {dtype} (it is for: "
+                            f"{_names(_ALLOWED_SETS[op])})")
 
 
 def host_reducer(op: Op) -> Callable[[np.ndarray, np.ndarray, np.ndarray], None]:

@@ -383,3 +383,44 @@ def test_engine_leaves_the_telling_to_the_thread_advancing_a_run():
     assert len(seen) == n
     eng.leave(outer)
     assert len(seen) == n + 1 and eng.busy == 0
+
+
+def test_bfloat16_is_known_however_ml_dtypes_came_and_errors_do_not_import_it():
+    """In a fresh process: errors about dtypes and ops name bfloat16 without importing
+    ml_dtypes (1.3 s); a bfloat16 dtype from an ml_dtypes the user imported first is
+    bfloat16 to gpurt before any bfloat16 call (gpurt bench's device copy asked first);
+    a bfloat16 tensor that requires grad is refused as every other dtype's is."""
+    import subprocess
+    import sys
+    code = r"""
+import sys, numpy as np
+import gpurt.ops as o
+from gpurt.buffers import as_buf
+for f in (lambda: o.check_dtype(np.dtype(object)), lambda: o.check_op(o.Op.BAND, np.float32)):
+    try:
+        f(); print("no error")
+    except TypeError as e:
+        print("ERR", e)
+print("loaded", "ml_dtypes" in sys.modules)
+import ml_dtypes
+print("is", o.is_bfloat16(np.dtype(ml_dtypes.bfloat16)), o.is_bfloat16(np.dtype(np.float16)))
+try:
+    import torch
+except ImportError:
+    print("grad skipped")
+else:
+    for dt in (torch.float32, torch.bfloat16):
+        try:
+            as_buf(torch.ones(4, dtype=dt, requires_grad=True)); print("grad accepted", dt)
+        except TypeError:
+            print("grad refused", dt)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout.splitlines()
+    assert out[0].startswith("ERR dtype object is not supported (supported: bool, ") and \
+        "float64, bfloat16, complex64" in out[0], out
+    assert out[1] == ("ERR op BAND is not defined for dtype float32 (it is for: bool, int8, "
+                      "int16, int32, int64, uint8, uint16, uint32, uint64)"), out
+    assert out[2] == "loaded False" and out[3] == "is True False", out
+    assert out[4:] in (["grad skipped"], ["grad refused torch.float32",
+                                          "grad refused torch.bfloat16"]), out
