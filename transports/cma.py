@@ -13,13 +13,13 @@ does not), which is what that scope asks for.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import os
 
 import numpy as np
 
 from gpurt.errors import PeerFailure, TransportError
+from gpurt.sharedmem import libc
 
 
 class _IOVec(ctypes.Structure):
@@ -27,7 +27,7 @@ class _IOVec(ctypes.Structure):
 
 
 try:
-    _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+    _libc = libc()
     _readv = _libc.process_vm_readv
     _readv.restype = ctypes.c_ssize_t
     _readv.argtypes = [ctypes.c_int, ctypes.POINTER(_IOVec), ctypes.c_ulong,
