@@ -1997,7 +1997,6 @@ _EMPTY_U64 = np.empty(0, _U64)
 _NO = object()     # "not taken inline" (None is a result: gather's off the root)
 
 
-
 _M64 = 0xFFFFFFFFFFFFFFFF
 _AGREE_SIG = 0x67707274414752   # "gprtAGR": the agreement messages' own signature
 _META_WORDS = 5                        # shm_board.meta_of: the call's arguments

@@ -47,9 +47,6 @@ _OOM_STATUS = 2                      # cudaErrorMemoryAllocation == CUDA_ERROR_O
 _MEMTYPE_UNREGISTERED, _MEMTYPE_HOST = 0, 1   # cudaMemoryType (2 device, 3 managed)
 
 
-_is_bf16 = is_bfloat16
-
-
 def _version(v: int) -> str:
     """12040 -> '12.4'."""
     return f"{v // 1000}.{(v % 1000) // 10}"
@@ -486,7 +483,7 @@ class CudaBackend:
     def typed(self, v, dtype):
         """``v`` reinterpreted as ``dtype``; bfloat16 (no CuPy dtype) as uint16."""
         dtype = np.dtype(dtype)
-        if _is_bf16(dtype):
+        if is_bfloat16(dtype):
             dtype = _U16
         return v if v.dtype == dtype else v.view(dtype)
 
@@ -520,7 +517,7 @@ class CudaBackend:
                 return torch.empty(shape, dtype=tdt, device=like.device)
             except Exception as e:  # noqa: BLE001
                 _reraise(f"torch.empty({shape}, {tdt})", e)
-        if _is_bf16(dtype):
+        if is_bfloat16(dtype):
             raise TypeError(f"cannot allocate a bfloat16 result like a {type(like).__name__}: "
                             f"CuPy has no bfloat16; pass out= (or use torch.bfloat16 tensors)")
         cp = self._cp
@@ -651,7 +648,7 @@ class CudaBackend:
                              f"out {out.nbytes} bytes)")
         if not out.nbytes:
             return
-        bf16 = _is_bf16(dtype)
+        bf16 = is_bfloat16(dtype)
         store = _U16 if bf16 else dtype
         a = acc if acc.dtype == store else acc.view(store)
         b = src if src.dtype == store else src.view(store)
@@ -677,7 +674,7 @@ class CudaBackend:
         dtype = np.dtype(dtype) if dtype is not None else v.dtype
         if not v.nbytes:
             return
-        bf16 = _is_bf16(dtype)
+        bf16 = is_bfloat16(dtype)
         store = _U16 if bf16 else dtype
         w = v if v.dtype == store else v.view(store)
         prev = self._enter()
@@ -745,7 +742,7 @@ def _ufunc(cp, op: Op, dtype: np.dtype):
 def _torch_dtype(dtype: np.dtype):
     import torch
 
-    if _is_bf16(dtype):
+    if is_bfloat16(dtype):
         return torch.bfloat16
     return torch.from_numpy(np.empty(0, dtype)).dtype
 
