@@ -12,6 +12,10 @@ whole ``mpiexec`` launch, median per variant:
 * ``gpurt, no bytecode``: the same with gpurt's bytecode out of the way (its
   ``__pycache__`` folders moved aside for that launch, ``PYTHONDONTWRITEBYTECODE=1``): an
   editable install where nothing writes bytecode compiles every module in every rank;
+* ``gpurt, rings unbounded``: the same with ``GPURT_SHM_RING_MEM=0``: every pair of local
+  ranks gets the full rings (256 KiB x 12 slots), as before the per-rank bound — the
+  segment local rank 0 creates and reserves grows with the square of the ranks (3 GiB
+  for 32), which shows from about 16 ranks on;
 * ``mpi4py``: ``from mpi4py import MPI`` and MPI_Init only.
 
 Prints one line per variant: median seconds, and its ratio to ``gpurt``.
@@ -33,6 +37,7 @@ CODE = {
     "gpurt": "import gpurt; gpurt.init().close()",
     "gpurt+ml_dtypes": "import ml_dtypes, gpurt; gpurt.init().close()",
     "gpurt, no bytecode": "import gpurt; gpurt.init().close()",
+    "gpurt, rings unbounded": "import gpurt; gpurt.init().close()",
     "mpi4py": "from mpi4py import MPI; MPI.COMM_WORLD.Barrier()",
 }
 CACHES = [ROOT / d / "__pycache__" for d in ("gpurt", "transports", "launch")] + \
@@ -48,6 +53,8 @@ def mpiexec() -> str:
 def launch(n: int, variant: str) -> float:
     env = dict(os.environ)
     aside = []
+    if variant == "gpurt, rings unbounded":
+        env["GPURT_SHM_RING_MEM"] = "0"
     if variant == "gpurt, no bytecode":
         env["PYTHONDONTWRITEBYTECODE"] = "1"
         tmp = Path(tempfile.mkdtemp(prefix="gpurt-startup-"))
@@ -84,7 +91,7 @@ def main() -> int:
     print(f"{n} ranks, {rounds} rounds, median wall time of the launch:")
     for v in names:
         m = statistics.median(times[v])
-        print(f"  {v:20s} {m:6.2f} s   {m / base:5.2f} x gpurt   "
+        print(f"  {v:24s} {m:6.2f} s   {m / base:5.2f} x gpurt   "
               f"(all: {', '.join(f'{t:.2f}' for t in times[v])})")
     return 0
 

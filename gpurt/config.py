@@ -99,6 +99,10 @@ VARIABLES: tuple[Var, ...] = (
     Var("GPURT_SHM_SLOT", "256K", _bytes,
         "shm: bytes per ring slot (a message larger than a slot streams through the ring)."),
     Var("GPURT_SHM_SLOTS", "8", int, "shm: slots per ring (per ordered pair of ranks and lane)."),
+    Var("GPURT_SHM_RING_MEM", "32M", _bytes,
+        "shm: the most bytes of ring slots one rank has towards all its local peers "
+        "together (the slots shrink, size first down to 16K, then count down to 2, until "
+        "they fit: the segment grows with the square of the local ranks; 0: no limit)."),
     Var("GPURT_SHM_BOARD", "256K", _bytes,
         "shm: bytes per board buffer; collectives whose per-rank data fits use the one-round "
         "board protocol when all ranks share a node (0 disables it)."),

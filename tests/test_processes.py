@@ -47,6 +47,32 @@ def test_sweep_algorithms_over_rings_only(n):
     assert " 0 failed" in out, out
 
 
+@pytest.mark.parametrize("n,env", [
+    (16, {}),                                       # 8 ranks per core here
+    (3, {"GPURT_SHM_RING_MEM": "64K", "GPURT_SHM_CMA": "0", "GPURT_SHM_BOARD": "0",
+         "GPURT_SHM_SHARED": "0"}),                 # the smallest rings, everything through them
+])
+def test_many_local_ranks_get_rings_within_their_budget(n, env):
+    """The shm segment grows with the square of the local ranks: each rank's rings to its
+    peers shrink to GPURT_SHM_RING_MEM (32 MiB; at 16 ranks 128 KiB slots instead of 256,
+    a 445 MB segment instead of 756), and messages of several slots still stream through
+    them exactly — at the floor (16 KiB x 2 slots) too, where nothing else carries them."""
+    out = run_mpi(n, ["tests/ring_budget_check.py"], env=env, timeout=300).stdout
+    recs = rank_records(out, "RINGS", n)
+    first = recs[0]
+    for rec in recs.values():
+        assert rec["bad"] == [], rec
+        assert (rec["slot"], rec["slots"]) == (first["slot"], first["slots"])
+        # every rank has mapped the segment, so its name is gone before the first call
+        assert rec["shm_files"] == []
+    slot, (k1, k2) = first["slot"], first["slots"]
+    if n == 16:
+        assert slot <= 128 << 10 and first["ring_bytes_per_rank"] <= 32 << 20
+    else:   # 64 KiB cannot hold the floor: 16 KiB slots, 2 per lane
+        assert (slot, k1, k2) == (16 << 10, 2, 2)
+    assert gpurt_shm_files() == []
+
+
 _LAZY_BF16 = """
 import json, sys, numpy as np, gpurt
 c = gpurt.init(); r = c.rank

@@ -133,6 +133,42 @@ def test_shm_geometry_shrinks_to_fit(monkeypatch):
     assert board64 <= bslot64 <= max(board64, (32 << 20) // 256)   # a buffer: 32 MiB / ranks
 
 
+def test_shm_geometry_keeps_each_ranks_rings_within_its_budget(monkeypatch):
+    """GPURT_SHM_RING_MEM bounds a rank's rings to all its local peers (32 MiB): slot size
+    first (to 16 KiB), then slot count (to 2); 0 lifts the bound.  (The quarter of the
+    free space in /dev/shm, the other bound, is set to 64 GiB here.)"""
+    from gpurt.transports import shm
+
+    class Roomy:
+        f_bavail, f_frsize = 1 << 24, 1 << 14
+    monkeypatch.setattr(shm.os, "statvfs", lambda path: Roomy)
+
+    def per_rank(n):
+        slot, k1, k2 = shm.geometry(n)[:3]
+        return slot, k1, k2, (n - 1) * (k1 + k2) * (slot + shm._SLOT_HDR)
+
+    config.reload()
+    assert per_rank(8)[:3] == per_rank(2)[:3]        # 7 peers x 3 MiB fit: unchanged
+    for n in (16, 33, 64):
+        slot, k1, k2, mine = per_rank(n)
+        assert mine <= 32 << 20 and slot >= 16384 and k1 >= 2
+    assert per_rank(16)[0] == 128 << 10 and per_rank(64)[0] == 32 << 10
+    assert per_rank(512)[:3] == (16384, 2, 2)         # the floor, though over the budget
+    monkeypatch.setenv("GPURT_SHM_RING_MEM", "0")
+    config.reload()
+    try:
+        assert per_rank(16)[:3] == (256 << 10, 8, 4)  # only the free space bounds it now
+        monkeypatch.setenv("GPURT_SHM_RING_MEM", "1M")
+        config.reload()
+        slot, k1, k2, mine = per_rank(4)
+        assert (slot, k1, k2) == (16 << 10, 8, 4) and mine <= 1 << 20
+        slot, k1, k2, mine = per_rank(9)              # the size at its floor: fewer slots
+        assert (slot, k1, k2) == (16 << 10, 5, 2) and mine <= 1 << 20
+    finally:
+        monkeypatch.delenv("GPURT_SHM_RING_MEM")
+        config.reload()
+
+
 def test_cli_version_and_info():
     r = CliRunner().invoke(cli, ["--version"])
     assert r.exit_code == 0 and r.output.startswith("gpurt ")

@@ -46,7 +46,7 @@ from collections import deque
 import numpy as np
 
 from gpurt import config, memcopy, sharedmem
-from gpurt.wait import oversubscribed
+from gpurt.wait import mpi_barrier, oversubscribed
 from gpurt.errors import (CollectiveMismatchError, PeerFailure, ResourceError, TransportError,
                           relayed_rank)
 
@@ -157,9 +157,11 @@ STAGE_AUTO = 2 << 20      # GPURT_SHM_STAGE=auto: the staging room (where stagin
 
 def geometry(nlocal: int) -> tuple[int, int, int, int, int]:
     """(slot bytes, slots on the collective lane, slots on the p2p lane, board limit, board
-    buffer bytes) for ``nlocal`` ranks: the configured sizes, shrunk (the staging room
-    first, then slot size down to 16 KiB, then slot count down to 2, then the board) until
-    the segment fits in a quarter of the free space in the shm directory.  The board's
+    buffer bytes) for ``nlocal`` ranks: the configured sizes, with the slots shrunk (size
+    down to 16 KiB, then count down to 2) until a rank's rings to its local peers fit in
+    ``GPURT_SHM_RING_MEM``, then (the staging room first, then slot size, then slot count,
+    then the board) until the segment fits in a quarter of the free space in the shm
+    directory.  The board's
     buffers hold the one-round protocol's data (up to the limit, ``GPURT_SHM_BOARD``) and
     a staged allreduce's input (up to ``GPURT_SHM_STAGE``, at most 32 MiB / ``nlocal``)."""
     slot = max(4096, int(config.get("GPURT_SHM_SLOT")) // 64 * 64)
@@ -181,6 +183,18 @@ def geometry(nlocal: int) -> tuple[int, int, int, int, int]:
         return (header_bytes(nlocal) + rings
                 + (shm_board.region_bytes(nlocal, max(board, stage)) if board else 0))
 
+    # a rank's rings to all its local peers within GPURT_SHM_RING_MEM: the segment grows
+    # with the square of the local ranks (3 GiB for 32 with the default slots: 26 s of
+    # start-up on 2 cores), while a busy node's pairs each need less room
+    mine = int(config.get("GPURT_SHM_RING_MEM"))
+
+    def per_rank(s: int, k: int) -> int:
+        return (nlocal - 1) * (k + max(2, k // 2)) * (s + _SLOT_HDR)
+
+    while mine and per_rank(slot, nslots) > mine and slot > 16384:
+        slot //= 2
+    while mine and per_rank(slot, nslots) > mine and nslots > 2:
+        nslots -= 1
     while size(slot, nslots) > budget and stage > board:
         stage = stage // 2 // 4096 * 4096
     stage = stage if stage > board else 0
@@ -733,6 +747,7 @@ class ShmTransport:
                     os.unlink(path)
                 except OSError:
                     pass
+        mpi_barrier(node)    # (the others sleep while local rank 0 reserves the segment)
         path, err = node.bcast((path, err), 0)
         if err:
             raise ResourceError(f"rank {comm.rank}: shm segment not created by local rank 0: {err}")
