@@ -30,6 +30,37 @@ STRIPED = {"GPURT_TRANSPORTS": "tcp", "GPURT_TCP_STRIPES": "3", "GPURT_TCP_STRIP
 
 
 # -- in process ---------------------------------------------------------------------------
+def test_open_file_room_is_made_or_refused_before_any_socket(monkeypatch):
+    """ensure_fds: the soft RLIMIT_NOFILE raised (to a multiple of 1024, at most the hard
+    limit) where the open files, the need and the spare do not fit; ResourceError naming
+    the counts and the fix where even the hard limit cannot hold the need; nothing done
+    where they fit.  (setrlimit recorded, not called: this process keeps its limit.)"""
+    import resource
+
+    from gpurt.errors import ResourceError
+    from gpurt.transports import base
+
+    calls = []
+    monkeypatch.setattr(resource, "setrlimit", lambda what, lim: calls.append(lim))
+    monkeypatch.setattr(base.os, "listdir", lambda path: ["x"] * 100)    # 100 open
+    for soft, hard, need, raised in [(1024, 4096, 500, None), (1024, 4096, 900, (2048, 4096)),
+                                     (1024, 1500, 1300, (1500, 1500)),
+                                     (200, resource.RLIM_INFINITY, 50, (1024,
+                                                                        resource.RLIM_INFINITY)),
+                                     (resource.RLIM_INFINITY, resource.RLIM_INFINITY, 10**6,
+                                      None)]:
+        calls.clear()
+        monkeypatch.setattr(resource, "getrlimit", lambda what: (soft, hard))
+        base.ensure_fds(need, "rank 3 (n1): tcp to 7 ranks on other nodes")
+        assert calls == ([raised] if raised else []), (soft, hard, need)
+    monkeypatch.setattr(resource, "getrlimit", lambda what: (1024, 1100))
+    with pytest.raises(ResourceError, match=r"rank 3 \(n1\): tcp to 7 ranks on other nodes: "
+                       r"needs 1001 more open files \(100 open already.*limit is 1024 "
+                       r"\(hard limit 1100\).*ulimit -n 2048"):
+        base.ensure_fds(1001, "rank 3 (n1): tcp to 7 ranks on other nodes")
+    assert calls == []
+
+
 def test_address_choice_follows_socket_ifname():
     up, lo = tcp._IFF_UP, tcp._IFF_UP | tcp._IFF_LOOPBACK
     ifs = [("lo", "127.0.0.1", lo), ("docker0", "172.17.0.1", up), ("eth0", "10.0.0.2", up),
@@ -475,3 +506,33 @@ def test_unhandled_exception_reaches_the_peers_over_tcp(hook, tmp_path):
         else:
             assert "closed the tcp connection" in line, line
         assert took < 2.0, line
+
+
+@pytest.mark.parametrize("limits,outcome", [
+    ("ulimit -n 400; ulimit -Sn 60", "raised"),       # 2 x 64 sockets: soft 60 -> 400
+    ("ulimit -n 120", "refused"),                     # the hard limit cannot hold them
+])
+def test_low_open_file_limit_is_raised_or_refused_on_every_rank(limits, outcome):
+    """3 ranks connected by tcp with 64 connections per pair (GPURT_TCP_STRIPES) under a
+    low open-file limit, as on clusters whose default is 1024 and a job of a few thousand
+    ranks: the soft limit is raised to the hard one and the job runs, exact; or, where the
+    hard limit is too low, every rank raises ResourceError naming a rank, the counts and
+    the fix — not EMFILE in the middle of the handshakes."""
+    env = dict(os.environ, GPURT_TRANSPORTS="tcp", GPURT_TCP_STRIPES="64", GPURT_TIMEOUT="60")
+    cmd = [mpiexec(), "-n", "3", "sh", "-c",
+           f"{limits}; exec {sys.executable} tests/fd_limit_check.py"]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=240).stdout
+    from conftest import rank_records
+
+    recs = rank_records(out, "FDS", 3)
+    for rec in recs.values():
+        if outcome == "raised":
+            assert rec["before"] == [60, 400] and rec["after"] == [400, 400], rec
+            assert rec.get("exact") is True and rec["transports"] == ["tcp"], rec
+        else:
+            kind, text = rec["error"]
+            assert kind == "ResourceError", rec
+            assert "tcp to 2 ranks: needs 130 more open files" in text
+            assert "hard limit 120" in text and "GPURT_TCP_STRIPES=64" in text
+    assert gpurt_shm_files() == []

@@ -5,6 +5,7 @@ a Soft-RoCE guest (``tests/test_verbs.py``)."""
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 
@@ -147,3 +148,36 @@ def test_heartbeat_notice_reaches_the_peer_and_strangers_are_ignored():
     finally:
         a.close()
         b.close()
+
+
+def test_heartbeats_flow_on_a_socket_above_select_limit():
+    """A communicator made while over a thousand files are open gets a heartbeat socket
+    above select()'s FD_SETSIZE (1024): its thread polls, so heartbeats still arrive (with
+    select it stopped at once, and a live peer read as silent)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"the hard open-file limit ({hard}) is below 1200")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200) if soft !=
+                                                resource.RLIM_INFINITY else soft, hard))
+    held = []
+    a = b = None
+    try:
+        while not held or held[-1] < 1100:
+            held.append(os.dup(0))
+        a, b = Heartbeat("127.0.0.1"), Heartbeat("127.0.0.1")
+        assert a.sock.fileno() > 1024 and b.sock.fileno() > 1024
+        secret = b"s" * 32
+        a.start(0, secret, {1: ("127.0.0.1", b.port)}, 0.05)
+        b.start(1, secret, {0: ("127.0.0.1", a.port)}, 0.05)
+        time.sleep(0.6)
+        assert a._thread.is_alive() and b._thread.is_alive()
+        assert a.silent_for(1) < 0.4 and b.silent_for(0) < 0.4
+    finally:
+        for h in (a, b):
+            if h is not None:
+                h.close()
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -12,9 +12,15 @@ carries a ``tag`` and a signature hash ``sig`` that the receiver checks: a misma
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import Callable, Protocol, runtime_checkable
 
 import numpy as np
+
+from gpurt.errors import ResourceError
+
+log = logging.getLogger("gpurt.transports")
 
 LANE_COLL = 0
 LANE_P2P = 1
@@ -122,3 +128,43 @@ def unpaired(name: str, peer_sets: list[set], hint: str) -> list[str]:
                 errs.append(f"rank {r} chose {name} for rank {q} but rank {q} chose another "
                             f"transport for rank {r} ({hint})")
     return errs
+
+
+# descriptors kept free beyond what a transport asks for: MPI's own, the user's files, a
+# later communicator's listener and heartbeat before it asks for its own room
+FD_SPARE = 64
+
+
+def ensure_fds(need: int, who: str, hint: str = "") -> None:
+    """Room for ``need`` more open files in this process (a transport about to open that
+    many sockets): where the open ones plus ``need`` (and ``FD_SPARE``) exceed the soft
+    ``RLIMIT_NOFILE`` — 1024 on many clusters, which a full mesh of tcp connections
+    passes at about a thousand remote ranks — the soft limit is raised, up to the hard
+    one (any process may), rounded up to a multiple of 1024; where even the hard limit
+    cannot hold them (spare or not), ``ResourceError`` naming ``who``, the counts and the
+    fix, before any socket is opened (instead of EMFILE halfway through the handshakes)."""
+    import resource
+
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (OSError, ValueError):
+        return
+    try:
+        used = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        used = FD_SPARE
+    want = used + need + FD_SPARE
+    inf = resource.RLIM_INFINITY
+    if soft == inf or want <= soft:
+        return
+    if hard != inf and used + need > hard:
+        raise ResourceError(
+            f"{who}: needs {need} more open files ({used} open already, {FD_SPARE} kept "
+            f"spare) but the limit is {soft} (hard limit {hard}): raise it where the job "
+            f"starts (`ulimit -n {-(-want // 1024) * 1024}`, or LimitNOFILE= for a "
+            f"service){hint}")
+    new = -(-want // 1024) * 1024
+    new = new if hard == inf else min(hard, new)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+    log.info("%s: raised the open-file limit from %d to %d (%d more needed, %d open)",
+             who, soft, new, need, used)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import math
 import select
 import socket
 import struct
@@ -124,6 +125,8 @@ class Heartbeat:
         seq = 0
         nxt = time.monotonic()
         sock = self.sock
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
         while not self._stop.is_set():
             now = time.monotonic()
             if now >= nxt:
@@ -136,9 +139,13 @@ class Heartbeat:
                         pass            # a down link: the peer's silence tells them
                 nxt = now + interval
             try:
-                r, _, _ = select.select([sock], [], [], max(0.0, nxt - time.monotonic()))
+                # (poll, not select: a communicator made when over a thousand files are
+                # open has a descriptor above select's FD_SETSIZE)
+                r = poller.poll(max(0, math.ceil((nxt - time.monotonic()) * 1000)))
             except (OSError, ValueError):
                 return                  # closed under us
+            if any(ev & select.POLLNVAL for _, ev in r):
+                return
             if r:
                 self._receive()
 

@@ -108,9 +108,10 @@ from itertools import islice
 import numpy as np
 
 from gpurt import config
-from gpurt.errors import CollectiveMismatchError, PeerFailure, TransportError, relayed_rank
+from gpurt.errors import (CollectiveMismatchError, PeerFailure, ResourceError, TransportError,
+                          relayed_rank)
 
-from .base import LANE_NAMES, LANES, UPTO_MAX, Sink, mismatch_detail, unpaired
+from .base import LANE_NAMES, LANES, UPTO_MAX, Sink, ensure_fds, mismatch_detail, unpaired
 from .heartbeat import Heartbeat
 
 log = logging.getLogger("gpurt.tcp")
@@ -773,6 +774,18 @@ class TcpTransport:
                 params = (secrets.token_bytes(32), str(comm.cid)) + _settings()
         except ValueError as e:
             err = f"rank {me} ({host}): {e}"
+        kind = TransportError
+        if peers and not err:
+            # a socket per peer and stripe, a listener and the heartbeat's: room for them
+            # before the first is opened (the stripes rank 0 decides are the usual guess)
+            stripes = min(max(int(config.get("GPURT_TCP_STRIPES")), 1), 64)
+            try:
+                ensure_fds(len(peers) * stripes + 2,
+                           f"rank {me} ({host}): tcp to {len(peers)} ranks",
+                           f", or open fewer connections per pair (GPURT_TCP_STRIPES="
+                           f"{stripes})" if stripes > 1 else "")
+            except ResourceError as e:
+                err, kind = str(e), ResourceError
         if peers and not err:
             try:
                 ip, ifname = pick_address(str(config.get("GPURT_SOCKET_IFNAME")))
@@ -796,7 +809,7 @@ class TcpTransport:
         errs += unpaired("tcp", peer_sets, "does GPURT_TRANSPORTS differ between ranks?")
         if errs:
             self.close()
-            raise TransportError("tcp: " + "; ".join(errs[:3]) +
+            raise kind("tcp: " + "; ".join(errs[:3]) +
                                  (f" (and {len(errs) - 3} more)" if len(errs) > 3 else ""))
         if not any(peer_sets):
             self.close()
