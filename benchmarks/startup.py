@@ -18,7 +18,8 @@ whole ``mpiexec`` launch, median per variant:
   for 32), which shows from about 16 ranks on;
 * ``mpi4py``: ``from mpi4py import MPI`` and MPI_Init only.
 
-Prints one line per variant: median seconds, and its ratio to ``gpurt``.
+Prints one line per variant: median seconds, its ratio to ``gpurt``, and the median of
+``gpurt.init()`` alone (from a barrier to the slowest rank's return).
 """
 
 from __future__ import annotations
@@ -33,11 +34,16 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# gpurt.init() alone is timed too: from a barrier to the slowest rank's return
+_INIT = ("import gpurt, time; from mpi4py import MPI; w = MPI.COMM_WORLD; w.Barrier(); "
+         "t = time.perf_counter(); c = gpurt.init(); "
+         "t = w.allreduce(time.perf_counter() - t, op=MPI.MAX); c.close(); "
+         "w.rank == 0 and print('INIT', t)")
 CODE = {
-    "gpurt": "import gpurt; gpurt.init().close()",
-    "gpurt+ml_dtypes": "import ml_dtypes, gpurt; gpurt.init().close()",
-    "gpurt, no bytecode": "import gpurt; gpurt.init().close()",
-    "gpurt, rings unbounded": "import gpurt; gpurt.init().close()",
+    "gpurt": _INIT,
+    "gpurt+ml_dtypes": "import ml_dtypes; " + _INIT,
+    "gpurt, no bytecode": _INIT,
+    "gpurt, rings unbounded": _INIT,
     "mpi4py": "from mpi4py import MPI; MPI.COMM_WORLD.Barrier()",
 }
 CACHES = [ROOT / d / "__pycache__" for d in ("gpurt", "transports", "launch")] + \
@@ -64,9 +70,12 @@ def launch(n: int, variant: str) -> float:
                 c.rename(tmp / str(i))
     try:
         t = time.perf_counter()
-        subprocess.run([mpiexec(), "-n", str(n), sys.executable, "-c", CODE[variant]],
-                       cwd=ROOT, env=env, check=True)
-        return time.perf_counter() - t
+        out = subprocess.run([mpiexec(), "-n", str(n), sys.executable, "-c", CODE[variant]],
+                             cwd=ROOT, env=env, check=True, capture_output=True,
+                             text=True).stdout
+        wall = time.perf_counter() - t
+        init = [float(w.split()[1]) for w in out.splitlines() if w.startswith("INIT ")]
+        return wall, (init[0] if init else None)
     finally:
         for c, moved in aside:
             moved.rename(c)
@@ -83,15 +92,21 @@ def main() -> int:
         compileall.compile_dir(str(ROOT / d), quiet=2)
     launch(n, "gpurt")          # the page cache warm
     times: dict[str, list[float]] = {v: [] for v in names}
+    inits: dict[str, list[float]] = {v: [] for v in names}
     for r in range(rounds):
         order = names if r % 2 == 0 else names[::-1]
         for v in order:
-            times[v].append(launch(n, v))
+            wall, init = launch(n, v)
+            times[v].append(wall)
+            if init is not None:
+                inits[v].append(init)
     base = statistics.median(times["gpurt"])
-    print(f"{n} ranks, {rounds} rounds, median wall time of the launch:")
+    print(f"{n} ranks, {rounds} rounds, median wall time of the launch (and of gpurt.init(), "
+          f"the slowest rank):")
     for v in names:
         m = statistics.median(times[v])
-        print(f"  {v:24s} {m:6.2f} s   {m / base:5.2f} x gpurt   "
+        init = f"   init {statistics.median(inits[v]):5.2f} s" if inits[v] else ""
+        print(f"  {v:24s} {m:6.2f} s   {m / base:5.2f} x gpurt{init}   "
               f"(all: {', '.join(f'{t:.2f}' for t in times[v])})")
     return 0
 

@@ -74,15 +74,17 @@ class Backoff:
 
 
 
-def mpi_barrier(comm) -> None:
+def mpi_barrier(comm, longest: float = 1e-2) -> None:
     """``comm.Barrier()`` for the control plane's waits while one rank works (creates and
     reserves a segment, say): a non-blocking barrier tested between sleeps that grow from
-    20 µs to 10 ms.  MPICH's blocking calls poll without pause, and even a 1 ms sleep is
-    too short here: with more ranks than cores the waiting ranks take the CPU from the one
-    they wait for (measured here, 64 ranks on 2 cores, reserving a 1.5 GiB shm segment
-    that takes 0.6 s alone: 8.5 s while the others waited with ``Backoff``'s 1 ms sleeps)."""
+    20 µs to ``longest``.  MPICH's blocking calls poll without pause, and with more ranks
+    than cores the waiting ranks take the CPU from the one they wait for; even 1 ms naps
+    are too short there (measured here, 64 ranks on 2 cores, reserving a 1.5 GiB shm
+    segment that takes 0.6 s alone: 8.5 s while the others napped up to 1 ms, 0.8 s up
+    to 10 ms).  A rank sees the barrier complete only when it wakes: the wait overshoots
+    by at most its last nap."""
     req = comm.Ibarrier()
     nap = 2e-5
     while not req.Test():
         time.sleep(nap)
-        nap = min(nap * 2, 1e-2)
+        nap = min(nap * 2, longest)

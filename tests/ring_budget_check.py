@@ -20,8 +20,10 @@ slot, (k_coll, k_p2p) = seg.slot, seg.nslots
 rec = {"rank": r, "slot": slot, "slots": [k_coll, k_p2p],
        "ring_bytes_per_rank": (p - 1) * sum(seg.ring_bytes),
        "ring_mem": int(config.get("GPURT_SHM_RING_MEM")),
-       "segment": seg.size, "expected": list(shm.geometry(p)[:3]),
-       "shm_files": sorted(f for f in os.listdir("/dev/shm") if f.startswith("gpurt-")),
+       "segment": seg.size,
+       # the segment's name (local rank 0's pid) is gone once every rank mapped it
+       "segment_files": sorted(f for f in os.listdir(str(config.get("GPURT_SHM_DIR")))
+                               if f.startswith(f"{shm.PREFIX}{comm.pids[0]}-")),
        "bad": []}
 bad = rec["bad"]
 tot = p * (p + 1) // 2

@@ -48,29 +48,70 @@ def test_sweep_algorithms_over_rings_only(n):
 
 
 @pytest.mark.parametrize("n,env", [
-    (16, {}),                                       # 8 ranks per core here
+    (16, {"GPURT_SHM_CMA": "0", "GPURT_SHM_SHARED": "0"}),    # 8 ranks per core here
     (3, {"GPURT_SHM_RING_MEM": "64K", "GPURT_SHM_CMA": "0", "GPURT_SHM_BOARD": "0",
-         "GPURT_SHM_SHARED": "0"}),                 # the smallest rings, everything through them
+         "GPURT_SHM_SHARED": "0"}),                            # the smallest rings
 ])
-def test_many_local_ranks_get_rings_within_their_budget(n, env):
+def test_many_local_ranks_get_rings_within_their_budget(n, env, monkeypatch):
     """The shm segment grows with the square of the local ranks: each rank's rings to its
     peers shrink to GPURT_SHM_RING_MEM (32 MiB; at 16 ranks 128 KiB slots instead of 256,
-    a 445 MB segment instead of 756), and messages of several slots still stream through
-    them exactly — at the floor (16 KiB x 2 slots) too, where nothing else carries them."""
+    a 445 MB segment instead of 756), and messages of several slots stream through them
+    exactly (single copy off: the rings carry everything above the board) — at the floor
+    (16 KiB x 2 slots) too."""
+    from gpurt import config
+    from gpurt.transports import shm
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    config.reload()
+    try:
+        want = shm.geometry(n)[:3]      # what local rank 0 will find (/dev/shm's room too)
+    finally:
+        monkeypatch.undo()
+        config.reload()
+    before = gpurt_shm_files()
     out = run_mpi(n, ["tests/ring_budget_check.py"], env=env, timeout=300).stdout
     recs = rank_records(out, "RINGS", n)
-    first = recs[0]
     for rec in recs.values():
         assert rec["bad"] == [], rec
-        assert (rec["slot"], rec["slots"]) == (first["slot"], first["slots"])
-        # every rank has mapped the segment, so its name is gone before the first call
-        assert rec["shm_files"] == []
-    slot, (k1, k2) = first["slot"], first["slots"]
-    if n == 16:
-        assert slot <= 128 << 10 and first["ring_bytes_per_rank"] <= 32 << 20
-    else:   # 64 KiB cannot hold the floor: 16 KiB slots, 2 per lane
-        assert (slot, k1, k2) == (16 << 10, 2, 2)
-    assert gpurt_shm_files() == []
+        assert (rec["slot"], *rec["slots"]) == want, rec
+        assert rec["segment_files"] == [], rec
+    if n == 16 and want[0] > 16384:   # (a /dev/shm too small for them shrinks them more)
+        assert want == (128 << 10, 8, 4)
+    if n == 3:      # 64 KiB cannot hold the floor: 16 KiB slots, 2 per lane
+        assert want == (16 << 10, 2, 2)
+    assert recs[0]["ring_bytes_per_rank"] <= max(recs[0]["ring_mem"], 4 * (n - 1) * 17 << 10)
+    assert gpurt_shm_files() == before
+
+
+_BAD_ENV = """
+import json, gpurt
+from mpi4py import MPI
+rec = {"rank": MPI.COMM_WORLD.Get_rank()}
+try:
+    gpurt.init()
+except gpurt.GpurtError as e:
+    rec["error"] = [type(e).__name__, str(e)]
+print("BADENV " + json.dumps(rec), flush=True)
+"""
+
+
+@pytest.mark.parametrize("var,env", [
+    ("GPURT_SHM_RING_MEM", {}),                   # read by local rank 0 alone
+    ("GPURT_SHM_SLOT", {}),
+    ("GPURT_TCP_STRIPES", {"GPURT_TRANSPORTS": "tcp"}),   # rank 0 decides; all read it
+])
+def test_a_bad_transport_setting_is_an_error_on_every_rank_not_a_hang(var, env):
+    """A setting that only some ranks parse at set-up (the shm geometry on local rank 0;
+    the tcp stripes, whose value rank 0 decides but every rank reads for its open-file
+    room): every rank raises TransportError naming the variable and the value; no rank
+    waits for the others in MPI."""
+    before = gpurt_shm_files()
+    out = run_mpi(3, ["-c", _BAD_ENV], env={var: "abc", **env}, timeout=120).stdout
+    for rec in rank_records(out, "BADENV", 3).values():
+        kind, text = rec["error"]
+        assert kind == "TransportError" and f"{var}='abc' is not valid" in text, rec
+    assert gpurt_shm_files() == before
 
 
 _LAZY_BF16 = """

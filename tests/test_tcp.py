@@ -509,7 +509,7 @@ def test_unhandled_exception_reaches_the_peers_over_tcp(hook, tmp_path):
 
 
 @pytest.mark.parametrize("limits,outcome", [
-    ("ulimit -n 400; ulimit -Sn 60", "raised"),       # 2 x 64 sockets: soft 60 -> 400
+    ("ulimit -n 400 && ulimit -Sn 60", "raised"),     # 2 x 64 sockets: soft 60 -> 400
     ("ulimit -n 120", "refused"),                     # the hard limit cannot hold them
 ])
 def test_low_open_file_limit_is_raised_or_refused_on_every_rank(limits, outcome):
@@ -518,13 +518,24 @@ def test_low_open_file_limit_is_raised_or_refused_on_every_rank(limits, outcome)
     ranks: the soft limit is raised to the hard one and the job runs, exact; or, where the
     hard limit is too low, every rank raises ResourceError naming a rank, the counts and
     the fix — not EMFILE in the middle of the handshakes."""
-    env = dict(os.environ, GPURT_TRANSPORTS="tcp", GPURT_TCP_STRIPES="64", GPURT_TIMEOUT="60")
-    cmd = [mpiexec(), "-n", "3", "sh", "-c",
-           f"{limits}; exec {sys.executable} tests/fd_limit_check.py"]
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=240).stdout
+    import resource
+
     from conftest import rank_records
 
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard < 400:
+        pytest.skip(f"the hard open-file limit here ({hard}) is below the test's 400")
+    if not is_hydra():      # (MPICH's MPI_Init fits in 60 files; another MPI may not)
+        pytest.skip("the limits are sized for MPICH's hydra launcher")
+    env = dict(os.environ, GPURT_TRANSPORTS="tcp", GPURT_TCP_STRIPES="64", GPURT_TIMEOUT="60")
+    before = gpurt_shm_files()
+    cmd = [mpiexec(), "-n", "3", "sh", "-c",
+           f"{limits} && exec {sys.executable} tests/fd_limit_check.py"]
+    try:
+        out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=240).stdout
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"did not finish in 240 s\nstdout:\n{e.stdout}\nstderr:\n{e.stderr}")
     recs = rank_records(out, "FDS", 3)
     for rec in recs.values():
         if outcome == "raised":
@@ -535,4 +546,4 @@ def test_low_open_file_limit_is_raised_or_refused_on_every_rank(limits, outcome)
             assert kind == "ResourceError", rec
             assert "tcp to 2 ranks: needs 130 more open files" in text
             assert "hard limit 120" in text and "GPURT_TCP_STRIPES=64" in text
-    assert gpurt_shm_files() == []
+    assert gpurt_shm_files() == before

@@ -164,8 +164,18 @@ def test_shm_geometry_keeps_each_ranks_rings_within_its_budget(monkeypatch):
         assert (slot, k1, k2) == (16 << 10, 8, 4) and mine <= 1 << 20
         slot, k1, k2, mine = per_rank(9)              # the size at its floor: fewer slots
         assert (slot, k1, k2) == (16 << 10, 5, 2) and mine <= 1 << 20
+        # a configured size that is no power of two: halved, the slots stay 64-byte
+        # aligned (the rings' headers follow each slot) and never go below 16 KiB
+        monkeypatch.setenv("GPURT_SHM_SLOT", "1000000")
+        monkeypatch.setenv("GPURT_SHM_RING_MEM", "32M")
+        config.reload()
+        for n in (12, 16, 24, 45, 100):
+            slot = per_rank(n)[0]
+            assert slot % 64 == 0 and slot >= 16384, (n, slot)
+        assert per_rank(16)[0] == 124992              # 999936 halved three times
     finally:
         monkeypatch.delenv("GPURT_SHM_RING_MEM")
+        monkeypatch.delenv("GPURT_SHM_SLOT", raising=False)
         config.reload()
 
 

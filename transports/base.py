@@ -165,6 +165,16 @@ def ensure_fds(need: int, who: str, hint: str = "") -> None:
             f"service){hint}")
     new = -(-want // 1024) * 1024
     new = new if hard == inf else min(hard, new)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+    if new <= soft:
+        return          # (the hard limit is the soft one: what fits, fits without spare)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+    except (OSError, ValueError) as e:      # (above fs.nr_open, say)
+        if used + need <= soft:
+            return
+        raise ResourceError(
+            f"{who}: needs {need} more open files ({used} open already) but the limit is "
+            f"{soft}, and raising it to {new} failed ({e}): raise it where the job starts "
+            f"(`ulimit -n {new}`){hint}") from None
     log.info("%s: raised the open-file limit from %d to %d (%d more needed, %d open)",
              who, soft, new, need, used)

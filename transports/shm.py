@@ -192,14 +192,14 @@ def geometry(nlocal: int) -> tuple[int, int, int, int, int]:
         return (nlocal - 1) * (k + max(2, k // 2)) * (s + _SLOT_HDR)
 
     while mine and per_rank(slot, nslots) > mine and slot > 16384:
-        slot //= 2
+        slot = max(16384, slot // 2 // 64 * 64)   # (slots stay 64-byte aligned)
     while mine and per_rank(slot, nslots) > mine and nslots > 2:
         nslots -= 1
     while size(slot, nslots) > budget and stage > board:
         stage = stage // 2 // 4096 * 4096
     stage = stage if stage > board else 0
     while size(slot, nslots) > budget and slot > 16384:
-        slot //= 2
+        slot = max(16384, slot // 2 // 64 * 64)   # (slots stay 64-byte aligned)
     while size(slot, nslots) > budget and nslots > 2:
         nslots -= 1
     while size(slot, nslots) > budget and board > 4096:
@@ -713,8 +713,16 @@ class ShmTransport:
         memcopy.set_local_ranks(nlocal)
         if nlocal == 1:
             return {}
-        slot, k_coll, k_p2p, board, bslot = node.bcast(geometry(nlocal)
-                                                       if self.local_rank == 0 else None, 0)
+        geo, bad = None, ""
+        if self.local_rank == 0:
+            try:
+                geo = geometry(nlocal)
+            except ValueError as e:   # a bad GPURT_SHM_* value: every local rank raises
+                bad = f"rank {comm.rank}: shm: {e}"
+        geo, bad = node.bcast((geo, bad), 0)
+        if bad:
+            raise TransportError(bad)
+        slot, k_coll, k_p2p, board, bslot = geo
         ring_bytes = _CTRL + k_coll * (slot + _SLOT_HDR) + _CTRL + k_p2p * (slot + _SLOT_HDR)
         board_off = header_bytes(nlocal) + nlocal * (nlocal - 1) * ring_bytes
         size = board_off + (shm_board.region_bytes(nlocal, bslot) if board else 0)
@@ -747,7 +755,9 @@ class ShmTransport:
                     os.unlink(path)
                 except OSError:
                     pass
-        mpi_barrier(node)    # (the others sleep while local rank 0 reserves the segment)
+        # (the others sleep while local rank 0 reserves the segment: with more ranks than
+        # cores, naps of up to 10 ms, else 1 ms)
+        mpi_barrier(node, 1e-2 if oversubscribed(nlocal) else 1e-3)
         path, err = node.bcast((path, err), 0)
         if err:
             raise ResourceError(f"rank {comm.rank}: shm segment not created by local rank 0: {err}")

@@ -778,14 +778,16 @@ class TcpTransport:
         if peers and not err:
             # a socket per peer and stripe, a listener and the heartbeat's: room for them
             # before the first is opened (the stripes rank 0 decides are the usual guess)
-            stripes = min(max(int(config.get("GPURT_TCP_STRIPES")), 1), 64)
             try:
+                stripes = min(max(int(config.get("GPURT_TCP_STRIPES")), 1), 64)
                 ensure_fds(len(peers) * stripes + 2,
                            f"rank {me} ({host}): tcp to {len(peers)} ranks",
                            f", or open fewer connections per pair (GPURT_TCP_STRIPES="
                            f"{stripes})" if stripes > 1 else "")
             except ResourceError as e:
                 err, kind = str(e), ResourceError
+            except ValueError as e:       # (a bad GPURT_TCP_STRIPES: rank 0 names it too)
+                err = f"rank {me} ({host}): {e}"
         if peers and not err:
             try:
                 ip, ifname = pick_address(str(config.get("GPURT_SOCKET_IFNAME")))
@@ -803,7 +805,10 @@ class TcpTransport:
             except (OSError, TransportError, ValueError) as e:
                 err = f"rank {me} ({host}): cannot listen for tcp connections: {e}"
         # one exchange: addresses, ports, hosts, who wants tcp to whom, rank 0's secret
-        info = mpi.allgather((err, ip, port, host, sorted(peers), params, hb_port))
+        info = mpi.allgather((err, ip, port, host, sorted(peers), params, hb_port,
+                              kind is ResourceError))
+        if any(i[7] for i in info):   # a rank lacks room for its sockets: that class on all
+            kind = ResourceError
         errs = list(dict.fromkeys(i[0] for i in info if i[0]))
         peer_sets = [set(i[4]) for i in info]
         errs += unpaired("tcp", peer_sets, "does GPURT_TRANSPORTS differ between ranks?")
