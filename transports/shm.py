@@ -58,6 +58,9 @@ from .base import LANE_NAMES, LANES, UPTO_MAX, Sink, mismatch_detail
 log = logging.getLogger("gpurt.shm")
 
 PREFIX = "gpurt-"
+# a segment from this size on is reserved while the other local ranks sleep (below it the
+# reservation takes a few ms, and a nap would overshoot it)
+_SLEEPY_SETUP = 64 << 20
 _MAGIC = 0x67707572745F7368  # "gpurt_sh"
 _HDR = 4096                  # segment header (at least): magic, pid and probe tables
 _CTRL = 192                  # ring control: head (+0), tail (+64), help words (+80..)
@@ -755,9 +758,10 @@ class ShmTransport:
                     os.unlink(path)
                 except OSError:
                     pass
-        # (the others sleep while local rank 0 reserves the segment: with more ranks than
-        # cores, naps of up to 10 ms, else 1 ms)
-        mpi_barrier(node, 1e-2 if oversubscribed(nlocal) else 1e-3)
+        if size >= _SLEEPY_SETUP:
+            # the others sleep while local rank 0 reserves a large segment (~2 GB/s here):
+            # with more ranks than cores, naps of up to 10 ms, else 1 ms
+            mpi_barrier(node, 1e-2 if oversubscribed(nlocal) else 1e-3)
         path, err = node.bcast((path, err), 0)
         if err:
             raise ResourceError(f"rank {comm.rank}: shm segment not created by local rank 0: {err}")
