@@ -73,7 +73,6 @@ class Backoff:
         self.sleep = min(self.sleep * 2, 1e-3)
 
 
-
 def mpi_barrier(comm, longest: float = 1e-2) -> None:
     """``comm.Barrier()`` for the control plane's waits while one rank works (creates and
     reserves a segment, say): a non-blocking barrier tested between sleeps that grow from

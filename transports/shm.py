@@ -164,9 +164,9 @@ def geometry(nlocal: int) -> tuple[int, int, int, int, int]:
     down to 16 KiB, then count down to 2) until a rank's rings to its local peers fit in
     ``GPURT_SHM_RING_MEM``, then (the staging room first, then slot size, then slot count,
     then the board) until the segment fits in a quarter of the free space in the shm
-    directory.  The board's
-    buffers hold the one-round protocol's data (up to the limit, ``GPURT_SHM_BOARD``) and
-    a staged allreduce's input (up to ``GPURT_SHM_STAGE``, at most 32 MiB / ``nlocal``)."""
+    directory.  The board's buffers hold the one-round protocol's data (up to the limit,
+    ``GPURT_SHM_BOARD``) and a staged allreduce's input (up to ``GPURT_SHM_STAGE``, at most
+    32 MiB / ``nlocal``)."""
     slot = max(4096, int(config.get("GPURT_SHM_SLOT")) // 64 * 64)
     nslots = max(2, int(config.get("GPURT_SHM_SLOTS")))
     try:

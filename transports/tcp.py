@@ -815,7 +815,7 @@ class TcpTransport:
         if errs:
             self.close()
             raise kind("tcp: " + "; ".join(errs[:3]) +
-                                 (f" (and {len(errs) - 3} more)" if len(errs) > 3 else ""))
+                       (f" (and {len(errs) - 3} more)" if len(errs) > 3 else ""))
         if not any(peer_sets):
             self.close()
             return {}
