@@ -122,6 +122,25 @@ def test_stale_segment_cleanup(tmp_path):
     assert alive.exists() and young.exists() and not dead.exists()
 
 
+def test_a_peers_published_mismatch_is_a_mismatch_here_and_other_failures_blame_the_rank():
+    from gpurt.errors import (CollectiveMismatchError, PeerFailure, from_peer, relay_text,
+                              relayed_rank)
+
+    mine = CollectiveMismatchError("rank 3: in allreduce (call #12): call #12: rank 3 "
+                                   "called allreduce(float32, count=4097, op=SUM) ...")
+    text = relay_text(mine)
+    e = from_peer(text, f"rank 3 (node1) failed: {text}", relayed_rank(text, 3))
+    assert type(e) is CollectiveMismatchError and "count=4097" in str(e)
+    # relayed once more, by a rank that heard it as a mismatch itself
+    again = relay_text(CollectiveMismatchError(f"rank 2: rank 3 (node1) failed: {text}"))
+    assert type(from_peer(again, again, relayed_rank(again, 2))) is CollectiveMismatchError
+    for other, sender, blamed in [(relay_text(ValueError("boom")), 1, 1),
+                                  (relay_text(PeerFailure("rank 0 died", rank=0)), 2, 0),
+                                  ("TransportError: the verbs queue pair broke", 3, 3)]:
+        e = from_peer(other, f"rank {sender} failed: {other}", relayed_rank(other, sender))
+        assert type(e) is PeerFailure and e.rank == blamed, (other, e)
+
+
 def test_shm_geometry_shrinks_to_fit(monkeypatch):
     from gpurt.transports import shm
 

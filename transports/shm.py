@@ -48,7 +48,7 @@ import numpy as np
 from gpurt import config, memcopy, sharedmem
 from gpurt.wait import mpi_barrier, oversubscribed
 from gpurt.errors import (CollectiveMismatchError, PeerFailure, ResourceError, TransportError,
-                          relayed_rank)
+                          from_peer, relayed_rank)
 
 from . import cma, shm_board
 from .fence import ORDERED, WHY_NOT
@@ -637,8 +637,8 @@ class ShmEndpoint:
             self._pid = seg.q[seg.pid_i(self.local_peer)]
         err = seg.read_error(self.local_peer)
         if err:
-            raise PeerFailure(f"rank {self.peer} (pid {self._pid}, same node) failed: {err}",
-                              rank=relayed_rank(err, self.peer))
+            raise from_peer(err, f"rank {self.peer} (pid {self._pid}, same node) failed: {err}",
+                            relayed_rank(err, self.peer))
         state = _pid_state(self._pid)
         if state in ("gone", "Z", "X"):
             raise PeerFailure(f"rank {self.peer} (pid {self._pid}, same node) has exited",

@@ -93,7 +93,8 @@ import threading
 import time
 
 from gpurt import memcopy, sharedmem
-from gpurt.errors import CommunicatorClosed, PeerFailure, TransportError, relayed_rank
+from gpurt.errors import (CommunicatorClosed, GpurtError, TransportError, from_peer,
+                          relayed_rank)
 from gpurt.tuner import collective_bytes  # noqa: F401 - S as nccl-tests counts it (also for comm)
 
 from . import cma
@@ -211,11 +212,11 @@ class Access:
             if k != self.me and q[i]:
                 raise self.failure(k)
 
-    def failure(self, k: int) -> PeerFailure:
+    def failure(self, k: int) -> GpurtError:
         """The error for local rank k, which has published its error record."""
         text = self.seg.read_error(k)
-        return PeerFailure(f"rank {self.ranks[self.me]}: rank {self.ranks[k]} failed during "
-                           f"shm_direct: {text}", rank=relayed_rank(text, self.ranks[k]))
+        return from_peer(text, f"rank {self.ranks[self.me]}: rank {self.ranks[k]} failed "
+                         f"during shm_direct: {text}", relayed_rank(text, self.ranks[k]))
 
     def drain(self, bound: float = 5.0) -> None:
         """This rank is going down (its error is published) in the middle of a call:

@@ -109,7 +109,7 @@ import numpy as np
 
 from gpurt import config
 from gpurt.errors import (CollectiveMismatchError, PeerFailure, ResourceError, TransportError,
-                          relayed_rank)
+                          from_peer, relayed_rank)
 
 from .base import LANE_NAMES, LANES, UPTO_MAX, Sink, ensure_fds, mismatch_detail, unpaired
 from .heartbeat import Heartbeat
@@ -717,7 +717,8 @@ class TcpEndpoint:
 
     def peer_error(self, text: str) -> None:
         self.blame = relayed_rank(text, self.peer)
-        self.fail(PeerFailure, f"rank {self.peer} ({self.host}) failed: {text}")
+        msg = f"rank {self.peer} ({self.host}) failed: {text}"
+        self.fail(type(from_peer(text, msg, self.blame)), msg)
 
     def publish(self, data: bytes) -> _Conn | None:
         live = [c for c in self.conns if not c.dead]

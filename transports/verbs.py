@@ -78,7 +78,7 @@ import numpy as np
 
 from gpurt import config
 from gpurt.errors import (CollectiveMismatchError, PeerFailure, ResourceError, TransportError,
-                          relayed_rank)
+                          from_peer, relayed_rank)
 
 from .base import LANE_NAMES, LANES, UPTO_MAX, Sink, mismatch_detail, unpaired
 from .heartbeat import Heartbeat
@@ -613,7 +613,8 @@ class VerbsEndpoint:
 
     def peer_error(self, text: str) -> None:
         self.blame = relayed_rank(text, self.peer)
-        self.fail(PeerFailure, f"rank {self.peer} ({self.host}) failed: {text}")
+        msg = f"rank {self.peer} ({self.host}) failed: {text}"
+        self.fail(type(from_peer(text, msg, self.blame)), msg)
 
     def wc_error(self, status: int, vendor: int, what: str) -> None:
         name = _WC_STATUS.get(status, f"status {status}")
