@@ -25,7 +25,7 @@ from typing import Callable
 import numpy as np
 
 from . import memcopy
-from .errors import CollectiveTimeout, CommunicatorClosed, GpurtError, PeerFailure, TransportError
+from .errors import CollectiveTimeout, CommunicatorClosed, GpurtError, TransportError
 from .schedule import Copy, Recv, Schedule, Send, Slice
 from .wait import Backoff
 
@@ -520,7 +520,12 @@ class Engine:
         try:
             self._drive(self.progress, lambda: req.done or req.error is not None,
                         self.pending_peers, timeout, timed_out)
-        except PeerFailure as e:
+        except CollectiveTimeout:
+            raise           # (the request stays in flight: wait again, or abort())
+        except GpurtError as e:
+            # a peer's failure from the liveness checks: PeerFailure, or what it published
+            # as something else (a CollectiveMismatchError, errors.from_peer; a transport's
+            # own TransportError)
             self._annotate(e, "" if req.p2p else f"in {req.name} (call #{req.seq}): ")
             self.poison(e)
             raise

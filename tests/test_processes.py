@@ -114,6 +114,46 @@ def test_a_bad_transport_setting_is_an_error_on_every_rank_not_a_hang(var, env):
     assert gpurt_shm_files() == before
 
 
+_HEARD_MISMATCH = """
+import json, time, numpy as np, gpurt
+c = gpurt.init(); r = c.rank
+rec = {"rank": r}
+try:
+    if r == 0:      # waits (a Request) on rank 2, which fails with a mismatch meanwhile
+        c.irecv(np.empty(4, np.float32), 2, tag=9).wait(timeout=30)
+    elif r == 1:
+        c.send(np.ones(10, np.float32), 2, tag=1, timeout=30)
+    else:           # expects 12 floats, gets 10: CollectiveMismatchError, published
+        c.recv(np.empty(12, np.float32), 1, tag=1, timeout=30)
+except gpurt.GpurtError as e:
+    rec["error"] = [type(e).__name__, str(e)]
+try:
+    c.allreduce(np.ones(2, np.float32), timeout=10)
+    rec["after"] = "returned"
+except gpurt.GpurtError as e:
+    rec["after"] = type(e).__name__
+print("HEARD " + json.dumps(rec), flush=True)
+time.sleep(1)
+"""
+
+
+@pytest.mark.parametrize("net", [False, True])
+def test_a_mismatch_heard_from_a_peer_while_waiting_on_a_request(net):
+    """Rank 2 raises CollectiveMismatchError (a receive of the wrong size) and publishes
+    it; rank 0, waiting on a request for rank 2, hears it from the liveness check and
+    raises CollectiveMismatchError too, with its rank and call named, and its communicator
+    poisoned like after any failure (later calls raise at once) — as rank 2's is."""
+    env = {"GPURT_TRANSPORTS": "tcp"} if net else {}
+    out = run_mpi(3, ["-c", _HEARD_MISMATCH], env=env, timeout=120).stdout
+    recs = rank_records(out, "HEARD", 3)
+    kind, text = recs[0]["error"]
+    assert kind == "CollectiveMismatchError" and text.startswith("rank 0: "), recs[0]
+    assert "rank 2" in text and "expects 48 bytes" in text, text
+    kind2, text2 = recs[2]["error"]
+    assert kind2 == "CollectiveMismatchError" and "expects 48 bytes" in text2, recs[2]
+    assert recs[0]["after"] == recs[2]["after"] == "CommunicatorClosed", recs
+
+
 _LAZY_BF16 = """
 import json, sys, numpy as np, gpurt
 c = gpurt.init(); r = c.rank
