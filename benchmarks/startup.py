@@ -56,7 +56,8 @@ def mpiexec() -> str:
     return str(here) if here.exists() else (shutil.which("mpiexec") or "mpiexec")
 
 
-def launch(n: int, variant: str) -> float:
+def launch(n: int, variant: str) -> tuple[float, float | None]:
+    """(wall seconds of the launch, gpurt.init() seconds or None)."""
     env = dict(os.environ)
     aside = []
     if variant == "gpurt, rings unbounded":

@@ -52,15 +52,23 @@ class CollectiveMismatchError(GpurtError):
     """Ranks called different collectives, or the same one with different arguments."""
 
 
-def from_peer(text: str, msg: str, rank: int) -> GpurtError:
-    """What this rank raises for the failure a peer published (``text``, as ``relay_text``
-    wrote it; ``msg``, the message here): ``CollectiveMismatchError`` where the peer found
-    that the calls differ — every rank of the call hears it as that, whether its own
-    comparison comes first or the peer's notice does (on verbs the notice, a datagram,
-    can overtake the call's last completions) — else ``PeerFailure`` blaming ``rank``."""
+def published_class(text: str) -> type:
+    """The class this rank raises for the failure a peer published (``text``, as
+    ``relay_text`` wrote it): ``CollectiveMismatchError`` where the peer found that the
+    calls differ — every rank of the call hears it as that, whether its own comparison
+    comes first or the peer's notice does (on verbs the notice, a datagram, can overtake
+    the call's last completions) — else ``PeerFailure``."""
     if text.startswith(f"{CollectiveMismatchError.__name__}: "):
-        return CollectiveMismatchError(msg)
-    return PeerFailure(msg, rank=rank)
+        return CollectiveMismatchError
+    return PeerFailure
+
+
+def from_peer(text: str, msg: str, rank: int) -> GpurtError:
+    """The error for the failure a peer published (``text``; ``msg``, the message here):
+    of ``published_class(text)``, a ``PeerFailure`` blaming ``rank``."""
+    if published_class(text) is PeerFailure:
+        return PeerFailure(msg, rank=rank)
+    return CollectiveMismatchError(msg)
 
 
 class TransportError(GpurtError):

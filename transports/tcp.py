@@ -109,7 +109,7 @@ import numpy as np
 
 from gpurt import config
 from gpurt.errors import (CollectiveMismatchError, PeerFailure, ResourceError, TransportError,
-                          from_peer, relayed_rank)
+                          published_class, relayed_rank)
 
 from .base import LANE_NAMES, LANES, UPTO_MAX, Sink, ensure_fds, mismatch_detail, unpaired
 from .heartbeat import Heartbeat
@@ -718,7 +718,7 @@ class TcpEndpoint:
     def peer_error(self, text: str) -> None:
         self.blame = relayed_rank(text, self.peer)
         msg = f"rank {self.peer} ({self.host}) failed: {text}"
-        self.fail(type(from_peer(text, msg, self.blame)), msg)
+        self.fail(published_class(text), msg)
 
     def publish(self, data: bytes) -> _Conn | None:
         live = [c for c in self.conns if not c.dead]

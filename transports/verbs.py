@@ -78,7 +78,7 @@ import numpy as np
 
 from gpurt import config
 from gpurt.errors import (CollectiveMismatchError, PeerFailure, ResourceError, TransportError,
-                          from_peer, relayed_rank)
+                          published_class, relayed_rank)
 
 from .base import LANE_NAMES, LANES, UPTO_MAX, Sink, mismatch_detail, unpaired
 from .heartbeat import Heartbeat
@@ -614,7 +614,7 @@ class VerbsEndpoint:
     def peer_error(self, text: str) -> None:
         self.blame = relayed_rank(text, self.peer)
         msg = f"rank {self.peer} ({self.host}) failed: {text}"
-        self.fail(type(from_peer(text, msg, self.blame)), msg)
+        self.fail(published_class(text), msg)
 
     def wc_error(self, status: int, vendor: int, what: str) -> None:
         name = _WC_STATUS.get(status, f"status {status}")
