@@ -85,8 +85,9 @@ VARIABLES: tuple[Var, ...] = (
         "MiB). 0: only GPURT_NET_FOLD; at most 4M; with tcp striping, below "
         "GPURT_TCP_STRIPE_MIN; decided on rank 0."),
     Var("GPURT_PEER_STOPPED", "5", float,
-        "Seconds a local peer may stay stopped (SIGSTOP, a debugger) while others wait for "
-        "it before they raise PeerFailure."),
+        "Seconds a peer may stay stopped (SIGSTOP, a debugger) while others wait for it "
+        "before they raise PeerFailure: a local peer's process state, a remote peer's "
+        "silence after the first unanswered heartbeat ping."),
     Var("GPURT_ALGO", "", _algo,
         "Force algorithms, e.g. 'allreduce:ring,broadcast:tree'. Names: see `gpurt info`."),
     Var("GPURT_PROFILE", "", str,

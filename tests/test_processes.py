@@ -447,7 +447,7 @@ def test_stopped_peer_is_a_failure_after_the_bound_and_a_short_freeze_is_not(fre
             assert "done" in line, got
         else:
             why = "stopped for more than 3 s" if transport == "shm" else \
-                "no heartbeat for"
+                "has not answered heartbeat pings for"
             assert "PeerFailure rank=1 " in line and why in line, got
             assert 3.0 <= float(line.split(" after ")[1].split("s:")[0]) < 8.0, line
     if freeze:

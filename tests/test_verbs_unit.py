@@ -150,10 +150,17 @@ def test_heartbeat_notice_reaches_the_peer_and_strangers_are_ignored():
         b.close()
 
 
-def test_heartbeats_flow_on_a_socket_above_select_limit():
+def _until(cond, seconds=5.0):
+    deadline = time.monotonic() + seconds
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return cond()
+
+
+def test_heartbeats_answer_on_a_socket_above_select_limit():
     """A communicator made while over a thousand files are open gets a heartbeat socket
-    above select()'s FD_SETSIZE (1024): its thread polls, so heartbeats still arrive (with
-    select it stopped at once, and a live peer read as silent)."""
+    above select()'s FD_SETSIZE (1024): its thread polls, so pings are still answered
+    (with select it stopped at once, and a live peer read as silent)."""
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -171,9 +178,12 @@ def test_heartbeats_flow_on_a_socket_above_select_limit():
         secret = b"s" * 32
         a.start(0, secret, {1: ("127.0.0.1", b.port)}, 0.05)
         b.start(1, secret, {0: ("127.0.0.1", a.port)}, 0.05)
-        time.sleep(0.6)
+        time.sleep(0.1)
+        a.ping(1)
+        b.ping(0)
+        assert _until(lambda: a._answered.get(1) == 1 and b._answered.get(0) == 1)
         assert a._thread.is_alive() and b._thread.is_alive()
-        assert a.silent_for(1) < 0.4 and b.silent_for(0) < 0.4
+        assert a.silent_for(1) < 0.1 and b.silent_for(0) < 0.1
     finally:
         for h in (a, b):
             if h is not None:
@@ -181,3 +191,113 @@ def test_heartbeats_flow_on_a_socket_above_select_limit():
         for fd in held:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def _waiting(h, peer, seconds, every=0.02):
+    """What ``stopped`` says while ``h`` waits ``seconds`` for ``peer``, asked as the
+    executor asks (every 0.2 s there; faster here)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        why = h.stopped(peer, "host", "stopped")
+        if why:
+            return why
+        time.sleep(every)
+    return None
+
+
+def test_a_peer_is_asked_only_while_waited_for_and_a_stopped_one_fails_after_the_bound(
+        monkeypatch):
+    """Nobody waits: no datagram at all, however long.  Waiting for a live peer: pings,
+    answered, never a failure.  Waiting for one that cannot answer (its thread is not
+    running, as in a stopped process): PeerFailure's text once GPURT_PEER_STOPPED has
+    passed since the first unanswered ping, not before."""
+    monkeypatch.setenv("GPURT_PEER_STOPPED", "0.6")
+    config.reload()
+    secret = b"s" * 32
+    a, b, frozen = Heartbeat("127.0.0.1"), Heartbeat("127.0.0.1"), Heartbeat("127.0.0.1")
+    try:
+        a.start(0, secret, {1: ("127.0.0.1", b.port), 2: ("127.0.0.1", frozen.port)}, 0.1)
+        b.start(1, secret, {0: ("127.0.0.1", a.port)}, 0.1)
+        frozen.me, frozen._secret = 2, secret          # bound, never started: no answers
+        time.sleep(0.5)                                 # idle: longer than the bound
+        assert a.pings == b.pings == 0 and not b._pinged and not a._pinged
+        assert a.stopped(1, "host", "stopped") is None  # quiet for an interval: asks
+        assert a.pings == 1
+        assert _waiting(a, 1, 1.5) is None              # a live peer: never failed
+        assert a._answered.get(1, 0) >= 5 and a.silent_for(1) < 0.2
+        assert b.pings == 0                             # b waited for nobody
+        t = time.monotonic()
+        why = _waiting(a, 2, 5.0)
+        took = time.monotonic() - t
+        assert why and "rank 2 (host) has not answered heartbeat pings for" in why, why
+        assert "GPURT_PEER_STOPPED=0.6 s" in why and 0.55 <= took < 2.0, took
+        assert frozen.sock.recv(64, socket.MSG_DONTWAIT)[:8] == b"gpurtHQ1"   # was asked
+    finally:
+        for h in (a, b, frozen):
+            h.close()
+        config.reload()
+
+
+def test_a_short_freeze_and_an_old_question_are_not_failures(monkeypatch):
+    """A peer whose thread answers only after a pause shorter than the bound (a short
+    SIGSTOP) is not a failure; nor is a question left unanswered by an earlier wait (it
+    ended when the data came): the next wait asks again instead of counting from it."""
+    monkeypatch.setenv("GPURT_PEER_STOPPED", "0.8")
+    config.reload()
+    secret = b"s" * 32
+    a, b = Heartbeat("127.0.0.1"), Heartbeat("127.0.0.1")
+    try:
+        a.start(0, secret, {1: ("127.0.0.1", b.port)}, 0.1)
+        b.me, b._secret, b.peers = 1, secret, {0: ("127.0.0.1", a.port)}
+        b.last = {0: time.monotonic()}
+        assert _waiting(a, 1, 0.4) is None              # b "stopped": pings queue up
+        b.start(1, secret, {0: ("127.0.0.1", a.port)}, 0.1)   # continued: answers them
+        assert _waiting(a, 1, 1.0) is None and a.silent_for(1) < 0.3
+        # an earlier wait's question, never answered, long ago
+        b.close()
+        a.stopped(1, "host", "stopped")
+        a.last[1] -= 10
+        a.asked[1] = a.sent[1] = time.monotonic() - 5
+        assert a.stopped(1, "host", "stopped") is None  # a new question, not 5 s of silence
+        assert a.asked[1] > time.monotonic() - 0.1
+    finally:
+        a.close()
+        b.close()
+        config.reload()
+
+
+def test_heartbeat_replays_and_strangers_prove_nothing():
+    """An authentic ping replayed, an answer to a ping never sent, and a datagram under
+    another secret do not make a silent peer look alive; close() is immediate."""
+    import struct
+
+    from gpurt.transports import heartbeat as hb
+
+    secret = b"s" * 32
+    a = Heartbeat("127.0.0.1")
+    try:
+        a.start(0, secret, {1: ("127.0.0.1", 9)}, 0.1)
+        a.last[1] -= 100
+        before = a.last[1]
+
+        def dgram(magic, frm, seq, key=secret):
+            return struct.pack("<8sII", magic, frm, seq) + hb._mac(key, magic, frm, 0, seq)
+
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.bind(("127.0.0.1", 0))
+            s.sendto(dgram(b"gpurtHQ1", 1, 7), ("127.0.0.1", a.port))     # a real ping
+            assert _until(lambda: a._pinged.get(1) == 7)
+            heard = a.last[1]
+            assert heard > before
+            s.sendto(dgram(b"gpurtHQ1", 1, 7), ("127.0.0.1", a.port))     # replayed
+            s.sendto(dgram(b"gpurtHB1", 1, 3), ("127.0.0.1", a.port))     # unasked answer
+            assert _until(lambda: a.stale == 2)
+            s.sendto(dgram(b"gpurtHQ1", 1, 8, b"x" * 32), ("127.0.0.1", a.port))  # stranger
+            s.sendto(b"gpurtHQ1" + b"\0" * 4, ("127.0.0.1", a.port))     # garbage
+            assert _until(lambda: a.dropped == 2)
+            assert a.last[1] == heard
+        t = time.monotonic()
+        a.close()
+        assert time.monotonic() - t < 0.2
+    finally:
+        a.close()

@@ -1,14 +1,28 @@
-"""Heartbeats between ranks on different nodes: noticing a peer that is frozen, not dead.
+"""Liveness between ranks on different nodes: noticing a peer that is frozen, not dead.
 
 A process stopped by SIGSTOP (or a debugger, or swapped to death) on another node keeps its
 TCP connections alive — its kernel still acknowledges — so neither EOF nor
 ``TCP_USER_TIMEOUT`` ever fires, and without this a peer waiting for it would only stop at
-its deadline.  gpurt has no progress thread, so the data connections cannot carry
-heartbeats; instead every rank with tcp peers runs one small daemon thread that, every
-``interval`` seconds, sends each peer a 32-byte UDP datagram and records the datagrams it
-receives.  A stopped process stops *all* its threads, so its heartbeats stop; a process
-that is merely busy (computing between collectives, inside a long NumPy call) keeps
-sending, because the thread needs the GIL only for microseconds every interval.
+its deadline.  gpurt has no progress thread, so the data connections cannot carry the
+question; instead every rank with tcp (or verbs) peers has one UDP socket and one small
+daemon thread that answers it.  A stopped process stops *all* its threads, so it stops
+answering; a process that is merely busy (computing between collectives, inside a long
+NumPy call) still answers, because the thread needs the GIL only for microseconds.
+
+Asked, not broadcast: a rank pings a peer only while it *waits* for that peer.  The
+endpoints' ``check`` (every 0.2 s of a wait, ``Engine._drive``) calls ``stopped(peer)``;
+if nothing authentic has come from that peer for ``interval`` seconds it sends a ping (at
+most one per ``interval`` while the wait lasts) and the peer's thread answers at once.
+When ``GPURT_PEER_STOPPED`` seconds pass after the first unanswered ping with nothing
+heard from the peer, the peer is a ``PeerFailure`` — the same bound and meaning as a
+stopped local peer under ``shm``.  A freeze shorter than the bound is not a failure (the
+thread answers the queued pings when the process continues).  So a rank that nobody waits
+for sends and receives nothing, whatever the job's size: the datagrams every rank used to
+send every peer twice a second (until 2026-12-02) cost each rank about 5 µs of CPU per
+peer and datagram, ~5 % of a core with a thousand remote ranks, for nothing while all were
+busy.  A waiting rank costs each peer it waits for one ping and one answer per
+``interval``, no more than those beats did; and a rank that was itself stopped does not
+mistake a live peer for a dead one when it continues (it asks again).
 
 The same socket carries *notices*: ``notify(text)`` sends every peer an authenticated
 datagram (``<8sII>`` magic ``b"gpurtHE1"``, from-rank, text length, the text (at most 1 KiB),
@@ -16,16 +30,13 @@ then 16 bytes of HMAC over all of it and the receiving rank), three times agains
 peers' ``notice(rank)`` returns it.  A transport whose data path to a peer is broken (a verbs
 queue pair in the error state cannot carry an error message) still tells the peer why.
 
-The waiting side asks ``silent_for(peer)`` from its endpoints' ``check`` (every 0.2 s while
-it waits for that peer): past ``GPURT_PEER_STOPPED`` seconds of silence the peer is a
-``PeerFailure`` — the same bound and meaning as a stopped local peer under ``shm``.  A
-freeze shorter than the bound is not a failure.
-
-Datagrams: ``<8sII>`` magic ``b"gpurtHB1"``, from-rank, sequence, then the first 16 bytes of
-HMAC-SHA256(secret, magic | from | to | sequence) over the communicator's tcp secret:
-anything that does not verify (a stranger, another job, a forged sender) is dropped
-(counted, logged once).  The socket is bound to the rank's advertised address and an
-OS-chosen port, exchanged with the tcp set-up.
+Pings and answers: ``<8sII>`` magic ``b"gpurtHQ1"`` (ping) or ``b"gpurtHB1"`` (answer),
+from-rank, sequence, then the first 16 bytes of HMAC-SHA256(secret, magic | from | to |
+sequence) over the communicator's tcp secret.  Anything that does not verify (a stranger,
+another job, a forged sender) is dropped (counted, logged once); so is a replay: a ping
+must carry a higher sequence than the last one from that peer, an answer must answer a
+ping this rank sent, newer than the last answer taken.  The socket is bound to the rank's
+advertised address and an OS-chosen port, exchanged with the transport's set-up.
 """
 
 from __future__ import annotations
@@ -33,7 +44,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-import math
 import select
 import socket
 import struct
@@ -43,15 +53,16 @@ import time
 log = logging.getLogger("gpurt.tcp")
 
 _HB = struct.Struct("<8sII")
-_MAGIC = b"gpurtHB1"
+_PING = b"gpurtHQ1"
+_ANSWER = b"gpurtHB1"
 _NOTE = b"gpurtHE1"
 _NOTE_MAX = 1024
 _MAC = 16
 SIZE = _HB.size + _MAC
 
 
-def _mac(secret: bytes, frm: int, to: int, seq: int) -> bytes:
-    return hmac.new(secret, _MAGIC + struct.pack("<III", frm, to, seq),
+def _mac(secret: bytes, magic: bytes, frm: int, to: int, seq: int) -> bytes:
+    return hmac.new(secret, magic + struct.pack("<III", frm, to, seq),
                     hashlib.sha256).digest()[:_MAC]
 
 
@@ -60,7 +71,7 @@ def _note_mac(secret: bytes, signed: bytes, to: int) -> bytes:
 
 
 class Heartbeat:
-    """One UDP socket and one daemon thread per tcp transport instance."""
+    """One UDP socket and one daemon thread per tcp (or verbs) transport instance."""
 
     def __init__(self, ip: str) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -68,9 +79,16 @@ class Heartbeat:
         self.sock.setblocking(False)
         self.port: int = self.sock.getsockname()[1]
         self.me = -1
+        self.interval = 0.5
         self.peers: dict[int, tuple[str, int]] = {}
-        self.last: dict[int, float] = {}
+        self.last: dict[int, float] = {}        # peer -> when something authentic came
+        self.asked: dict[int, float] = {}       # peer -> its first unanswered ping
+        self.sent: dict[int, float] = {}        # peer -> the latest ping to it
+        self.pings = 0                          # pings sent (their sequence numbers)
+        self._answered: dict[int, int] = {}     # peer -> newest sequence it answered
+        self._pinged: dict[int, int] = {}       # peer -> newest sequence it pinged with
         self.dropped = 0
+        self.stale = 0
         self.notices: dict[int, str] = {}
         self._secret = b""
         self._stop = threading.Event()
@@ -79,28 +97,61 @@ class Heartbeat:
     def start(self, me: int, secret: bytes, peers: dict[int, tuple[str, int]],
               interval: float) -> None:
         self.me, self._secret, self.peers = me, secret, dict(peers)
+        self.interval = float(interval)
         now = time.monotonic()
         self.last = {q: now for q in peers}
-        self._thread = threading.Thread(target=self._run, args=(interval,),
-                                        name=f"gpurt-heartbeat-{me}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"gpurt-heartbeat-{me}",
+                                        daemon=True)
         self._thread.start()
 
     def silent_for(self, peer: int) -> float:
-        """Seconds since the last valid heartbeat from ``peer`` (0 if not watched)."""
+        """Seconds since the last authentic datagram from ``peer`` (0 if not watched)."""
         t = self.last.get(peer)
         return 0.0 if t is None else time.monotonic() - t
 
     def stopped(self, peer: int, host: str, what: str) -> str | None:
-        """Why ``peer`` counts as failed — silent for more than ``GPURT_PEER_STOPPED``
-        seconds (``what`` says what that may be) — or None."""
+        """Called while this rank waits for ``peer``: ping it if it has been quiet for an
+        interval, and say why it counts as failed — no answer for more than
+        ``GPURT_PEER_STOPPED`` seconds after the first unanswered ping (``what`` says what
+        that may be) — or None."""
+        heard = self.last.get(peer)
+        if heard is None:
+            return None
+        now = time.monotonic()
+        if now - heard < self.interval:
+            return None
+        first = self.asked.get(peer)
+        if first is None or first < heard or now - self.sent.get(peer, 0.0) > 3 * self.interval:
+            # a new question: none yet, the last one answered, or it belonged to an
+            # earlier wait (a wait repeats its ping every interval)
+            self.asked[peer] = first = now
+            self.ping(peer)
+            return None
+        if now - self.sent.get(peer, 0.0) >= self.interval:
+            self.ping(peer)                     # again, against a lost datagram
         from gpurt import config
 
         bound = float(config.get("GPURT_PEER_STOPPED"))
-        silent = self.silent_for(peer)
+        silent = now - first
         if silent <= bound:
             return None
-        return (f"rank {peer} ({host}) has sent no heartbeat for {silent:.1f} s (more than "
-                f"GPURT_PEER_STOPPED={bound:g} s): {what}")
+        return (f"rank {peer} ({host}) has not answered heartbeat pings for {silent:.1f} s "
+                f"(more than GPURT_PEER_STOPPED={bound:g} s): {what}")
+
+    def ping(self, peer: int) -> None:
+        addr = self.peers.get(peer)
+        if addr is None:
+            return
+        self.pings += 1
+        self.sent[peer] = time.monotonic()
+        self._send(_PING, self.pings, peer, addr)
+
+    def _send(self, magic: bytes, seq: int, peer: int, addr: tuple[str, int]) -> None:
+        pkt = _HB.pack(magic, self.me, seq) + _mac(self._secret, magic, self.me, peer, seq)
+        try:
+            self.sock.sendto(pkt, addr)
+        except OSError:
+            pass            # a down link: the silence tells the asking side
 
     def notice(self, peer: int) -> str | None:
         """The text ``peer`` sent with ``notify``, if any."""
@@ -121,32 +172,19 @@ class Heartbeat:
                 except OSError:
                     break
 
-    def _run(self, interval: float) -> None:
-        seq = 0
-        nxt = time.monotonic()
-        sock = self.sock
+    def _run(self) -> None:
         poller = select.poll()
-        poller.register(sock, select.POLLIN)
+        # (poll, not select: a communicator made when over a thousand files are open has
+        # a descriptor above select's FD_SETSIZE)
+        poller.register(self.sock, select.POLLIN)
         while not self._stop.is_set():
-            now = time.monotonic()
-            if now >= nxt:
-                seq += 1
-                for q, addr in self.peers.items():
-                    pkt = _HB.pack(_MAGIC, self.me, seq) + _mac(self._secret, self.me, q, seq)
-                    try:
-                        sock.sendto(pkt, addr)
-                    except OSError:
-                        pass            # a down link: the peer's silence tells them
-                nxt = now + interval
             try:
-                # (poll, not select: a communicator made when over a thousand files are
-                # open has a descriptor above select's FD_SETSIZE)
-                r = poller.poll(max(0, math.ceil((nxt - time.monotonic()) * 1000)))
+                r = poller.poll(1000)   # close() wakes it with a datagram
             except (OSError, ValueError):
                 return                  # closed under us
             if any(ev & select.POLLNVAL for _, ev in r):
                 return
-            if r:
+            if r and not self._stop.is_set():
                 self._receive()
 
     def _receive(self) -> None:
@@ -157,7 +195,8 @@ class Heartbeat:
                 return
             except OSError:
                 return
-            ok = False
+            if not data:
+                continue                # close()'s wake-up call
             if data[:8] == _NOTE and len(data) >= _HB.size + _MAC:
                 _, frm, n = _HB.unpack_from(data)
                 body = data[_HB.size:-_MAC]
@@ -168,19 +207,34 @@ class Heartbeat:
                     continue
             elif len(data) == SIZE:
                 magic, frm, seq = _HB.unpack_from(data)
-                ok = (magic == _MAGIC and frm in self.peers and hmac.compare_digest(
-                    data[_HB.size:], _mac(self._secret, frm, self.me, seq)))
-            if ok:
-                self.last[frm] = time.monotonic()
-            else:
-                self.dropped += 1
-                if self.dropped == 1:
-                    log.warning("tcp: rank %d dropped a heartbeat datagram from %s:%d that "
-                                "does not prove this job's secret", self.me, *addr[:2])
+                if frm in self.peers and magic in (_PING, _ANSWER) and hmac.compare_digest(
+                        data[_HB.size:], _mac(self._secret, magic, frm, self.me, seq)):
+                    if magic == _PING:
+                        fresh = seq > self._pinged.get(frm, 0)
+                        if fresh:
+                            self._pinged[frm] = seq
+                            self._send(_ANSWER, seq, frm, self.peers[frm])
+                    else:
+                        fresh = self._answered.get(frm, 0) < seq <= self.pings
+                        if fresh:
+                            self._answered[frm] = seq
+                    if fresh:
+                        self.last[frm] = time.monotonic()
+                    else:
+                        self.stale += 1     # authentic but old: reordered, or replayed
+                    continue
+            self.dropped += 1
+            if self.dropped == 1:
+                log.warning("tcp: rank %d dropped a heartbeat datagram from %s:%d that "
+                            "does not prove this job's secret", self.me, *addr[:2])
 
     def close(self) -> None:
         self._stop.set()
         if self._thread is not None:
+            try:                        # wake the thread's poll now, not in a second
+                self.sock.sendto(b"", self.sock.getsockname())
+            except OSError:
+                pass
             self._thread.join(timeout=2.0)
             self._thread = None
         try:
