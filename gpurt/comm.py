@@ -735,6 +735,7 @@ class Communicator:
     def _submit(self, coll: str, xb: Buf | None, ob: Buf | None, n: int, dtype: np.dtype,
                 op: Op | None, root: int, result: Any, algo: str | None = None,
                 finish_root_only: bool = False, stream: Any = None) -> Request:
+        self.engine.check_thread()   # (another thread in a call: an error, before this counts)
         b = xb if xb is not None else ob
         if b is not None and b.kind != "host":
             return self._submit_device(coll, xb, ob, n, dtype, op, root, result, algo,
@@ -1112,6 +1113,8 @@ class Communicator:
         eng = self.engine
         if self._closed or eng.colls or eng.p2p or eng.poisoned is not None:
             return None   # keep call order; let pending send/recv progress in the queue
+        if eng.busy or eng.owner:
+            eng.check_thread()      # (another thread in a call: an error, before this counts)
         if op is not None and type(op) is not Op and type(op) is not str:
             return None
         n = x.size

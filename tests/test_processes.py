@@ -621,6 +621,34 @@ def test_abort_from_a_watchdog_thread_unblocks_the_call_in_flight(mode):
         assert r1["outcome"].startswith("PeerFailure: ") and r1["seconds"] < 5, r1
 
 
+@pytest.mark.parametrize("mode", ["board", "direct", "request", "net"])
+def test_two_threads_in_one_communicator_is_an_error_not_a_race(mode):
+    """A communicator is not thread-safe; an application that calls it from a second
+    thread while a first is in a call gets an error on the spot — the second call raises
+    GpurtError ("two threads used this communicator at once"), the first ends at once
+    (interrupted), the peer gets PeerFailure naming rank 0 — instead of two threads moving
+    the same transports (before: the second went ahead; with a Request both drove the
+    engine, and the ranks fell out of step: a mismatch at best).  tests/two_threads_cases.py."""
+    env = {"GPURT_TIMEOUT": "20"}
+    if mode == "net":
+        env["MPIR_CVAR_NUM_CLIQUES"] = "2"
+    out = run_mpi(2, ["tests/two_threads_cases.py", mode], env=env, timeout=120).stdout
+    r0, r1 = (rank_records(out, "TWO_THREADS", 2)[k] for k in (0, 1))
+    two = "two threads used this communicator at once: thread 'MainThread' came into a " \
+          "call while thread 'worker' was still in one"
+    assert r0["outcome"].startswith("GpurtError: rank 0: " + two), r0
+    assert r0["seconds"] < 0.2 and not r0["worker_alive"], r0
+    w = r0["worker"]
+    assert (w.startswith("CommunicatorClosed: rank 0: ") and "interrupted" in w or
+            w.startswith("GpurtError: rank 0: ")) and two in w, r0
+    assert r0["worker_seconds"] < 0.9, r0                   # not rank 1's 1 s
+    assert r0["next"].startswith("CommunicatorClosed: rank 0: communicator unusable"), r0
+    got = r1["next"] if r1["outcome"] == "ok" else r1["outcome"]
+    assert got.startswith("PeerFailure: rank 1: ") and "rank 0 " in got and \
+        "two threads used this communicator" in got, r1
+    assert r1.get("next_seconds", r1["seconds"]) < 5, r1
+
+
 @pytest.mark.parametrize("mode", ["request", "request_close", "request_waiting",
                                   "request_waiting_close"])
 def test_abort_or_close_during_a_requests_share_tells_peers_only_once_it_stopped(mode):
