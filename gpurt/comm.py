@@ -101,6 +101,8 @@ class Communicator:
     # the process that made this communicator (a forked child's close() waits for no
     # call: they run in its parent)
     _pid = 0
+    # set in a forked child (``_after_fork``): the communicator is its parent's
+    _forked = False
     # an error for the peers that the thread advancing a call (``Engine.busy``: an inline
     # one, or a Request's wait) publishes when it stops: another thread's abort() or
     # close() came while it may still be writing into their buffers, and a published
@@ -1951,6 +1953,11 @@ class Communicator:
         if self._closed:
             return
         self._closed = True
+        if self._forked:
+            # the transports, the board, the segments and the MPI communicator are the
+            # parent's, which goes on using them: a child's close() touches none of them
+            # (its descriptors and mappings go when it exits)
+            return
         if self.flight is not None:
             self.flight.dumped = True   # a plain close is no failure: nothing to report
             last = self.flight.events[-1] if self.flight.events else None
@@ -2179,6 +2186,34 @@ def _install_excepthook() -> None:
         previous(etype, value, tb)
 
     sys.excepthook = hook
+
+
+def _after_fork() -> None:
+    """(``os.register_at_fork``, in a forked child: a DataLoader worker, a plain
+    ``os.fork()``) Every communicator the child inherited is its parent's — the same rank
+    — and the parent goes on using it: in the child each one is poisoned here without a
+    word to the peers, so a call raises ``CommunicatorClosed`` at once instead of speaking
+    for the parent's rank next to it, and nothing the child does at its end (an unhandled
+    exception's hook, close(), the exit handler) tells the peers anything or releases the
+    transports, the board or the segments under the parent."""
+    child = os.getpid()
+    for c in list(_LIVE):
+        _LIVE.discard(c)
+        c._forked = True
+        eng = getattr(c, "engine", None)
+        if eng is None:
+            continue
+        eng.on_poison = eng.on_stopped = None       # (tell nobody)
+        eng.busy = eng.owner = 0    # (threads in calls stayed in the parent)
+        if eng.poisoned is None:
+            eng.poison(CommunicatorClosed(
+                f"rank {c.rank}: this communicator belongs to process {c._pid}, not to "
+                f"this forked child (pid {child}): the parent goes on using it as rank "
+                f"{c.rank}. Make gpurt calls in the parent (a worker process cannot "
+                f"share its parent's rank)"))
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 @atexit.register

@@ -649,6 +649,28 @@ def test_two_threads_in_one_communicator_is_an_error_not_a_race(mode):
     assert r1.get("next_seconds", r1["seconds"]) < 5, r1
 
 
+@pytest.mark.parametrize("nodes", [1, 2])
+@pytest.mark.parametrize("mode", ["use", "ends"])
+def test_a_forked_child_leaves_its_parents_communicator_alone(mode, nodes, tmp_path):
+    """A rank's forked child (a DataLoader worker) inherits its communicators, which stay
+    its parent's: in the child a call raises CommunicatorClosed, and its endings — an
+    unhandled exception's hook, abort(), close(), the exit handler — tell the peers
+    nothing and release nothing, so the parent and its peers go on with exact results.
+    Before, the child's exception hook published "rank 0 failed: RuntimeError" to rank 1,
+    and its close() took the parent's communicator down (tests/fork_cases.py)."""
+    env = {"GPURT_TIMEOUT": "20"}
+    if nodes == 2:
+        env["MPIR_CVAR_NUM_CLIQUES"] = "2"
+    res = run_mpi(2, ["tests/fork_cases.py", mode, str(tmp_path)], env=env, timeout=120)
+    got = {f.name: f.read_text() for f in tmp_path.iterdir()}
+    assert got.get("rank0") == "ok" and got.get("rank1") == "ok", (got, res.stderr[-3000:])
+    if mode == "use":
+        assert got["child"].startswith("CommunicatorClosed: rank 0: ") and \
+            "belongs to process" in got["child"] and "forked child" in got["child"], got
+    else:
+        assert got["child"] == "ended", got
+
+
 @pytest.mark.parametrize("mode", ["request", "request_close", "request_waiting",
                                   "request_waiting_close"])
 def test_abort_or_close_during_a_requests_share_tells_peers_only_once_it_stopped(mode):
