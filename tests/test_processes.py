@@ -671,6 +671,35 @@ def test_a_forked_child_leaves_its_parents_communicator_alone(mode, nodes, tmp_p
         assert got["child"] == "ended", got
 
 
+DROPPED = """
+import gc, json, os, threading, numpy as np, gpurt
+c = gpurt.init()
+x = np.ones(16, np.float32)
+def count():
+    return (len(os.listdir("/proc/self/fd")), threading.active_count(),
+            len([f for f in os.listdir("/dev/shm") if f.startswith("gpurt")]))
+before = count()
+for i in range(40):
+    d = c.dup()
+    d.allreduce(x)
+    del d                       # forgotten, never closed
+gc.collect()
+print("DROPPED " + json.dumps({"rank": c.rank, "before": before, "after": count()}), flush=True)
+c.close()
+"""
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_communicators_dropped_without_close_leave_nothing_behind(nodes):
+    """A subcommunicator made per step and forgotten, not closed: once collected it holds
+    no descriptor, thread or segment (across nodes each one's heartbeat thread and socket
+    stayed for the life of the process: 40 dups, 40 threads and 40 descriptors)."""
+    env = {"MPIR_CVAR_NUM_CLIQUES": "2"} if nodes == 2 else {}
+    out = run_mpi(2, ["-c", DROPPED], env=env, timeout=180).stdout
+    for r, rec in rank_records(out, "DROPPED", 2).items():
+        assert rec["after"] == rec["before"], rec
+
+
 @pytest.mark.parametrize("mode", ["request", "request_close", "request_waiting",
                                   "request_waiting_close"])
 def test_abort_or_close_during_a_requests_share_tells_peers_only_once_it_stopped(mode):

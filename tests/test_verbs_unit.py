@@ -301,3 +301,23 @@ def test_heartbeat_replays_and_strangers_prove_nothing():
         assert time.monotonic() - t < 0.2
     finally:
         a.close()
+
+
+def test_a_heartbeat_dropped_without_close_stops_its_thread_and_closes_its_socket():
+    """A communicator that is forgotten rather than closed must not leave its heartbeat
+    thread and socket behind for the life of the process (a subcommunicator made per
+    step: one thread and one descriptor each, before)."""
+    import gc
+    import threading
+
+    h = Heartbeat("127.0.0.1")
+    h.start(0, b"s" * 32, {1: ("127.0.0.1", 9)}, 0.1)
+    t, fd = h._thread, h.sock.fileno()
+    assert t.is_alive()
+    del h
+    gc.collect()
+    t.join(2.0)
+    assert not t.is_alive()
+    assert not any(th is t for th in threading.enumerate())
+    assert _until(lambda: not os.path.exists(f"/proc/self/fd/{fd}") or
+                  "socket" not in os.readlink(f"/proc/self/fd/{fd}"), 2.0)

@@ -49,6 +49,7 @@ import socket
 import struct
 import threading
 import time
+import weakref
 
 log = logging.getLogger("gpurt.tcp")
 
@@ -100,9 +101,15 @@ class Heartbeat:
         self.interval = float(interval)
         now = time.monotonic()
         self.last = {q: now for q in peers}
-        self._thread = threading.Thread(target=self._run, name=f"gpurt-heartbeat-{me}",
-                                        daemon=True)
+        # the thread holds the Heartbeat weakly: one dropped without close() (its
+        # communicator was never closed, only forgotten) stops its thread and closes its
+        # socket when it is collected, instead of leaving both behind for the process's life
+        self._thread = threading.Thread(target=_serve, args=(weakref.ref(self), self.sock,
+                                                             self._stop),
+                                        name=f"gpurt-heartbeat-{me}", daemon=True)
         self._thread.start()
+        self._fin = weakref.finalize(self, _wake, self.sock, self._stop)
+        self._fin.atexit = False
 
     def silent_for(self, peer: int) -> float:
         """Seconds since the last authentic datagram from ``peer`` (0 if not watched)."""
@@ -172,21 +179,6 @@ class Heartbeat:
                 except OSError:
                     break
 
-    def _run(self) -> None:
-        poller = select.poll()
-        # (poll, not select: a communicator made when over a thousand files are open has
-        # a descriptor above select's FD_SETSIZE)
-        poller.register(self.sock, select.POLLIN)
-        while not self._stop.is_set():
-            try:
-                r = poller.poll(1000)   # close() wakes it with a datagram
-            except (OSError, ValueError):
-                return                  # closed under us
-            if any(ev & select.POLLNVAL for _, ev in r):
-                return
-            if r and not self._stop.is_set():
-                self._receive()
-
     def _receive(self) -> None:
         while True:
             try:
@@ -229,15 +221,50 @@ class Heartbeat:
                             "does not prove this job's secret", self.me, *addr[:2])
 
     def close(self) -> None:
-        self._stop.set()
         if self._thread is not None:
-            try:                        # wake the thread's poll now, not in a second
-                self.sock.sendto(b"", self.sock.getsockname())
-            except OSError:
-                pass
+            self._fin.detach()
+            _wake(self.sock, self._stop)    # now, not at the poll's next second
             self._thread.join(timeout=2.0)
             self._thread = None
+        self._stop.set()
         try:
             self.sock.close()
         except OSError:
             pass
+
+
+def _serve(ref: "weakref.ref[Heartbeat]", sock: socket.socket, stop: threading.Event) -> None:
+    """The thread: answer pings, take notices — until close(), or until the Heartbeat
+    was dropped without one (then the socket is closed here)."""
+    poller = select.poll()
+    # (poll, not select: a communicator made when over a thousand files are open has a
+    # descriptor above select's FD_SETSIZE)
+    poller.register(sock, select.POLLIN)
+    while not stop.is_set():
+        try:
+            r = poller.poll(1000)       # _wake() sends a datagram to end it at once
+        except (OSError, ValueError):
+            return                      # closed under us
+        if any(ev & select.POLLNVAL for _, ev in r):
+            return
+        if not r or stop.is_set():
+            continue
+        hb = ref()
+        if hb is None:
+            break
+        hb._receive()
+        del hb
+    if ref() is None:
+        try:
+            sock.close()
+        except OSError:
+            pass
+
+
+def _wake(sock: socket.socket, stop: threading.Event) -> None:
+    """Stop the thread (close(), or the Heartbeat's finalizer)."""
+    stop.set()
+    try:
+        sock.sendto(b"", sock.getsockname())
+    except OSError:
+        pass
