@@ -74,6 +74,7 @@ def _announces_rejection(coll: str):
     def deco(fn):
         @functools.wraps(fn)
         def wrapper(self, *args, **kwargs):
+            self.engine.check_thread()  # (before a rejection could count: see Engine.enter)
             seq = self._seq
             try:
                 return fn(self, *args, **kwargs)
@@ -1481,6 +1482,11 @@ class Communicator:
                 break   # (busy, telling: close() inside this thread's own call, a signal's)
             time.sleep(1e-4)
             now = time.monotonic()
+        # a thread waiting on a Request between its steps leaves its wait at its next
+        # turn (the requests have their error): not with the transports gone under it
+        end = time.monotonic() + 2.0
+        while eng.owner and eng.owner != me and time.monotonic() < end:
+            time.sleep(1e-4)
         if self._elsewhere():
             log.warning("rank %d: closing while a call is still running in another thread",
                         self.rank)
@@ -2188,6 +2194,9 @@ def _install_excepthook() -> None:
     sys.excepthook = hook
 
 
+_FORKED: list = []      # (a forked child) the parent's communicators, kept alive
+
+
 def _after_fork() -> None:
     """(``os.register_at_fork``, in a forked child: a DataLoader worker, a plain
     ``os.fork()``) Every communicator the child inherited is its parent's — the same rank
@@ -2195,11 +2204,14 @@ def _after_fork() -> None:
     word to the peers, so a call raises ``CommunicatorClosed`` at once instead of speaking
     for the parent's rank next to it, and nothing the child does at its end (an unhandled
     exception's hook, close(), the exit handler) tells the peers anything or releases the
-    transports, the board or the segments under the parent."""
+    transports, the board or the segments under the parent.  (The child must still end
+    with ``os._exit``, as MPI requires of it — a normal exit runs MPI_Finalize — and so
+    that interpreter shutdown deallocates no pyverbs object of the parent's context.)"""
     child = os.getpid()
     for c in list(_LIVE):
         _LIVE.discard(c)
-        c._forked = True
+        _FORKED.append(c)   # never collected here: pyverbs' dealloc of its queue pairs
+        c._forked = True    # would destroy the parent's (one verbs context, one file)
         eng = getattr(c, "engine", None)
         if eng is None:
             continue

@@ -251,7 +251,9 @@ class Request:
         self.done, self.run, self._finish = True, None, None
 
     def test(self) -> bool:
-        if not self.done:
+        # (from a thread watching while another is in a call — a progress bar, a
+        # watchdog — it only reports: advancing there would be two threads at once)
+        if not self.done and not self.engine.other_thread():
             self.engine.progress()
         if self.error is not None:
             raise self.error
@@ -370,17 +372,28 @@ class Engine:
 
     def submit(self, req: Request) -> Request:
         self.raise_if_poisoned()
-        self.check_thread()
-        if req.p2p:
-            req._begin()
-            if not req.done:
-                self.p2p.append(req)
-                self._step(req)   # publish an isend now: the peer may be in a blocking call
-        else:
-            self.colls.append(req)
-            if len(self.colls) == 1:
-                self._step_begin()
+        prev = self.enter()     # (queued and begun by this thread alone: see enter)
+        try:
+            if req.p2p:
+                req._begin()
+                if not req.done:
+                    self.p2p.append(req)
+                    self._step(req)   # publish an isend now: the peer may be in a blocking call
+            else:
+                self.colls.append(req)
+                if len(self.colls) == 1:
+                    self._step_begin()
+        finally:
+            self.leave(prev)
         return req
+
+    def other_thread(self) -> bool:
+        """Another thread is in a call on this engine (advancing, or in a wait)."""
+        busy, owner = self.busy, self.owner
+        if not busy and not owner:
+            return False
+        me = threading.get_ident()
+        return (busy and busy != me) or (owner and owner != me)
 
     def _begin_head(self) -> None:
         while self.colls:

@@ -672,7 +672,7 @@ def test_a_forked_child_leaves_its_parents_communicator_alone(mode, nodes, tmp_p
 
 
 DROPPED = """
-import gc, json, os, threading, numpy as np, gpurt
+import gc, json, os, threading, time, numpy as np, gpurt
 c = gpurt.init()
 x = np.ones(16, np.float32)
 def count():
@@ -684,6 +684,9 @@ for i in range(40):
     d.allreduce(x)
     del d                       # forgotten, never closed
 gc.collect()
+deadline = time.monotonic() + 10  # (the threads end as their finalizers wake them)
+while count() != before and time.monotonic() < deadline:
+    time.sleep(0.05)
 print("DROPPED " + json.dumps({"rank": c.rank, "before": before, "after": count()}), flush=True)
 c.close()
 """

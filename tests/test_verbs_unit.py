@@ -253,13 +253,15 @@ def test_a_short_freeze_and_an_old_question_are_not_failures(monkeypatch):
         assert _waiting(a, 1, 0.4) is None              # b "stopped": pings queue up
         b.start(1, secret, {0: ("127.0.0.1", a.port)}, 0.1)   # continued: answers them
         assert _waiting(a, 1, 1.0) is None and a.silent_for(1) < 0.3
-        # an earlier wait's question, never answered, long ago
+        # an earlier wait's question, never answered (the data came), long ago: the gap
+        # since counts for three intervals, not for 100 s of silence
         b.close()
         a.stopped(1, "host", "stopped")
-        a.last[1] -= 10
-        a.asked[1] = a.sent[1] = time.monotonic() - 5
-        assert a.stopped(1, "host", "stopped") is None  # a new question, not 5 s of silence
-        assert a.asked[1] > time.monotonic() - 0.1
+        a.last[1] -= 200
+        a.asked[1] = a.sent[1] = a.called[1] = time.monotonic() - 100
+        a.waited[1] = 0.2
+        assert a.stopped(1, "host", "stopped") is None
+        assert 0.5 <= a.waited[1] < 0.6
     finally:
         a.close()
         b.close()
@@ -321,3 +323,28 @@ def test_a_heartbeat_dropped_without_close_stops_its_thread_and_closes_its_socke
     assert not any(th is t for th in threading.enumerate())
     assert _until(lambda: not os.path.exists(f"/proc/self/fd/{fd}") or
                   "socket" not in os.readlink(f"/proc/self/fd/{fd}"), 2.0)
+
+
+def test_a_stopped_peer_is_found_by_waits_retried_after_timeouts(monkeypatch):
+    """Request.wait(timeout=...) in a loop with other work between the waits, each wait
+    shorter than the bound: the waiting with the ping unanswered adds up (each gap counts
+    for at most three intervals) and the silent peer fails — it did not while every wait
+    started its question afresh."""
+    monkeypatch.setenv("GPURT_PEER_STOPPED", "1.0")
+    config.reload()
+    a, silent = Heartbeat("127.0.0.1"), Heartbeat("127.0.0.1")
+    try:
+        a.start(0, b"s" * 32, {1: ("127.0.0.1", silent.port)}, 0.1)
+        a.last[1] -= 1
+        why, t = None, time.monotonic()
+        for _ in range(10):
+            why = _waiting(a, 1, 0.25)          # a wait that times out
+            if why:
+                break
+            time.sleep(0.6)                     # other work: counts for 0.3 s
+        assert why and "of waiting (more than GPURT_PEER_STOPPED=1 s)" in why, why
+        assert time.monotonic() - t < 4.0
+    finally:
+        a.close()
+        silent.close()
+        config.reload()

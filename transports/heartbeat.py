@@ -13,9 +13,10 @@ Asked, not broadcast: a rank pings a peer only while it *waits* for that peer.  
 endpoints' ``check`` (every 0.2 s of a wait, ``Engine._drive``) calls ``stopped(peer)``;
 if nothing authentic has come from that peer for ``interval`` seconds it sends a ping (at
 most one per ``interval`` while the wait lasts) and the peer's thread answers at once.
-When ``GPURT_PEER_STOPPED`` seconds pass after the first unanswered ping with nothing
-heard from the peer, the peer is a ``PeerFailure`` — the same bound and meaning as a
-stopped local peer under ``shm``.  A freeze shorter than the bound is not a failure (the
+When the time spent waiting with a ping unanswered adds up to ``GPURT_PEER_STOPPED``
+seconds (a gap between two waits counting for at most three intervals, so a wait retried
+after a timeout still gets there), the peer is a ``PeerFailure`` — the same bound and
+meaning as a stopped local peer under ``shm``.  A freeze shorter than the bound is not a failure (the
 thread answers the queued pings when the process continues).  So a rank that nobody waits
 for sends and receives nothing, whatever the job's size: the datagrams every rank used to
 send every peer twice a second (until 2026-12-02) cost each rank about 5 µs of CPU per
@@ -85,6 +86,8 @@ class Heartbeat:
         self.last: dict[int, float] = {}        # peer -> when something authentic came
         self.asked: dict[int, float] = {}       # peer -> its first unanswered ping
         self.sent: dict[int, float] = {}        # peer -> the latest ping to it
+        self.called: dict[int, float] = {}      # peer -> the latest stopped() about it
+        self.waited: dict[int, float] = {}      # peer -> waiting since its question
         self.pings = 0                          # pings sent (their sequence numbers)
         self._answered: dict[int, int] = {}     # peer -> newest sequence it answered
         self._pinged: dict[int, int] = {}       # peer -> newest sequence it pinged with
@@ -118,32 +121,39 @@ class Heartbeat:
 
     def stopped(self, peer: int, host: str, what: str) -> str | None:
         """Called while this rank waits for ``peer``: ping it if it has been quiet for an
-        interval, and say why it counts as failed — no answer for more than
-        ``GPURT_PEER_STOPPED`` seconds after the first unanswered ping (``what`` says what
-        that may be) — or None."""
+        interval, and say why it counts as failed — ``GPURT_PEER_STOPPED`` seconds of
+        waiting with a ping unanswered (``what`` says what that may be) — or None.
+
+        The waiting time is added up from call to call while the question is open, each
+        gap counting for at most three intervals: a wait retried after a timeout with
+        other work in between (``Request.wait(timeout=1)`` in a loop) still reaches the
+        bound, while a gap between waits — or this rank itself stopped or descheduled —
+        does not make a live peer look silent (it is asked again, and answers)."""
         heard = self.last.get(peer)
         if heard is None:
             return None
         now = time.monotonic()
         if now - heard < self.interval:
             return None
+        prev = self.called.get(peer, now)
+        self.called[peer] = now
         first = self.asked.get(peer)
-        if first is None or first < heard or now - self.sent.get(peer, 0.0) > 3 * self.interval:
-            # a new question: none yet, the last one answered, or it belonged to an
-            # earlier wait (a wait repeats its ping every interval)
-            self.asked[peer] = first = now
+        if first is None or first < heard:      # none yet, or the last one was answered
+            self.asked[peer] = now
+            self.waited[peer] = 0.0
             self.ping(peer)
             return None
+        waited = self.waited[peer] = self.waited.get(peer, 0.0) + \
+            min(now - prev, 3 * self.interval)
         if now - self.sent.get(peer, 0.0) >= self.interval:
             self.ping(peer)                     # again, against a lost datagram
         from gpurt import config
 
         bound = float(config.get("GPURT_PEER_STOPPED"))
-        silent = now - first
-        if silent <= bound:
+        if waited <= bound:
             return None
-        return (f"rank {peer} ({host}) has not answered heartbeat pings for {silent:.1f} s "
-                f"(more than GPURT_PEER_STOPPED={bound:g} s): {what}")
+        return (f"rank {peer} ({host}) has not answered heartbeat pings for {waited:.1f} s "
+                f"of waiting (more than GPURT_PEER_STOPPED={bound:g} s): {what}")
 
     def ping(self, peer: int) -> None:
         addr = self.peers.get(peer)

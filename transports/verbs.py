@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import secrets
 import socket
 import struct
@@ -84,6 +85,8 @@ from .base import LANE_NAMES, LANES, UPTO_MAX, Sink, mismatch_detail, unpaired
 from .heartbeat import Heartbeat
 
 log = logging.getLogger("gpurt.verbs")
+# (a forked child) verbs objects of the parent's context that the child must never free
+_INHERITED: list = []
 
 # -- wire format of a slot -----------------------------------------------------------------
 # magic, kind, lane, flags, msgid, tag, sig, total, addr, rkey, payload bytes
@@ -316,6 +319,7 @@ class RegCache:
 
     def __init__(self, pd, limit: int):
         self.pd, self.limit = pd, limit
+        self.pid = os.getpid()
         self.entries: OrderedDict = OrderedDict()
         self.bytes = 0
         self.hits = self.misses = 0
@@ -423,6 +427,13 @@ class RegCache:
         self.bytes -= r.n
         if r.fin is not None:
             r.fin.detach()
+        if os.getpid() != self.pid:
+            # a forked child freeing an inherited array: the verbs context is the
+            # parent's (the same open device file), so deregistering here would pull the
+            # memory region from under the parent's transfers; kept, not collected
+            # (pyverbs' dealloc would deregister it too)
+            _INHERITED.append(r.mr)
+            return
         try:
             r.mr.close()
         except Exception:  # noqa: BLE001 - the context may be closed already
