@@ -450,6 +450,69 @@ def test_engine_leaves_the_telling_to_the_thread_advancing_a_run():
     assert len(seen) == n + 1 and eng.busy == 0
 
 
+def test_engine_marks_a_thread_in_a_call_and_a_second_thread_is_an_error():
+    """A Request's wait marks its thread (``owner``) for the whole wait, sleeps included;
+    meanwhile another thread's test() only reports (no progress), and its enter, claim or
+    submit poisons the engine with a GpurtError naming both threads; the marks are gone
+    once the wait ends, however it ends."""
+    import threading
+
+    from gpurt.errors import GpurtError
+    from gpurt.executor import Engine, Request
+
+    eng = Engine(0, lambda: 10.0, lambda peers: None, spin=0.0)
+    steps, go = [], threading.Event()
+
+    class Run:
+        done = False
+
+        def advance(self):
+            steps.append(threading.current_thread().name)
+            if go.is_set():
+                self.done = True
+            return False
+
+        def waiting_on(self):
+            return []
+
+    req = eng.submit(Request(eng, "allgather", 1, Run))
+    got = []
+
+    def waiter():
+        try:
+            req.wait()
+            got.append("ok")
+        except GpurtError as e:
+            got.append(str(e))
+    t = threading.Thread(target=waiter, name="waiter")
+    t.start()
+    deadline = time.monotonic() + 5
+    while eng.owner != t.ident and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert eng.owner == t.ident
+    n = len(steps)
+    assert req.test() is False                    # reports, advances nothing here
+    assert all(s == "waiter" for s in steps[n:])
+    go.set()
+    t.join(5)
+    assert got == ["ok"] and eng.owner == 0 and eng.busy == 0 and eng.poisoned is None
+    # a second thread in a call: the error, and the engine poisoned
+    go.clear()
+    req2 = eng.submit(Request(eng, "allgather", 2, Run))
+    t = threading.Thread(target=waiter, name="waiter")
+    got.clear()
+    req = req2
+    t.start()
+    while eng.owner != t.ident and time.monotonic() < deadline + 5:
+        time.sleep(0.001)
+    with pytest.raises(GpurtError, match="rank 0: two threads used this communicator at "
+                       "once: thread 'MainThread' came into a call while thread 'waiter'"):
+        eng.submit(Request(eng, "barrier", 3, Run))
+    t.join(5)
+    assert len(got) == 1 and "two threads" in got[0], got
+    assert eng.owner == 0 and eng.busy == 0 and "two threads" in str(eng.poisoned)
+
+
 def test_bfloat16_is_known_however_ml_dtypes_came_and_errors_do_not_import_it():
     """In a fresh process: errors about dtypes and ops name bfloat16 without importing
     ml_dtypes (1.3 s); a bfloat16 dtype from an ml_dtypes the user imported first is
