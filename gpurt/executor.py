@@ -338,13 +338,9 @@ class Engine:
         """At a call's start, before it counts: another thread in a call is the error of
         ``enter`` (here no state of the call has changed yet; ``enter`` is the exact test
         and set)."""
-        busy, owner = self.busy, self.owner
-        if busy or owner:
-            me = threading.get_ident()
-            if busy and busy != me:
-                raise self._two_threads(busy)
-            if owner and owner != me:
-                raise self._two_threads(owner)
+        other = self.other_thread()
+        if other:
+            raise self._two_threads(other)
 
     def _two_threads(self, other: int) -> GpurtError:
         names = {t.ident: t.name for t in threading.enumerate()}
@@ -387,13 +383,13 @@ class Engine:
             self.leave(prev)
         return req
 
-    def other_thread(self) -> bool:
-        """Another thread is in a call on this engine (advancing, or in a wait)."""
+    def other_thread(self) -> int:
+        """The other thread in a call on this engine (advancing, or in a wait), or 0."""
         busy, owner = self.busy, self.owner
         if not busy and not owner:
-            return False
+            return 0
         me = threading.get_ident()
-        return (busy and busy != me) or (owner and owner != me)
+        return busy if busy and busy != me else owner if owner and owner != me else 0
 
     def _begin_head(self) -> None:
         while self.colls:
