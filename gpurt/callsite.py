@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 
 WORDS = 8                                   # header words: 64 bytes of UTF-8 text
 # gpurt's own code: the package, and gpurt.transports (a directory of its own in a
@@ -28,6 +29,7 @@ _MAX = 1 << 16                              # distinct sites remembered (then: u
 _IDS: dict = {}                 # id(code) -> (code, is gpurt's, {instruction offset: id})
 _BYLINE: dict = {}              # (id(code), line) -> id
 _TEXTS: list[tuple[int, ...]] = [_NONE]     # id -> header words (id 0: unknown)
+_LOCK = threading.Lock()        # a new site's text and id, taken together
 
 
 def site(depth: int = 2) -> int:
@@ -55,11 +57,14 @@ def site(depth: int = 2) -> int:
             return 0
         line = f.f_lineno
         key = (id(code), line)
-        sid = _BYLINE.get(key)
-        if sid is None:
-            name = getattr(code, "co_qualname", code.co_name)
-            _TEXTS.append(encode(f"{os.path.basename(code.co_filename)}:{line} in {name}"))
-            sid = _BYLINE[key] = len(_TEXTS) - 1
+        with _LOCK:     # (first sight only: text and id together, for threads with
+            # communicators of their own — on CPython 3.11 nothing switches threads between
+            # the append and the len, a free-threaded build has no such guarantee)
+            sid = _BYLINE.get(key)
+            if sid is None:
+                name = getattr(code, "co_qualname", code.co_name)
+                _TEXTS.append(encode(f"{os.path.basename(code.co_filename)}:{line} in {name}"))
+                sid = _BYLINE[key] = len(_TEXTS) - 1
         ent[2][f.f_lasti] = sid
     return sid
 
