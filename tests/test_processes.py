@@ -621,6 +621,19 @@ def test_abort_from_a_watchdog_thread_unblocks_the_call_in_flight(mode):
         assert r1["outcome"].startswith("PeerFailure: ") and r1["seconds"] < 5, r1
 
 
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_one_communicator_per_thread_runs_concurrently_with_exact_results(nodes):
+    """The supported way to use threads: each its own communicator (dup()).  Three
+    threads per rank on three ranks, collectives and point-to-point at once, 200 calls
+    each, exact results and no error (tests/comm_per_thread_cases.py)."""
+    env = {"GPURT_TIMEOUT": "60"}
+    if nodes == 2:
+        env["MPIR_CVAR_NUM_CLIQUES"] = "2"
+    out = run_mpi(3, ["tests/comm_per_thread_cases.py"], env=env, timeout=240).stdout
+    for r, rec in rank_records(out, "PER_THREAD", 3).items():
+        assert rec["errors"] == [] and rec["alive"] == 0, rec
+
+
 @pytest.mark.parametrize("mode", ["board", "direct", "request", "net"])
 def test_two_threads_in_one_communicator_is_an_error_not_a_race(mode):
     """A communicator is not thread-safe; an application that calls it from a second
