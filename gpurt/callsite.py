@@ -15,8 +15,8 @@ multi-node agreement header carries the text.
 from __future__ import annotations
 
 import os
+import itertools
 import sys
-import threading
 
 WORDS = 8                                   # header words: 64 bytes of UTF-8 text
 # gpurt's own code: the package, and gpurt.transports (a directory of its own in a
@@ -28,8 +28,8 @@ _NONE = (0,) * WORDS
 _MAX = 1 << 16                              # distinct sites remembered (then: unknown)
 _IDS: dict = {}                 # id(code) -> (code, is gpurt's, {instruction offset: id})
 _BYLINE: dict = {}              # (id(code), line) -> id
-_TEXTS: list[tuple[int, ...]] = [_NONE]     # id -> header words (id 0: unknown)
-_LOCK = threading.Lock()        # a new site's text and id, taken together
+_TEXTS: dict[int, tuple[int, ...]] = {}     # id -> header words (id 0: unknown)
+_NEXT = itertools.count(1)      # ids: taken whole (threads, a signal handler's call)
 
 
 def site(depth: int = 2) -> int:
@@ -57,21 +57,23 @@ def site(depth: int = 2) -> int:
             return 0
         line = f.f_lineno
         key = (id(code), line)
-        with _LOCK:     # (first sight only: text and id together, for threads with
-            # communicators of their own — on CPython 3.11 nothing switches threads between
-            # the append and the len, a free-threaded build has no such guarantee)
-            sid = _BYLINE.get(key)
-            if sid is None:
-                name = getattr(code, "co_qualname", code.co_name)
-                _TEXTS.append(encode(f"{os.path.basename(code.co_filename)}:{line} in {name}"))
-                sid = _BYLINE[key] = len(_TEXTS) - 1
+        sid = _BYLINE.get(key)
+        if sid is None:
+            # (no lock: a signal handler's call may come in here.  An id is taken whole,
+            # its text stored before it is published, and of two threads that meet the
+            # same new site at once the first to publish wins — the other id is unused)
+            name = getattr(code, "co_qualname", code.co_name)
+            text = encode(f"{os.path.basename(code.co_filename)}:{line} in {name}")
+            sid = next(_NEXT)
+            _TEXTS[sid] = text
+            sid = _BYLINE.setdefault(key, sid)
         ent[2][f.f_lasti] = sid
     return sid
 
 
 def words(sid: int) -> tuple[int, ...]:
     """The header words of site ``sid`` (zeros when unknown)."""
-    return _TEXTS[sid] if 0 < sid < len(_TEXTS) else _NONE
+    return _TEXTS.get(sid, _NONE)
 
 
 def encode(text: str) -> tuple[int, ...]:

@@ -251,8 +251,9 @@ class Request:
         self.done, self.run, self._finish = True, None, None
 
     def test(self) -> bool:
-        # (from a thread watching while another is in a call — a progress bar, a
-        # watchdog — it only reports: advancing there would be two threads at once)
+        # (while another thread is in a call it only reports: advancing would be two
+        # threads at once.  A thread polling test() while another makes calls is still
+        # two threads using one communicator, and may meet that error between calls)
         if not self.done and not self.engine.other_thread():
             self.engine.progress()
         if self.error is not None:
@@ -370,6 +371,7 @@ class Engine:
         self.raise_if_poisoned()
         prev = self.enter()     # (queued and begun by this thread alone: see enter)
         try:
+            self.raise_if_poisoned()        # (read after enter(): see there)
             if req.p2p:
                 req._begin()
                 if not req.done:

@@ -552,3 +552,44 @@ else:
     assert out[2] == "loaded False" and out[3] == "is True False", out
     assert out[4:] in (["grad skipped"], ["grad refused torch.float32",
                                           "grad refused torch.bfloat16"]), out
+
+
+def test_call_sites_met_inside_a_signal_handler_during_a_first_sight():
+    """A signal handler may make a gpurt call (abort() names its call site) while the
+    main thread is in the middle of meeting a new call site: no hang (a lock there would
+    deadlock on itself) and every id names its own line."""
+    import signal
+
+    from gpurt import callsite
+
+    def make(name, n):
+        out = []
+        for i in range(n):
+            ns: dict = {"callsite": callsite}
+            exec(compile("\n" * i + "def f():\n    return callsite.site(1)\n",
+                         f"{name}_{i}.py", "exec"), ns)
+            out.append((f"{name}_{i}.py:{i + 2} ", ns["f"]))
+        return out
+
+    mains, handlers = make("main", 300), make("handler", 2000)
+    got = []
+
+    inside = []
+
+    def handler(signum, frame):
+        if handlers and not inside:     # (not the handler's own first sights)
+            inside.append(1)
+            want, f = handlers.pop()
+            got.append((want, f()))
+            inside.clear()
+    old = signal.signal(signal.SIGALRM, handler)
+    signal.setitimer(signal.ITIMER_REAL, 1e-5, 5e-5)
+    try:
+        for want, f in mains:
+            got.append((want, f()))
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert len(got) > 300
+    for want, sid in got:
+        assert callsite.decode(callsite.words(sid)).startswith(want), (want, sid)
