@@ -14,8 +14,8 @@ multi-node agreement header carries the text.
 
 from __future__ import annotations
 
-import os
 import itertools
+import os
 import sys
 
 WORDS = 8                                   # header words: 64 bytes of UTF-8 text

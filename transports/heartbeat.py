@@ -34,9 +34,10 @@ queue pair in the error state cannot carry an error message) still tells the pee
 Pings and answers: ``<8sII>`` magic ``b"gpurtHQ1"`` (ping) or ``b"gpurtHB1"`` (answer),
 from-rank, sequence, then the first 16 bytes of HMAC-SHA256(secret, magic | from | to |
 sequence) over the communicator's tcp secret.  Anything that does not verify (a stranger,
-another job, a forged sender) is dropped (counted, logged once); so is a replay: a ping
-must carry a higher sequence than the last one from that peer, an answer must answer a
-ping this rank sent, newer than the last answer taken.  The socket is bound to the rank's
+another job, a forged sender) is dropped (counted, logged once).  An authentic datagram
+that is old — a ping not newer than the last one from that peer, an answer to no ping this
+rank sent or not newer than the last answer taken: reordered or replayed — is ignored
+(counted in ``stale``): it proves nothing about the peer now.  The socket is bound to the rank's
 advertised address and an OS-chosen port, exchanged with the transport's set-up.
 """
 
