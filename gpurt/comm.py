@@ -738,7 +738,6 @@ class Communicator:
     def _submit(self, coll: str, xb: Buf | None, ob: Buf | None, n: int, dtype: np.dtype,
                 op: Op | None, root: int, result: Any, algo: str | None = None,
                 finish_root_only: bool = False, stream: Any = None) -> Request:
-        self.engine.check_thread()   # (another thread in a call: an error, before this counts)
         b = xb if xb is not None else ob
         if b is not None and b.kind != "host":
             return self._submit_device(coll, xb, ob, n, dtype, op, root, result, algo,

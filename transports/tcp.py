@@ -717,8 +717,7 @@ class TcpEndpoint:
 
     def peer_error(self, text: str) -> None:
         self.blame = relayed_rank(text, self.peer)
-        msg = f"rank {self.peer} ({self.host}) failed: {text}"
-        self.fail(published_class(text), msg)
+        self.fail(published_class(text), f"rank {self.peer} ({self.host}) failed: {text}")
 
     def publish(self, data: bytes) -> _Conn | None:
         live = [c for c in self.conns if not c.dead]

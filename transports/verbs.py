@@ -624,8 +624,7 @@ class VerbsEndpoint:
 
     def peer_error(self, text: str) -> None:
         self.blame = relayed_rank(text, self.peer)
-        msg = f"rank {self.peer} ({self.host}) failed: {text}"
-        self.fail(published_class(text), msg)
+        self.fail(published_class(text), f"rank {self.peer} ({self.host}) failed: {text}")
 
     def wc_error(self, status: int, vendor: int, what: str) -> None:
         name = _WC_STATUS.get(status, f"status {status}")
