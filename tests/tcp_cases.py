@@ -178,6 +178,32 @@ def case_mismatch(c: gpurt.Communicator) -> None:
             else:
                 raise AssertionError("recv of the wrong size did not fail")
         d.close()
+    # the sender hears of the receiver's mismatch at once (the receiver stops reading the
+    # connection but still sends its error notice over it), not at its own timeout: rank 1
+    # keeps its communicator open for 4 s after the mismatch, so closing it cannot be what
+    # tells rank 0
+    d = gpurt.Communicator(MPI.COMM_WORLD)
+    if r == 0:
+        d.send(np.ones(10, np.float64), 1, tag=5, timeout=30)
+        t0 = time.monotonic()
+        try:
+            d.barrier(timeout=20)
+        except gpurt.CollectiveMismatchError as e:
+            took = time.monotonic() - t0
+            assert "rank 1" in str(e) and "does not match the receive posted here" in str(e), e
+            assert took < 3, f"rank 0 heard of rank 1's mismatch only after {took:.1f} s"
+            print(f"rank 0: told of the mismatch in {took:.2f} s: {e}", flush=True)
+        else:
+            raise AssertionError("rank 0's barrier succeeded after rank 1's mismatch")
+    elif r == 1:
+        try:
+            d.recv(np.empty(10, np.int64), 0, tag=5, timeout=30)
+        except gpurt.CollectiveMismatchError as e:
+            assert "float64" in str(e) or "dtype" in str(e) or "int64" in str(e), e
+        else:
+            raise AssertionError("recv of the wrong dtype did not fail")
+        time.sleep(4)
+    d.close()
 
 
 def _socket_fds() -> int:

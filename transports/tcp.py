@@ -370,6 +370,8 @@ class _Conn:
         self.posted: list[deque[_Part]] = [deque() for _ in range(LANES)]
         self.unexp: list[deque[tuple[tuple, bytearray]]] = [deque() for _ in range(LANES)]
         self.dead = False
+        self.rdead = False          # reading stopped (a mismatch): the sending side still
+                                    # carries the error notice that tells the peer why
 
     # -- sending ------------------------------------------------------------------------
     def push(self, bufs: list, msg: _Send | None) -> None:
@@ -439,7 +441,7 @@ class _Conn:
         """Read everything readable now, delivering frames; True if anything moved."""
         moved = drained = False
         sock = self.sock
-        while not self.dead:
+        while not self.dead and not self.rdead:
             cur = self.cur
             avail = self.ihi - self.ilo
             if cur is None:
@@ -584,7 +586,9 @@ class _Conn:
                 f"lane does not match the receive posted here: {detail}")
         m.error = CollectiveMismatchError(text)
         ep.fail(CollectiveMismatchError, text)
-        self.dead = True            # the stream's framing is no longer known
+        # the stream's framing is no longer known: stop reading it, but keep the sending
+        # side, which is how the peer learns of the mismatch (publish_error)
+        self.rdead = True
         return False
 
     def close(self) -> None:
@@ -852,7 +856,8 @@ class TcpTransport:
     # -- progress -------------------------------------------------------------------------
     def fds(self) -> list[int]:
         """The sockets of every live connection (for an external poll)."""
-        return [c.fd for ep in self.endpoints.values() for c in ep.conns if not c.dead]
+        return [c.fd for ep in self.endpoints.values() for c in ep.conns
+                if not c.dead and not c.rdead]
 
     def wait(self, timeout: float) -> bool:
         """Block until a socket is readable (or writable with output queued) or ``timeout``
@@ -865,13 +870,15 @@ class TcpTransport:
         timeout = max(0.0, timeout)
         try:
             if max(byfd) < _SELECT_MAX:     # select: microsecond timeouts
-                r, w, _ = select.select(list(byfd), [fd for fd, c in byfd.items() if c.out],
-                                        [], timeout)
+                r, w, _ = select.select([fd for fd, c in byfd.items() if not c.rdead],
+                                        [fd for fd, c in byfd.items() if c.out], [], timeout)
                 ready = set(r).union(w)
             else:                           # poll: no FD_SETSIZE limit, millisecond timeouts
                 poller = select.poll()
                 for fd, c in byfd.items():
-                    poller.register(fd, select.POLLIN | (select.POLLOUT if c.out else 0))
+                    ev = (0 if c.rdead else select.POLLIN) | (select.POLLOUT if c.out else 0)
+                    if ev:
+                        poller.register(fd, ev)
                 ready = {fd for fd, _ in poller.poll(math.ceil(timeout * 1000))}
         except InterruptedError:
             return False
