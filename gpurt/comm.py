@@ -565,7 +565,8 @@ class Communicator:
         ranks waiting for this one raise ``PeerFailure`` at once instead of at their
         deadline (once per communicator; best effort, bounded).  close() comes here too,
         with the text for a call in flight, if any (a plain close() is no failure: the
-        peers see the connections go).  Both before the requests get their error: the
+        peers see the connections go — tcp's end of stream, verbs' BYE, shm's close
+        notice — and raise ``PeerFailure`` only if they still wait on this rank).  Both before the requests get their error: the
         caller of a Request has its arrays back only after the drain."""
         if self._closed:
             text = self._close_text

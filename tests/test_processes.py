@@ -392,6 +392,36 @@ def test_local_peer_exit_is_a_peer_failure_not_a_hang(tmp_path):
         assert f"rank {r}: poisoned" in text
 
 
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("mode", ["close", "exit"])
+def test_a_peer_that_closes_or_exits_is_a_peer_failure_at_once(mode, transport):
+    """Rank 2 closes its communicator with no call in flight (and stays alive), or exits
+    without closing it (the exit handler closes it; MPI_Finalize keeps the process there):
+    ranks 0 and 1, in a barrier under GPURT_TIMEOUT=60, raise PeerFailure naming rank 2
+    within 3 s (shm: rank 2's close notice; tcp: its connections' end) — not
+    CollectiveTimeout a minute later."""
+    env = {"GPURT_TIMEOUT": "60", **({"GPURT_TRANSPORTS": "tcp"} if transport == "tcp" else {})}
+    recs = rank_records(run_mpi(3, ["tests/closed_peer_cases.py", mode], env=env).stdout,
+                        "CLOSED_PEER", 3)
+    assert recs[2]["outcome"] == "left"
+    for r in (0, 1):
+        out = recs[r]["outcome"]
+        assert out.startswith("PeerFailure(rank=2)"), recs
+        assert "rank 2 (" in out and "closed" in out, out
+        assert recs[r]["seconds"] < 3, recs
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_what_a_rank_sent_before_it_closed_is_still_delivered(transport):
+    """Rank 0 sends rank 1 8 KB and 4 MiB and closes at once; rank 1 receives them only
+    after a 1.5 s wait on rank 2: both exact (a close notice is no failure while what the
+    closed rank sent is still there to read)."""
+    env = {"GPURT_TRANSPORTS": "tcp"} if transport == "tcp" else {}
+    recs = rank_records(run_mpi(3, ["tests/closed_peer_cases.py", "drained"], env=env).stdout,
+                        "CLOSED_PEER", 3)
+    assert recs[1]["outcome"] == "exact", recs
+
+
 STOPPED_PEER = """
 import numpy as np, gpurt, os, signal, sys, time
 freeze, outdir = float(sys.argv[1]), sys.argv[2]

@@ -70,6 +70,7 @@ _BOUNCE = 256 * 1024          # reductions of single-copy data go through this m
 
 
 _ERR = 256                    # per local rank: length word + the text of its fatal error
+CLOSED = 1 << 62              # in that length word: a close notice, not an error
 _SHARED_MIN = 128 * 1024      # messages from a shared array of at least this go single-copy
 
 
@@ -239,18 +240,25 @@ class _Segment:
         return ((8 + 2 * self.nlocal) * 8 + _ERR * self.nlocal) // 8 + \
             (src * self.nlocal + dst) * LANES + lane
 
-    def write_error(self, k: int, text: str) -> None:
+    def write_error(self, k: int, text: str, closed: bool = False) -> None:
+        """Local rank k's fatal error (``closed``: its close notice — a plain close(),
+        not a failure — which marks the length word with CLOSED)."""
         data = text.encode("utf-8", "replace")[:_ERR - 8]
         off = self.err_off(k)
+        if self.q[off // 8]:
+            return                  # the first word stays (an error is not a close)
         self.u8[off + 8:off + 8 + len(data)] = np.frombuffer(data, np.uint8)
         _fence()
-        self.q[off // 8] = len(data)
+        self.q[off // 8] = len(data) | (CLOSED if closed else 0)
 
-    def read_error(self, k: int) -> str:
+    def read_error(self, k: int, closed: bool = False) -> str:
+        """Local rank k's fatal error, or with ``closed`` its close notice; "" if it has
+        published none (of that kind)."""
         off = self.err_off(k)
-        n = self.q[off // 8]
-        if not n:
+        n = int(self.q[off // 8])
+        if not n or bool(n & CLOSED) != closed:
             return ""
+        n &= CLOSED - 1
         _fence()
         return bytes(self.u8[off + 8:off + 8 + min(n, _ERR - 8)]).decode("utf-8", "replace")
 
@@ -609,6 +617,7 @@ class ShmEndpoint:
         self.rx = [_Ring(seg, local_peer, me, lane, False) for lane in range(LANES)]
         self._pid = 0
         self._stopped_since: float | None = None
+        self._closed_seen = False
         self.maps: sharedmem.PeerMaps | None = None     # the peer's shared arrays
 
     def send(self, src: np.ndarray, lane: int, tag: int, sig: int) -> _Msg:
@@ -639,6 +648,15 @@ class ShmEndpoint:
         if err:
             raise from_peer(err, f"rank {self.peer} (pid {self._pid}, same node) failed: {err}",
                             relayed_rank(err, self.peer))
+        closed = seg.read_error(self.local_peer, closed=True)
+        if closed:
+            # everything the peer sent before it closed is in the rings already: a wait
+            # that still needs it after one more liveness period (the steps in between
+            # read what was there) waits for what will never come
+            if self._closed_seen:
+                raise PeerFailure(f"rank {self.peer} (pid {self._pid}, same node) {closed}",
+                                  rank=self.peer)
+            self._closed_seen = True
         state = _pid_state(self._pid)
         if state in ("gone", "Z", "X"):
             raise PeerFailure(f"rank {self.peer} (pid {self._pid}, same node) has exited",
@@ -940,6 +958,11 @@ class ShmTransport:
             time.sleep(1e-4)
 
     def close(self) -> None:
+        if self.seg is not None and self.local_rank >= 0:
+            # (after an error, the error stays what the peers read)
+            self.seg.write_error(self.local_rank, "closed the communicator (close(), or the "
+                                 "process's exit) while this rank still waits on it",
+                                 closed=True)
         self._seal_helps()
         try:
             self._drain_single_copy()

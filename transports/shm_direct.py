@@ -98,7 +98,7 @@ from gpurt.errors import (CommunicatorClosed, GpurtError, TransportError, from_p
 from gpurt.tuner import collective_bytes  # noqa: F401 - S as nccl-tests counts it (also for comm)
 
 from . import cma
-from .shm import _pid_alive
+from .shm import CLOSED, _pid_alive
 from .shm_board import _EXTRA as _HDR_EXTRA, BoardRun
 
 log = logging.getLogger("gpurt.shm_direct")
@@ -209,8 +209,8 @@ class Access:
             return
         q = seg.q
         for k, i in enumerate(self.err_i):
-            if k != self.me and q[i]:
-                raise self.failure(k)
+            if k != self.me and q[i] and not q[i] & CLOSED:     # (a close notice: see
+                raise self.failure(k)                          # ShmEndpoint.check)
 
     def failure(self, k: int) -> GpurtError:
         """The error for local rank k, which has published its error record."""

@@ -1,0 +1,91 @@
+"""A rank that closes its communicator (or exits, which closes it) while its peers still
+wait on it: they raise ``PeerFailure`` naming it within a second or two, not at their
+deadline — and a close right after a rank's last send costs its peers nothing they were
+sent.  ``mpiexec -n 3 python tests/closed_peer_cases.py MODE``; each rank prints one line
+``CLOSED_PEER {json}``.
+
+- ``close``: rank 2 closes its communicator with no call in flight and stays alive 6 s;
+  ranks 0 and 1 call a barrier (GPURT_TIMEOUT=60): ``PeerFailure`` naming rank 2 and the
+  close.
+- ``exit``: rank 2 returns from main without closing (the exit handler closes it); the
+  others as above.
+- ``drained``: rank 0 sends rank 1 a small and a 4 MiB message and closes at once; rank 1
+  first waits 1.5 s on a message rank 2 sends late, then receives rank 0's two: both
+  arrive, exact (what a closed rank sent before it closed is still delivered).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import casekit  # noqa: E402
+
+import gpurt  # noqa: E402
+
+
+def report(**rec) -> None:
+    print("CLOSED_PEER " + json.dumps(rec), flush=True)
+
+
+def main() -> int:
+    mode = sys.argv[1]
+    world, comm, r, p, _ = casekit.start()
+    comm.allreduce(np.ones(4, np.float32))          # connected, warm
+    if mode in ("close", "exit"):
+        if r == 2:
+            if mode == "close":
+                comm.close()
+                time.sleep(6)
+            report(rank=r, outcome="left")
+            return 0            # ("exit": the exit handler closes the communicator)
+        t0 = time.monotonic()
+        try:
+            comm.barrier()
+            outcome = "completed"
+        except gpurt.PeerFailure as e:
+            outcome = f"PeerFailure(rank={e.rank}): {e}"
+        except gpurt.GpurtError as e:
+            outcome = f"{type(e).__name__}: {e}"
+        report(rank=r, outcome=outcome, seconds=round(time.monotonic() - t0, 2))
+        return 0
+    # drained
+    small, big = 1000, 1 << 20
+    if r == 0:
+        comm.send(np.arange(small, dtype=np.int64), 1, tag=1)
+        comm.send(np.arange(big, dtype=np.float32), 1, tag=2)
+        comm.close()
+        report(rank=r, outcome="sent")
+    elif r == 1:
+        late = np.zeros(8, np.int32)
+        comm.recv(late, 2, tag=3)
+        a, b = np.zeros(small, np.int64), np.zeros(big, np.float32)
+        qa, qb = comm.irecv(a, 0, tag=1), comm.irecv(b, 0, tag=2)
+        try:
+            qa.wait()
+            qb.wait()
+            ok = bool(np.array_equal(a, np.arange(small)) and
+                      np.array_equal(b, np.arange(big, dtype=np.float32)) and
+                      np.array_equal(late, np.full(8, 7)))
+            outcome = "exact" if ok else "WRONG DATA"
+        except gpurt.GpurtError as e:
+            outcome = f"{type(e).__name__}: {e}"
+        report(rank=r, outcome=outcome)
+        comm.close()
+    else:
+        time.sleep(1.5)
+        comm.send(np.full(8, 7, np.int32), 1, tag=3)
+        report(rank=r, outcome="sent")
+        comm.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
