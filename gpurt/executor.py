@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections import deque
 from typing import Callable
 
@@ -269,6 +270,10 @@ class Request:
         return f"<gpurt.Request {self.name} #{self.seq} {state}>"
 
 
+#: every engine of this process: a wait that stalls advances the others too (``lend``)
+_ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+
 class Engine:
     """Progress for one communicator: a queue of collectives and a set of p2p requests."""
 
@@ -296,6 +301,13 @@ class Engine:
         self.lock = threading.RLock()
         #: called in the advancing thread when it stops with the engine poisoned meanwhile
         self.on_stopped: Callable[[], None] | None = None
+        #: the thread that last came into a call on this engine (``enter``/``claim``): a
+        #: stalled wait of that thread on another engine advances this one (``lend``)
+        self.user = 0
+        #: ``busy`` is held by another engine's stalled wait advancing this one in passing
+        #: (``lend``): a thread that comes in meanwhile waits a moment, it is no error
+        self.lent = False
+        _ENGINES.add(self)
 
     def enter(self) -> int:
         """This thread advances a run from here until ``leave`` (nests in one thread).  A
@@ -307,29 +319,37 @@ class Engine:
         this returned: another thread's abort() may have seen ``busy`` still clear and told
         the peers itself."""
         me = threading.get_ident()
-        # (a test and set: between the load and the store nothing can switch threads
-        # under the GIL — no call, no backward jump, no allocation; a lock here cost
-        # ~0.5 us per call on this machine, a tenth of a small collective)
-        prev = self.busy
-        if prev == me:
-            return me
-        if prev or (self.owner and self.owner != me):
-            raise self._two_threads(prev or self.owner)
-        self.busy = me
-        return 0
+        while True:
+            # (a test and set: between the load and the store nothing can switch threads
+            # under the GIL — no call, no backward jump, no allocation; a lock here cost
+            # ~0.5 us per call on this machine, a tenth of a small collective)
+            prev = self.busy
+            if prev == me:
+                return me
+            if prev and self.lent:      # another thread's wait advances it in passing
+                time.sleep(0)
+                continue
+            if prev or (self.owner and self.owner != me):
+                raise self._two_threads(prev or self.owner)
+            self.busy = self.user = me
+            return 0
 
     def claim(self) -> int:
         """This thread is in a call from here until ``unclaim`` — all of a Request's wait,
         sleeps between its steps included (``enter`` marks only the advancing); another
         thread's ``enter``, ``claim`` or ``check_thread`` meanwhile is the error above."""
         me = threading.get_ident()
-        prev = self.owner                   # (a test and set, as in enter)
-        if prev == me:
-            return me
-        if prev or (self.busy and self.busy != me):
-            raise self._two_threads(prev or self.busy)
-        self.owner = me
-        return 0
+        while True:
+            prev = self.owner               # (a test and set, as in enter)
+            if prev == me:
+                return me
+            if not prev and self.busy and self.lent:    # (lent: see enter)
+                time.sleep(0)
+                continue
+            if prev or (self.busy and self.busy != me):
+                raise self._two_threads(prev or self.busy)
+            self.owner = self.user = me
+            return 0
 
     def unclaim(self, prev: int) -> None:
         if self.owner == threading.get_ident():
@@ -388,6 +408,8 @@ class Engine:
     def other_thread(self) -> int:
         """The other thread in a call on this engine (advancing, or in a wait), or 0."""
         busy, owner = self.busy, self.owner
+        if busy and self.lent:
+            busy = 0            # (advanced in passing by another thread's wait: see enter)
         if not busy and not owner:
             return 0
         me = threading.get_ident()
@@ -440,6 +462,33 @@ class Engine:
                 if self._step(r):
                     moved = True
             self.p2p = [r for r in self.p2p if not r.done]
+        return moved
+
+    def lend(self) -> bool:
+        """(A wait on this engine that found nothing to do) Advance, in passing, the other
+        engines of this process that this thread last used and no thread is in now — so
+        that a rank waiting on one communicator still moves its requests on the others,
+        which its peers may be waiting for (MPI's progress rule: ``qa = c1.iallreduce();
+        qb = c2.iallreduce()`` waited in opposite orders on two ranks completes).  A
+        failure there is that engine's: its requests carry it, this wait goes on.  True
+        if anything moved."""
+        me, moved = threading.get_ident(), False
+        for eng in list(_ENGINES):
+            if eng is self or eng.user != me or eng.poisoned is not None or \
+                    not (eng.colls or eng.p2p):
+                continue
+            # (test and set, as in enter)
+            if eng.busy or eng.owner:
+                continue
+            eng.busy, eng.lent = me, True
+            try:
+                if eng.progress():
+                    moved = True
+            except Exception:  # noqa: BLE001 - poisoned that engine; its requests say why
+                pass
+            finally:
+                eng.leave(0)    # (busy cleared first: a thread that came in meanwhile
+                eng.lent = False  # waited for this, and finds the engine free)
         return moved
 
     def _step_begin(self) -> None:
@@ -547,6 +596,8 @@ class Engine:
             moved = step()
             if finished():
                 return
+            if not moved and len(_ENGINES) > 1:
+                moved = self.lend()
             if moved:
                 if backoff is not None:
                     backoff.reset()

@@ -1083,3 +1083,35 @@ def test_a_bad_timeout_on_one_rank_is_announced_too(comm):
             with pytest.raises(gpurt.CollectiveMismatchError, match="rank 0 rejected"):
                 c.allreduce(x, timeout=30)
 
+
+
+@pytest.mark.parametrize("count", [2048, 1 << 20])
+def test_waits_on_two_communicators_in_opposite_orders_complete(comm, count):
+    """MPI's progress rule across communicators: a rank blocked on one communicator still
+    advances its requests on the others.  Even ranks wait c2's request first, odd ranks
+    c1's; then a blocking call on c2 while c1's request is outstanding on even ranks only.
+    (Before: each wait advanced its own communicator alone — a deadlock at 8 KB.)"""
+    r, p = comm.rank, comm.size
+    c1, c2 = comm.dup(), comm.dup()
+    try:
+        a = np.full(count, r + 1, np.float32)
+        b = np.full(count, 2 * (r + 1), np.float64)
+        qa, qb = c1.iallreduce(a), c2.iallreduce(b)
+        for q in ((qb, qa) if r % 2 == 0 else (qa, qb)):
+            q.wait(timeout=30)
+        total = p * (p + 1) // 2
+        assert np.all(a == total) and np.all(b == 2 * total)
+        x = np.full(count, r, np.int32)
+        y = np.full(count, 1, np.int64)
+        qx = c1.iallreduce(x)
+        if r % 2 == 0:
+            c2.allreduce(y, timeout=30)
+            qx.wait(timeout=30)
+        else:
+            qx.wait(timeout=30)
+            c2.allreduce(y, timeout=30)
+        assert np.all(x == p * (p - 1) // 2) and np.all(y == p)
+    finally:
+        c1.close()
+        c2.close()
+        comm.mpi.Barrier()
