@@ -33,6 +33,7 @@ import collections
 import ctypes
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -235,6 +236,74 @@ def _set_pdeathsig(sig: int) -> None:
         pass
 
 
+def _set_subreaper() -> bool:
+    """Linux: orphaned descendants of this process become its children (not init's), so
+    that what a rank's program left running can be found and ended."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(36, 1) == 0   # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        return False
+
+
+def _children() -> dict[int, str]:
+    """This process's child processes now: pid -> command line."""
+    me, out = os.getpid(), {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat", "rb") as f:
+                stat = f.read()
+            # (the command name is in parentheses and may hold spaces or parentheses)
+            if int(stat[stat.rindex(b")") + 2:].split()[1]) != me:
+                continue
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode("utf-8", "replace").strip()
+        except (OSError, ValueError, IndexError):
+            continue
+        out[int(d)] = cmd or "?"
+    return out
+
+
+def _end_leftovers(rank, grace: float = 2.0) -> list[str]:
+    """(The rank's program has ended) Processes it left running — a daemon, a background
+    ``sleep`` — hold the launcher's output pipes open, and hydra waits for those, so the
+    job would never end: SIGTERM them (and whatever they leave in turn), SIGKILL after
+    ``grace`` seconds, reap them.  Returns what was found ("pid (command)")."""
+    found: dict[int, str] = {}
+    deadline = time.monotonic() + grace
+    sig = signal.SIGTERM
+    while True:
+        try:                            # reap what has ended
+            while os.waitpid(-1, os.WNOHANG)[0] > 0:
+                pass
+        except ChildProcessError:
+            pass
+        kids = _children()
+        if not kids:
+            break
+        for pid, cmd in kids.items():
+            found.setdefault(pid, cmd)
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        if time.monotonic() > deadline:
+            sig = signal.SIGKILL
+        time.sleep(0.05)
+    if found:
+        listed = ", ".join(f"{pid} ({cmd[:60]})" for pid, cmd in sorted(found.items())[:5])
+        more = f" and {len(found) - 5} more" if len(found) > 5 else ""
+        try:
+            sys.stderr.write(f"gpurt launch: rank {rank if rank is not None else '?'} left "
+                             f"process(es) running after its program ended: {listed}{more}; "
+                             f"ended them (SIGTERM, SIGKILL after {grace:g} s)\n")
+            sys.stderr.flush()
+        except (BrokenPipeError, ValueError):
+            pass
+    return [f"{pid} ({cmd})" for pid, cmd in sorted(found.items())]
+
+
 def _pump(src, dst, prefix: bytes, keep: collections.deque | None) -> None:
     """Copy lines from ``src`` to ``dst``, each prefixed; remember the last ones."""
     for line in iter(src.readline, b""):
@@ -251,6 +320,7 @@ def _pump(src, dst, prefix: bytes, keep: collections.deque | None) -> None:
 def rank_wrapper(cmd: list[str]) -> int:
     """Run ``cmd`` as this rank; see the module docstring."""
     _set_pdeathsig(signal.SIGTERM)     # our launcher's proxy died: stop too
+    reaper = _set_subreaper()
     rank = _rank_from_env()
     tag = os.environ.get(TAG_VAR) == "1"
     prefix = f"[rank {rank if rank is not None else '?'}] ".encode() if tag else b""
@@ -297,6 +367,8 @@ def rank_wrapper(cmd: list[str]) -> int:
         except InterruptedError:  # pragma: no cover
             continue
     ended = time.time()
+    if reaper:        # what the program left running ends with it (see _end_leftovers)
+        _end_leftovers(rank)
     for t in pumps:   # a grandchild may keep the pipes open: don't wait for it forever
         t.join(timeout=2.0)
     sig = -rc if rc < 0 else None
@@ -345,8 +417,34 @@ class Result:
 
     @property
     def first_failure(self) -> dict | None:
+        """The rank that failed first: the earliest of the ranks whose failure was its own
+        (an exception of its own, a crash), before the earliest of those that only
+        reported another rank's failure (gpurt's ``PeerFailure``/``CommunicatorClosed``
+        as their last words) or were stopped afterwards — such a rank often ends before
+        the rank it blames, which is still printing its traceback and finalising."""
         bad = [r for r in self.records if r.get("exit_code") != 0]
-        return min(bad, key=lambda r: r["time"]) if bad else None
+        return min(bad, key=lambda r: (_consequence(r), r["time"])) if bad else None
+
+
+_EXC_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*([A-Za-z_]\w*)(?:: |$)")   # a traceback's last
+_EXC_NAME = re.compile(r"(Error|Exception|Failure|Closed|Timeout|Interrupt|Exit)$")
+
+
+def _consequence(rec: dict) -> int:
+    """0: the rank failed of its own (an exception of its own in its last stderr lines, a
+    crash: SIGSEGV, SIGABRT, ...); 1: unknown (an exit code, SIGKILL); 2: its last words
+    are gpurt's word that another rank failed (``PeerFailure``, ``CommunicatorClosed``),
+    or it was stopped by SIGTERM/SIGINT/SIGHUP (the launcher stopping the job)."""
+    for line in reversed(rec.get("stderr_tail") or []):
+        m = _EXC_LINE.match(line)
+        if m and _EXC_NAME.search(m.group(1)):
+            return 2 if m.group(1) in ("PeerFailure", "CommunicatorClosed") else 0
+    sig = rec.get("signal")
+    if sig in ("SIGTERM", "SIGINT", "SIGHUP"):
+        return 2
+    if sig in ("SIGSEGV", "SIGABRT", "SIGBUS", "SIGFPE", "SIGILL"):
+        return 0
+    return 1
 
 
 def _how(rec: dict) -> str:
@@ -702,6 +800,10 @@ def launch_command():
           gpurt launch -n 2 --dry-run train.py      (print the command only)
           gpurt launch --simulate 2x2 train.py      (2 nodes x 2 ranks on this machine)
         """
+        if program.startswith("-"):
+            # (unknown options are let through so that PROGRAM's own can follow it: one
+            # before PROGRAM is a typo, not a program to run)
+            raise click.NoSuchOption(program)
         try:
             launcher = find_launcher(launcher_kind)
             prog = program_argv(program, args, module)

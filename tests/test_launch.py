@@ -135,6 +135,37 @@ def test_failure_report_text():
     assert "no status): rank(s) 2" in text
 
 
+def test_the_rank_whose_failure_was_its_own_failed_first():
+    """A rank that only reports another's failure (PeerFailure/CommunicatorClosed as its
+    last words, or stopped by SIGTERM) is not "first" even if it ended first."""
+    tb = "Traceback (most recent call last):"
+    own = {"rank": 1, "host": "h", "pid": 7, "exit_code": 1, "signal": None, "time": 5.0,
+           "stderr_tail": [tb, '  File "t.py", line 3', "ValueError: bad lr"]}
+    victim = {"rank": 0, "host": "h", "pid": 8, "exit_code": 1, "signal": None, "time": 4.0,
+              "stderr_tail": [tb, "gpurt.errors.PeerFailure: rank 0: rank 1 failed: "
+                              "ValueError: bad lr"]}
+    closed = {"rank": 3, "host": "h", "pid": 10, "exit_code": 1, "signal": None, "time": 3.0,
+              "stderr_tail": ["gpurt.errors.CommunicatorClosed: rank 3: interrupted"]}
+    stopped = {"rank": 2, "host": "h", "pid": 9, "exit_code": None, "signal": "SIGTERM",
+               "time": 4.5, "stderr_tail": []}
+    assert L.Result(1, [victim, stopped, own, closed]).first_failure is own
+    crashed = dict(own, exit_code=None, signal="SIGSEGV", stderr_tail=[], time=6.0)
+    assert L.Result(1, [victim, crashed]).first_failure is crashed
+    killed = dict(own, exit_code=None, signal="SIGKILL", stderr_tail=[], time=6.0)
+    assert L.Result(1, [victim, killed]).first_failure is killed      # (an OOM kill)
+    assert L.Result(1, [stopped, victim]).first_failure is victim     # both: the earlier
+    assert L.Result(0, [dict(own, exit_code=0)]).first_failure is None
+
+
+def test_an_option_before_program_that_launch_lacks_is_a_usage_error(tmp_path):
+    """`gpurt launch -n 2 --bogus t.py` ran "--bogus" as the program; options after
+    PROGRAM are still PROGRAM's."""
+    p = run(["launch", "-n", "2", "--bogus", "t.py"])
+    assert p.returncode == 2 and "No such option '--bogus'" in p.stderr, both(p)
+    p = run(["launch", "-n", "2", "--dry-run", "t.py", "--bogus"])
+    assert p.returncode == 0 and p.stdout.strip().endswith("t.py --bogus"), both(p)
+
+
 # -- gpurt launch on real processes ----------------------------------------------------------
 
 def test_launch_three_ranks(tmp_path):
@@ -218,6 +249,50 @@ def test_rank_killed_by_sigkill(tmp_path):
     assert "rank 1 " in p.stderr and "signal SIGKILL" in p.stderr, p.stderr
     assert "| about to be killed" in p.stderr
     assert time.monotonic() - t0 < 20
+    assert_nothing_left(str(tmp_path))
+
+
+def test_the_raising_rank_is_named_first_though_its_victims_end_before_it(tmp_path):
+    """Rank 1 raises ValueError (gpurt tells ranks 0 and 2 at once: PeerFailure) and then
+    takes 1.5 s to exit (an exit handler): the report still names rank 1 first."""
+    s = script(tmp_path, "raiser.py", """
+        import atexit
+        import numpy as np
+        import gpurt
+        c = gpurt.init()
+        c.allreduce(np.ones(4))
+        if c.rank == 1:
+            atexit.register(time.sleep, 1.5)
+            raise ValueError("rank 1: bad learning rate")
+        c.allreduce(np.ones(4))
+        """)
+    p = run(["launch", "-n", "3", s], timeout=60)
+    assert p.returncode == 1, both(p)
+    assert "rank 1 (host" in p.stderr and "failed first: exit code 1" in p.stderr, p.stderr
+    assert "| ValueError: rank 1: bad learning rate" in p.stderr, p.stderr
+    assert_nothing_left(str(tmp_path))
+
+
+def test_processes_a_rank_left_running_end_with_the_job(tmp_path):
+    """Rank 0 leaves a background child, rank 1 a daemon in its own session (escaping the
+    process group): both hold the launcher's output pipes, and hydra would wait for them
+    forever.  The job ends at once with the ranks' exit code 0, each leftover named."""
+    s = script(tmp_path, "daemon.py", f"""
+        import subprocess
+        from mpi4py import MPI
+        r = MPI.COMM_WORLD.rank
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(777)",
+                          {str(tmp_path)!r}], start_new_session=(r == 1))
+        print("spawned", r, flush=True)
+        """)
+    t0 = time.monotonic()
+    p = run(["launch", "-n", "2", s], timeout=60)
+    assert p.returncode == 0, both(p)
+    assert time.monotonic() - t0 < 30
+    for r in (0, 1):
+        assert f"gpurt launch: rank {r} left process(es) running after its program ended" \
+            in p.stderr, p.stderr
+    assert "time.sleep(777)" in p.stderr
     assert_nothing_left(str(tmp_path))
 
 
