@@ -21,6 +21,7 @@ import atexit
 import functools
 import itertools
 import logging
+import operator
 import os
 import socket
 import sys
@@ -138,7 +139,8 @@ class Communicator:
         self.size: int = self.mpi.Get_size()
         self.node_comm = self.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         leader = self.node_comm.bcast(self.rank, 0)
-        info = self.mpi.allgather((leader, socket.gethostname(), os.getpid(), next(_COMM_IDS)))
+        info = self.mpi.allgather((leader, socket.gethostname(), os.getpid(), next(_COMM_IDS),
+                                   config.problems()))
         self.cid = f"{info[0][2]}-{info[0][3]}"   # the same on every rank: rank 0's pid, count
         self.topo = Topology.from_ids([i[0] for i in info], [i[1] for i in info])
         self.pids = tuple(i[2] for i in info)
@@ -160,6 +162,13 @@ class Communicator:
         #: the algorithm (or native protocol) the last collective call used
         self.last_algorithm = ""
         try:
+            bad = {r: i[4] for r, i in enumerate(info) if i[4]}
+            if bad:     # (raised on every rank: the exchange above told them all)
+                where = ", ".join(map(str, bad)) if len(bad) < self.size else "every rank"
+                texts = list(dict.fromkeys(t for ts in bad.values() for t in ts))
+                raise ValueError(f"rank {self.rank}: gpurt settings not valid on rank(s) "
+                                 f"{where}: " + "; ".join(texts[:3]) +
+                                 (f" (and {len(texts) - 3} more)" if len(texts) > 3 else ""))
             self._connect()
             self.engine = Engine(self.rank, lambda: float(config.get("GPURT_TIMEOUT")),
                                  self._check_peers, spin_seconds(self.local_size))
@@ -189,9 +198,12 @@ class Communicator:
             # one round); the agreement's rows have room for the larger of the two
             self._fold_pair = fold[1] // 8 * 8 if self._netcheck and self.size == 2 else 0
             self._room = max(self._fold, self._fold_pair)
-            self.tuner = Tuner(self.size, self.rank, tuple(range(self.size)), cost,
-                               natives, self.nnodes, forced, profile,
-                               shape=Shape.of(self.topo.local_ranks), levels=levels)
+            try:
+                self.tuner = Tuner(self.size, self.rank, tuple(range(self.size)), cost,
+                                   natives, self.nnodes, forced, profile,
+                                   shape=Shape.of(self.topo.local_ranks), levels=levels)
+            except ValueError as e:   # (GPURT_ALGO is rank 0's: the same error everywhere)
+                raise ValueError(f"rank {self.rank}: {e}") from None
             self._tuner_in = (cost, levels, forced, profile, check, fold)
             _learn_algorithm_names()
             devpath.setup(self)      # device backend, device endpoints (collective)
@@ -1906,7 +1918,22 @@ class Communicator:
         rank.  ``color=None`` opts out (returns ``None``).  Collective."""
         self._check_open()
         MPI = _mpi()
-        new = self.mpi.Split(MPI.UNDEFINED if color is None else int(color), int(key))
+        why = ""
+        try:
+            c = None if color is None else operator.index(color)
+            k = operator.index(key)
+            if c is not None and not 0 <= c <= _INT_MAX:
+                why = f"color={c} is outside 0..{_INT_MAX} (None opts out)"
+            elif not -_INT_MAX - 1 <= k <= _INT_MAX:
+                why = f"key={k} does not fit a C int"
+        except TypeError:
+            why = f"color and key must be integers, got color={color!r}, key={key!r}"
+        # (one rank's bad argument would leave the others in MPI_Comm_split for ever)
+        whys = self.mpi.allgather(why)
+        if any(whys):
+            raise ValueError(f"rank {self.rank}: split: " + "; ".join(
+                f"rank {r}: {w}" for r, w in enumerate(whys) if w))
+        new = self.mpi.Split(MPI.UNDEFINED if c is None else c, k)
         if new == MPI.COMM_NULL:
             return None
         return Communicator(new, _owned=True)
@@ -1922,8 +1949,9 @@ class Communicator:
         the call first tries ``shm_direct`` (taken when every rank's buffers are
         reachable; the table's choice is then the fallback); across nodes, whether it is
         folded into the agreement's exchange."""
-        text = self.tuner.explain(collective, int(nbytes))
-        if self.direct_choice(collective, int(nbytes)):
+        nbytes = _nbytes(nbytes)
+        text = self.tuner.explain(collective, nbytes)
+        if self.direct_choice(collective, nbytes):
             text += (f"\n{shm_direct.NAME}: tried first (S >= its threshold on this one-node "
                      f"communicator; GPURT_SHM_DIRECT*), the choice above where a rank's "
                      f"buffers are out of reach")
@@ -1946,7 +1974,7 @@ class Communicator:
     def candidates(self, collective: str, nbytes: int) -> list[dict]:
         """The same as ``explain`` as data: ``[{"algorithm", "predicted_s", "chosen"}]``,
         cheapest first (a forced choice — ``GPURT_ALGO`` — is marked chosen)."""
-        return self.tuner.table(collective, int(nbytes))
+        return self.tuner.table(collective, _nbytes(nbytes))
 
     def abort(self, reason: str = "aborted by the application") -> None:
         """Fail every request in flight and poison the communicator (local, immediate)."""
@@ -2005,6 +2033,20 @@ class Communicator:
                     except Exception:  # noqa: BLE001
                         pass
         _LIVE.discard(self)
+
+
+_INT_MAX = 2**31 - 1
+
+
+def _nbytes(nbytes: Any) -> int:
+    """explain()'s and candidates()' size: an integer >= 0."""
+    try:
+        n = operator.index(nbytes)
+    except TypeError:
+        raise TypeError(f"nbytes must be an integer, got {nbytes!r}") from None
+    if n < 0:
+        raise ValueError(f"nbytes must be >= 0, got {n}")
+    return n
 
 
 _EMPTY_U8 = np.empty(0, np.uint8)

@@ -271,6 +271,19 @@ def get(name: str) -> object:
     return val
 
 
+def problems() -> list[str]:
+    """What is wrong with the gpurt variables set here (each as ``get`` would raise it):
+    checked when a communicator is created, so a bad value is one clear error on every
+    rank then, not an error of whichever part reads it first."""
+    out = []
+    for v in VARIABLES:
+        try:
+            get(v.name)
+        except ValueError as e:
+            out.append(str(e))
+    return out
+
+
 def table() -> list[tuple[str, str, str, str]]:
     """(name, default, current raw value or '', doc) for every variable."""
     return [(v.name, v.default, os.environ.get(v.name, ""), v.doc) for v in VARIABLES]

@@ -90,7 +90,7 @@ from mpi4py import MPI
 rec = {"rank": MPI.COMM_WORLD.Get_rank()}
 try:
     gpurt.init()
-except gpurt.GpurtError as e:
+except (gpurt.GpurtError, ValueError) as e:
     rec["error"] = [type(e).__name__, str(e)]
 print("BADENV " + json.dumps(rec), flush=True)
 """
@@ -100,18 +100,41 @@ print("BADENV " + json.dumps(rec), flush=True)
     ("GPURT_SHM_RING_MEM", {}),                   # read by local rank 0 alone
     ("GPURT_SHM_SLOT", {}),
     ("GPURT_TCP_STRIPES", {"GPURT_TRANSPORTS": "tcp"}),   # rank 0 decides; all read it
+    ("GPURT_TIMEOUT", {"GPURT_TRANSPORTS": "tcp"}),       # (was a tcp TransportError)
 ])
-def test_a_bad_transport_setting_is_an_error_on_every_rank_not_a_hang(var, env):
-    """A setting that only some ranks parse at set-up (the shm geometry on local rank 0;
-    the tcp stripes, whose value rank 0 decides but every rank reads for its open-file
-    room): every rank raises TransportError naming the variable and the value; no rank
-    waits for the others in MPI."""
+def test_a_bad_setting_is_one_error_on_every_rank_not_a_hang(var, env):
+    """A setting that only some ranks would parse at set-up (the shm geometry on local
+    rank 0; the tcp stripes, whose value rank 0 decides), or that a transport read first
+    (the deadline): every rank raises ValueError naming the variable and the value, before
+    any transport is set up; no rank waits for the others in MPI."""
     before = gpurt_shm_files()
     out = run_mpi(3, ["-c", _BAD_ENV], env={var: "abc", **env}, timeout=120).stdout
-    for rec in rank_records(out, "BADENV", 3).values():
+    for r, rec in rank_records(out, "BADENV", 3).items():
         kind, text = rec["error"]
-        assert kind == "TransportError" and f"{var}='abc' is not valid" in text, rec
+        assert kind == "ValueError" and f"{var}='abc' is not valid" in text, rec
+        assert text.startswith(f"rank {r}: gpurt settings not valid on rank(s) every rank"), rec
     assert gpurt_shm_files() == before
+
+
+def test_a_bad_setting_on_one_rank_only_is_an_error_on_every_rank():
+    """GPURT_TIMEOUT=abc on rank 1 alone (mpiexec's per-rank -env): every rank raises,
+    naming rank 1; then GPURT_ALGO naming an algorithm allreduce lacks: every rank
+    raises a ValueError that names its rank."""
+    if not is_hydra():
+        pytest.skip("per-rank environments through MPICH hydra's -env")
+    cmd = [mpiexec(), "-n", "1", sys.executable, "-c", _BAD_ENV, ":", "-env", "GPURT_TIMEOUT",
+           "abc", "-n", "1", sys.executable, "-c", _BAD_ENV, ":", "-n", "1", sys.executable,
+           "-c", _BAD_ENV]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    for r, rec in rank_records(proc.stdout, "BADENV", 3).items():
+        kind, text = rec["error"]
+        assert kind == "ValueError" and text.startswith(
+            f"rank {r}: gpurt settings not valid on rank(s) 1: GPURT_TIMEOUT='abc'"), rec
+    out = run_mpi(3, ["-c", _BAD_ENV], env={"GPURT_ALGO": "allreduce:bogus"}).stdout
+    for r, rec in rank_records(out, "BADENV", 3).items():
+        kind, text = rec["error"]
+        assert kind == "ValueError" and text.startswith(
+            f"rank {r}: unknown algorithm 'bogus' for allreduce"), rec
 
 
 _HEARD_MISMATCH = """

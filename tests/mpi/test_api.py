@@ -1115,3 +1115,27 @@ def test_waits_on_two_communicators_in_opposite_orders_complete(comm, count):
         c1.close()
         c2.close()
         comm.mpi.Barrier()
+
+
+def test_split_and_explain_refuse_bad_arguments_on_every_rank(comm):
+    """split(): a color outside a C int (or negative, or not an integer) was a raw
+    OverflowError/MPI error on its rank while the others sat in MPI_Comm_split; now every
+    rank raises ValueError naming the rank with the bad argument — also when only one rank
+    has it.  explain()/candidates(): a negative or non-integer size is refused."""
+    r, p = comm.rank, comm.size
+    with pytest.raises(ValueError, match=rf"rank {r}: split: rank 0: color={2**40} is outside"):
+        comm.split(2**40)
+    with pytest.raises(ValueError, match=rf"rank {r}: split: rank {p - 1}: color=-3"):
+        comm.split(-3 if r == p - 1 else 0)
+    with pytest.raises(ValueError, match=r"split: rank 0: key=.* does not fit a C int"):
+        comm.split(0, key=-2**40)
+    with pytest.raises(ValueError, match=r"split: rank 0: color and key must be integers"):
+        comm.split(1.5)
+    s = comm.split(np.int64(1), key=np.int32(-r))     # NumPy integers are integers
+    assert s.size == p and s.rank == p - 1 - r
+    s.close()
+    with pytest.raises(ValueError, match="nbytes must be >= 0, got -1"):
+        comm.explain("allreduce", -1)
+    with pytest.raises(TypeError, match="nbytes must be an integer, got 1.5"):
+        comm.candidates("allreduce", 1.5)
+    assert "chosen" in comm.explain("allreduce", np.int64(4096))
