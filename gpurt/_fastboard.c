@@ -720,10 +720,15 @@ static inline int cma_fail(int k, int to_peer, int e) {
     return D_CMAFAIL | (k << 8) | (to_peer << 20) | ((e & 1023) << 21);
 }
 
-/* the first peer that has published its error record (it is going down), or -1 */
+/* the first peer that has published its error record (it is going down), or -1; a
+ * close notice (bit 62 of the word: transports/shm.py CLOSED) is no failure here — a peer
+ * that closed after its share of this call no longer reads or writes anything, and one
+ * that never came is found by the Python wait's liveness check */
 static int peer_failed(const FastBoard *fb) {
-    for (int k = 0; k < fb->p; k++)
-        if (k != fb->me && load_acq(&fb->q[fb->err[k]])) return k;
+    for (int k = 0; k < fb->p; k++) {
+        uint64_t w = k != fb->me ? load_acq(&fb->q[fb->err[k]]) : 0;
+        if (w && !(w & (UINT64_C(1) << 62))) return k;
+    }
     return -1;
 }
 

@@ -4,9 +4,10 @@ deadline — and a close right after a rank's last send costs its peers nothing 
 sent.  ``mpiexec -n 3 python tests/closed_peer_cases.py MODE``; each rank prints one line
 ``CLOSED_PEER {json}``.
 
-- ``close``: rank 2 closes its communicator with no call in flight and stays alive 6 s;
-  ranks 0 and 1 call a barrier (GPURT_TIMEOUT=60): ``PeerFailure`` naming rank 2 and the
-  close.
+- ``close [barrier|allreduce|shared]``: rank 2 closes its communicator with no call in
+  flight and stays alive 6 s; ranks 0 and 1 call a barrier, or an allreduce of 4 MiB of
+  NumPy or of shared arrays (shm_direct) (GPURT_TIMEOUT=60): ``PeerFailure`` naming rank 2
+  and the close.
 - ``exit``: rank 2 returns from main without closing (the exit handler closes it); the
   others as above.
 - ``drained``: rank 0 sends rank 1 a small and a 4 MiB message and closes at once; rank 1
@@ -46,9 +47,18 @@ def main() -> int:
                 time.sleep(6)
             report(rank=r, outcome="left")
             return 0            # ("exit": the exit handler closes the communicator)
+        call = sys.argv[2] if len(sys.argv) > 2 else "barrier"
+        if call == "shared":            # shared arrays: shm_direct, the compiled round
+            x = comm.empty(1 << 20, np.float32)
+            x[:] = 1
+        elif call == "allreduce":       # 4 MiB of NumPy: single copy
+            x = np.ones(1 << 20, np.float32)
         t0 = time.monotonic()
         try:
-            comm.barrier()
+            if call == "barrier":
+                comm.barrier()
+            else:
+                comm.allreduce(x)
             outcome = "completed"
         except gpurt.PeerFailure as e:
             outcome = f"PeerFailure(rank={e.rank}): {e}"

@@ -415,17 +415,18 @@ def test_local_peer_exit_is_a_peer_failure_not_a_hang(tmp_path):
         assert f"rank {r}: poisoned" in text
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("transport,call", [("shm", "barrier"), ("tcp", "barrier"),
+                                            ("shm", "allreduce"), ("shm", "shared")])
 @pytest.mark.parametrize("mode", ["close", "exit"])
-def test_a_peer_that_closes_or_exits_is_a_peer_failure_at_once(mode, transport):
+def test_a_peer_that_closes_or_exits_is_a_peer_failure_at_once(mode, transport, call):
     """Rank 2 closes its communicator with no call in flight (and stays alive), or exits
     without closing it (the exit handler closes it; MPI_Finalize keeps the process there):
-    ranks 0 and 1, in a barrier under GPURT_TIMEOUT=60, raise PeerFailure naming rank 2
-    within 3 s (shm: rank 2's close notice; tcp: its connections' end) — not
-    CollectiveTimeout a minute later."""
+    ranks 0 and 1, in a barrier (or an allreduce: single copy, shm_direct) under
+    GPURT_TIMEOUT=60, raise PeerFailure naming rank 2 within 3 s (shm: rank 2's close
+    notice; tcp: its connections' end) — not CollectiveTimeout a minute later."""
     env = {"GPURT_TIMEOUT": "60", **({"GPURT_TRANSPORTS": "tcp"} if transport == "tcp" else {})}
-    recs = rank_records(run_mpi(3, ["tests/closed_peer_cases.py", mode], env=env).stdout,
-                        "CLOSED_PEER", 3)
+    recs = rank_records(run_mpi(3, ["tests/closed_peer_cases.py", mode, call],
+                                env=env).stdout, "CLOSED_PEER", 3)
     assert recs[2]["outcome"] == "left"
     for r in (0, 1):
         out = recs[r]["outcome"]
