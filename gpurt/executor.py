@@ -473,7 +473,11 @@ class Engine:
         failure there is that engine's: its requests carry it, this wait goes on.  True
         if anything moved."""
         me, moved = threading.get_ident(), False
-        for eng in list(_ENGINES):
+        try:
+            engines = list(_ENGINES)
+        except RuntimeError:    # (another thread made a communicator meanwhile: next time)
+            return False
+        for eng in engines:
             if eng is self or eng.user != me or eng.poisoned is not None or \
                     not (eng.colls or eng.p2p):
                 continue
