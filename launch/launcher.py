@@ -742,7 +742,7 @@ def launch_options(f):
 
     for opt in reversed([
         click.option("--hosts", metavar="H:N,H:N", help="Hosts and their slots, e.g. a:4,b:4."),
-        click.option("--hostfile", type=click.Path(dir_okay=False),
+        click.option("--hostfile", type=click.Path(exists=True, dir_okay=False),
                      help="A host file in the launcher's own syntax."),
         click.option("--launcher", "launcher_kind", type=click.Choice(KINDS),
                      help="Which launcher to drive (default: srun inside a Slurm job, else "

@@ -164,6 +164,8 @@ def test_an_option_before_program_that_launch_lacks_is_a_usage_error(tmp_path):
     assert p.returncode == 2 and "No such option '--bogus'" in p.stderr, both(p)
     p = run(["launch", "-n", "2", "--dry-run", "t.py", "--bogus"])
     assert p.returncode == 0 and p.stdout.strip().endswith("t.py --bogus"), both(p)
+    p = run(["launch", "-n", "2", "--hostfile", str(tmp_path / "nosuch"), "t.py"])
+    assert p.returncode == 2 and "does not exist" in p.stderr, both(p)
 
 
 # -- gpurt launch on real processes ----------------------------------------------------------
