@@ -52,6 +52,8 @@ DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "int16", "int32",
 BASELINES = ("mpi", "gloo", "nocheck")
 #: blocks per size when two libraries are timed in the same run (gpurt and nocheck)
 _BLOCKS = 8
+#: ranks `gpurt bench` launches without -n (and outside an MPI launch)
+DEFAULT_NRANKS = 2
 
 
 # ---------------------------------------------------------------------------------------
@@ -63,7 +65,10 @@ _SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 def parse_size(text: str | int) -> int:
     """``8``, ``64K``, ``256M``, ``1G`` (binary multiples, as nccl-tests; ``KB``/``KiB``
-    and a trailing ``B`` are accepted) -> bytes."""
+    and a trailing ``B`` are accepted) -> bytes.  A fraction is fine where the bytes come
+    out whole (``1.5K``); ``0.5`` or ``1.3K`` (not a whole number of bytes) and ``inf`` /
+    ``nan`` are refused: truncated or converted they became a size of 0 — a sweep that
+    never grew — or an OverflowError."""
     if isinstance(text, int):
         return text
     t = text.strip().upper().replace("IB", "").rstrip("B") or "0"
@@ -74,9 +79,14 @@ def parse_size(text: str | int) -> int:
     except ValueError:
         raise ValueError(f"bad size {text!r}: use a number with an optional K, M or G "
                          f"suffix (e.g. 8, 64K, 256M)") from None
+    if not math.isfinite(val):
+        raise ValueError(f"bad size {text!r}: not a finite number")
     if val < 0:
         raise ValueError(f"bad size {text!r}: negative")
-    return int(val * _SUFFIX[unit])
+    nbytes = val * _SUFFIX[unit]
+    if nbytes != int(nbytes):
+        raise ValueError(f"bad size {text!r}: {nbytes:g} bytes is not a whole number")
+    return int(nbytes)
 
 
 def human_size(nbytes: int) -> str:
@@ -108,6 +118,8 @@ def sweep_sizes(coll: str, nranks: int, itemsize: int, minbytes: int, maxbytes: 
     dropped.  A barrier has a single size, 0."""
     if coll == "barrier":
         return [0]
+    if minbytes < 1:      # 0 × factor stays 0: the loop below would never end
+        raise ValueError(f"-b {minbytes}: the smallest size must be at least 1 byte")
     if minbytes > maxbytes:
         raise ValueError(f"-b {minbytes} is larger than -e {maxbytes}")
     if factor < 2 and minbytes != maxbytes:
@@ -929,8 +941,10 @@ def _sweep(libs: list[_Lib], cfg: dict) -> list[dict] | None:
         for k, lb in enumerate(libs):
             every = ctl.gather(times[k], 0)
             wrong = None
-            if cfg.get("check"):
-                # a separate pass on exact inputs; outputs preset to a sentinel
+            if cfg.get("check") and coll != "barrier":
+                # a separate pass on exact inputs; outputs preset to a sentinel (a barrier
+                # has no output: nothing to check, #wrong stays n/a rather than a 0 that
+                # would claim a check)
                 if coll == "broadcast" and r != root:
                     xv.fill(sentinel(dtype))
                 else:
@@ -962,11 +976,11 @@ def _sweep(libs: list[_Lib], cfg: dict) -> list[dict] | None:
                     row["explain"] = ex
                 rows[k].append(row)
                 bw = S / st["p50_s"] / 1e9 * busbw_factor(coll, n) if st["p50_s"] > 0 \
-                    else 0.0
+                    and S else None
                 tag = label if k == 0 else f"{label} +{lb.name}"
                 _log(f"[{tag}] {coll} {S:>12} B  p50 {st['p50_s'] * 1e6:10.1f} us  "
-                     f"busbw {bw:8.3f} GB/s  #wrong {'n/a' if wrong is None else wrong}  "
-                     f"{row['algo']}")
+                     f"busbw {_f(bw, '.3f', 8)} GB/s  "
+                     f"#wrong {'n/a' if wrong is None else wrong}  {row['algo']}")
     if r != 0:
         return None
     from mpi4py import MPI
@@ -1167,7 +1181,8 @@ def build_report(cfg: dict, nranks: int, launches: dict[str, list[dict]],
             k: cfg.get(k) for k in ("dtype", "op", "root", "warmup", "iters", "algo",
                                     "check", "repeat", "baselines", "sizes", "memory")},
         "machine": dict(_machine(), mpi_library=libs["gpurt"]["info"].get("mpi_library")),
-        "busbw_factor": busbw_factor(coll, nranks),
+        # a barrier moves no data: no bus bandwidth (null, "–" in the table; docs/bench.md)
+        "busbw_factor": None if coll == "barrier" else busbw_factor(coll, nranks),
         "min_traffic": {"formula": _TRAFFIC_DOC[coll], "per_rank": "(R + W) / nranks"},
         "ceiling": {"per_rank_Bps": ceil_Bps, "best": best, "all": ceilings,
                     "busbw_equivalent_GBps": ceiling_busbw(coll, nranks, ceil_Bps or 0)},
@@ -1214,10 +1229,11 @@ def format_table(rep: dict) -> str:
                      f"{n} rank{'s' if n != 1 else ''} copying at once "
                      f"({b['single_rank_Bps'] / 1e9:.2f} GB/s one rank alone; {how} of "
                      f"{human_size(b['bytes'])}B, read+written)")
+    factor = rep["busbw_factor"]
     lines.append("# time = per-iteration max over ranks; p50 = median; algbw = size / p50; "
-                 "busbw = algbw × "
-                 f"{rep['busbw_factor']:.3g}; %ceil = min bytes/rank / time / ceiling "
-                 "(docs/bench.md)")
+                 "busbw = " + ("– (no data moves)" if factor is None else
+                               f"algbw × {factor:.3g}")
+                 + "; %ceil = min bytes/rank / time / ceiling (docs/bench.md)")
     for k, why in rep.get("skipped", {}).items():
         lines.append(f"# {k} baseline skipped: {why}")
     head = (f"{'size(B)':>12} {'count':>11} {'type':>8} {'p50(us)':>10} {'p99(us)':>10} "
@@ -1248,10 +1264,32 @@ def format_table(rep: dict) -> str:
     if libs:
         lines.append("# ratio = gpurt busbw / baseline busbw (= baseline p50 / gpurt p50); "
                      "> 1: gpurt is faster")
-    bad = sum((r[k]["wrong"] or 0) for r in rep["rows"] for k in ["gpurt"] + libs)
     if cfg.get("check"):
-        lines.append(f"# out of bounds values : {bad} {'OK' if not bad else 'FAILED'}")
+        checked = [r[k]["wrong"] for r in rep["rows"] for k in ["gpurt"] + libs
+                   if r[k]["wrong"] is not None]
+        bad = sum(checked)
+        lines.append("# out of bounds values : " + (
+            "n/a (nothing to check)" if not checked else
+            f"{bad} {'OK' if not bad else 'FAILED'}"))
+        for lib, where in _wrong_by_lib(wrong_sizes(rep)):
+            lines.append(f"# wrong elements: {lib} at {where}")
     return "\n".join(lines)
+
+
+def wrong_sizes(rep: dict) -> list[tuple[str, int, int]]:
+    """(library, size S, wrong elements) for every size whose checked pass (``-c``) found
+    wrong elements, gpurt first; empty when everything checked was right (or nothing was
+    checked).  Non-empty makes ``gpurt bench`` exit 1, as nccl-tests fails on "Out of
+    bounds values": a wrong result is not a benchmark result."""
+    return [(lib, row["size"], row[lib]["wrong"]) for lib in rep.get("libraries", {})
+            for row in rep.get("rows", []) if row[lib]["wrong"]]
+
+
+def _wrong_by_lib(bad: list[tuple[str, int, int]]) -> list[tuple[str, str]]:
+    """``wrong_sizes`` per library: (library, "1024 B (3 wrong), 4096 B (1 wrong)")."""
+    libs = list(dict.fromkeys(lib for lib, _, _ in bad))
+    return [(lib, ", ".join(f"{S} B ({w} wrong)" for k, S, w in bad if k == lib))
+            for lib in libs]
 
 
 def plot(rep: dict, path: str) -> None:
@@ -1326,8 +1364,17 @@ def run_bench(cfg: dict, nranks: int | None, json_path: str | None, plot_path: s
                 raise SystemExit(2)   # rank 0 says why, once
             raise click.UsageError(why)
         nranks = here
-    nranks = nranks or 2
+    nranks = nranks or DEFAULT_NRANKS
     coll = cfg["collective"]
+    if coll in ROOTED and cfg["root"] >= nranks:
+        # bench_command checked an explicit -n; here the launch's size or the default
+        # is known, before any rank starts (the ranks would only fail on it)
+        whose = (f"this launch's {nranks} ranks" if here > 1 else
+                 f"the {nranks} ranks launched (-n defaults to {DEFAULT_NRANKS})")
+        if here > 1 and launcher_rank() != 0:
+            raise SystemExit(2)   # rank 0 says why, once
+        raise click.BadParameter(f"{cfg['root']} is not a rank of {whose}",
+                                 param_hint="'-r' / '--root'")
     try:
         cfg["sizes"] = sweep_sizes(coll, nranks, dtype.itemsize, cfg["minbytes"],
                                    cfg["maxbytes"], cfg["factor"])
@@ -1412,28 +1459,74 @@ def run_bench(cfg: dict, nranks: int | None, json_path: str | None, plot_path: s
 
 
 class _SizeType(click.ParamType):
+    """A size option (``parse_size``); ``minimum`` bytes or more (-b, -e: 1 — a size of 0
+    never grows; --ceiling-size: 0, which skips the measurement)."""
+
     name = "SIZE"
+
+    def __init__(self, minimum: int = 0) -> None:
+        self.minimum = minimum
 
     def convert(self, value, param, ctx):
         try:
-            return parse_size(value)
+            nbytes = parse_size(value)
         except ValueError as e:
             self.fail(str(e), param, ctx)
+        if nbytes < self.minimum:
+            self.fail(f"{value!r}: must be at least {self.minimum} "
+                      f"byte{'s' if self.minimum != 1 else ''}", param, ctx)
+        return nbytes
+
+
+def check_sweep_options(minbytes: int, maxbytes: int, factor: int) -> None:
+    """-b, -e and -f together (also `gpurt tune`'s), as click usage errors naming the
+    option, before anything is launched: -b ≤ -e (else no size is measured), and with
+    -b < -e a factor of 2 or more (sizes grow by it; 1 never gets to -e).  A factor of 1
+    with -b equal to -e is one size, as in nccl-tests."""
+    if minbytes > maxbytes:
+        raise click.BadParameter(f"{human_size(minbytes)} is larger than -e "
+                                 f"{human_size(maxbytes)}", param_hint="'-b' / '--minbytes'")
+    if factor < 2 and minbytes < maxbytes:
+        raise click.BadParameter(f"{factor}: must be 2 or more when -b is smaller than -e "
+                                 f"(the sizes grow by this factor)",
+                                 param_hint="'-f' / '--stepfactor'")
+
+
+def algo_names(coll: str) -> list[str]:
+    """Every name ``--algo`` may give for ``coll`` on some communicator: the registered
+    schedules (gpurt/algorithms REGISTRY) and their aliases, and where the collective has
+    them the shm board, shm_direct and the hierarchical form.  Whether one of the last
+    three can run on this launch (the first two need one node, hierarchical several) is
+    only known on the ranks, which say so; a name that is none of these is refused before
+    the launch."""
+    from gpurt import hier
+    from gpurt.algorithms import ALIASES, REGISTRY
+    from gpurt.transports import shm_board, shm_direct
+    names = set(REGISTRY.get(coll, {}))
+    names |= {a for a, name in ALIASES.items() if name in names}
+    if coll in shm_board.COLLS:
+        names.add("shm_board")
+    if coll in shm_direct.COLLS:
+        names.add(shm_direct.NAME)
+    if coll in hier.COLLS:
+        names |= {hier.HIER, "hier"}
+    return sorted(names)
 
 
 @click.command("bench", context_settings={"help_option_names": ["-h", "--help"],
                                           "max_content_width": 100})
 @click.argument("collective", type=click.Choice(COLLECTIVES))
 @click.option("-n", "--nranks", type=click.IntRange(1), default=None,
-              help="Number of ranks to launch (default 2).  NOTE: nccl-tests uses -n for "
-                   "iterations; here -n is ranks and -i is iterations.  Under an MPI "
-                   "launcher with >1 rank, the launch's size is used.")
-@click.option("-b", "--minbytes", type=_SizeType(), default="8", show_default=True,
-              help="Smallest size S (K/M/G suffixes).")
-@click.option("-e", "--maxbytes", type=_SizeType(), default="32M", show_default=True,
-              help="Largest size S.")
+              help=f"Number of ranks to launch (default {DEFAULT_NRANKS}).  NOTE: nccl-tests "
+                   "uses -n for iterations; here -n is ranks and -i is iterations.  Under an "
+                   "MPI launcher with >1 rank, the launch's size is used.")
+@click.option("-b", "--minbytes", type=_SizeType(1), default="8", show_default=True,
+              help="Smallest size S (K/M/G suffixes; at least 1 byte).")
+@click.option("-e", "--maxbytes", type=_SizeType(1), default="32M", show_default=True,
+              help="Largest size S (at least -b).")
 @click.option("-f", "--stepfactor", "factor", type=click.IntRange(1), default=2,
-              show_default=True, help="Multiplication factor between sizes.")
+              show_default=True, help="Multiplication factor between sizes (2 or more; 1 "
+                                      "only with -b equal to -e).")
 @click.option("-w", "--warmup", type=click.IntRange(0), default=5, show_default=True,
               help="Untimed calls per size before the timed loop.")
 @click.option("-i", "--iters", type=click.IntRange(1), default=20, show_default=True,
@@ -1444,7 +1537,9 @@ class _SizeType(click.ParamType):
               help="Reduction op (allreduce, reduce, reduce_scatter).")
 @click.option("-r", "--root", type=click.IntRange(0), default=0, show_default=True,
               help="Root of reduce, broadcast, gather, scatter.")
-@click.option("--algo", default=None, help="Force a gpurt algorithm (see `gpurt info`).")
+@click.option("--algo", default=None, help="Force a gpurt algorithm (see `gpurt info`; "
+                                          "shm_board, shm_direct, hierarchical where they "
+                                          "apply).")
 @click.option("-c", "--check", is_flag=True,
               help="Also run a separate checked call per size and report #wrong.")
 @click.option("--baseline", "baselines", type=click.Choice(BASELINES), multiple=True,
@@ -1489,7 +1584,12 @@ def bench_command(collective, nranks, minbytes, maxbytes, factor, warmup, iters,
       mpiexec -n 4 gpurt bench broadcast -e 1M      (runs in place; no baselines)
     """
     from gpurt.ops import as_op, check_op
-    dt = parse_dtype(dtype)
+    # what the options say on their own is refused here, before any rank is launched
+    check_sweep_options(minbytes, maxbytes, factor)
+    try:
+        dt = parse_dtype(dtype)
+    except ValueError as e:      # bfloat16 without ml_dtypes
+        raise click.BadParameter(str(e), param_hint="'-d' / '--datatype'") from None
     if collective in REDUCING:
         try:
             check_op(as_op(op), dt)
@@ -1511,13 +1611,24 @@ def bench_command(collective, nranks, minbytes, maxbytes, factor, warmup, iters,
         raise click.UsageError("sendrecv is point-to-point: --algo does not apply")
     if collective == "sendrecv" and nranks == 1:
         raise click.UsageError("sendrecv needs -n 2 or more")
+    if algo and algo not in algo_names(collective):
+        raise click.BadParameter(f"{algo!r} is not an algorithm of {collective} (known: "
+                                 f"{', '.join(algo_names(collective))})",
+                                 param_hint="'--algo'")
+    # without -n, run_bench checks the root against the launch's size or the default
     if collective in ROOTED and nranks is not None and root >= nranks:
-        raise click.UsageError(f"--root {root} is not a rank of -n {nranks}")
+        raise click.BadParameter(f"{root} is not a rank of -n {nranks}",
+                                 param_hint="'-r' / '--root'")
     cfg = {"collective": collective, "minbytes": minbytes, "maxbytes": maxbytes,
            "factor": factor, "warmup": warmup, "iters": iters, "dtype": dtype, "op": op,
            "root": root, "algo": algo, "check": check, "baselines": list(baselines),
            "repeat": repeat, "ceiling_bytes": ceiling_bytes, "memory": memory}
-    run_bench(cfg, nranks, json_path, plot_path, [Path(sys.argv[0]).name] + sys.argv[1:])
+    report = run_bench(cfg, nranks, json_path, plot_path,
+                       [Path(sys.argv[0]).name] + sys.argv[1:])
+    bad = wrong_sizes(report)       # (empty on the ranks but 0 of an in-place run)
+    if bad:
+        raise click.ClickException("the checked pass (-c) found wrong elements: " + "; ".join(
+            f"{lib} at {where}" for lib, where in _wrong_by_lib(bad)))
 
 
 if __name__ == "__main__":

@@ -68,6 +68,10 @@ def _call(comm, coll: str, x, y, algo: str):
     raise ValueError(f"gpurt tune does not time {coll}")
 
 
+#: what -d offers: bench's dtypes but bool (every reduction here is a SUM, which bool has not)
+DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "int16", "int32", "int64",
+          "uint8", "uint16", "uint32", "uint64", "complex64", "complex128")
+
 DIRECT = "shm_direct"
 DIRECT_COLLS = ("allreduce", "reduce", "reduce_scatter", "allgather", "alltoall", "broadcast")
 
@@ -77,10 +81,12 @@ def worker(cfg: dict) -> dict | None:
     import gpurt
     from mpi4py import MPI
 
+    from gpurt.launch.bench import parse_dtype   # bfloat16 through ml_dtypes, as bench
+
     comm = gpurt.init()
     ctl = comm.mpi
     p, r = comm.size, comm.rank
-    dtype = np.dtype(cfg.get("dtype", "float32"))
+    dtype = parse_dtype(cfg.get("dtype", "float32"))
     entries: dict = {}
     report = []
     for coll in cfg["collectives"]:
@@ -185,20 +191,23 @@ def _sizes(lo: int, hi: int, factor: int) -> list[int]:
 def tune_command():
     import click
 
-    from gpurt.launch.bench import _SizeType
+    from gpurt.launch.bench import _SizeType, check_sweep_options, parse_dtype
 
     @click.command("tune", context_settings={"help_option_names": ["-h", "--help"]})
     @click.option("-n", "--nranks", type=click.IntRange(1), default=2, show_default=True,
                   help="Ranks to launch (the profile applies to communicators of this size).")
     @click.option("-c", "--collective", "colls", multiple=True,
                   type=click.Choice(DEFAULT_COLLS), help="Repeatable; default: all of them.")
-    @click.option("-b", "--minbytes", type=_SizeType(), default="8", show_default=True)
-    @click.option("-e", "--maxbytes", type=_SizeType(), default="16M", show_default=True)
+    @click.option("-b", "--minbytes", type=_SizeType(1), default="8", show_default=True,
+                  help="Smallest size (K/M/G suffixes; at least 1 byte).")
+    @click.option("-e", "--maxbytes", type=_SizeType(1), default="16M", show_default=True,
+                  help="Largest size (at least -b).")
     @click.option("-f", "--stepfactor", "factor", type=click.IntRange(2), default=8,
                   show_default=True)
     @click.option("-w", "--warmup", type=click.IntRange(0), default=3, show_default=True)
     @click.option("-i", "--iters", type=click.IntRange(1), default=10, show_default=True)
-    @click.option("-d", "--datatype", "dtype", default="float32", show_default=True)
+    @click.option("-d", "--datatype", "dtype", type=click.Choice(DTYPES), default="float32",
+                  show_default=True)
     @click.option("-o", "--out", "out", required=True, type=click.Path(dir_okay=False),
                   help="Where to write the profile (JSON).")
     def tune(nranks, colls, minbytes, maxbytes, factor, warmup, iters, dtype, out):
@@ -211,6 +220,13 @@ def tune_command():
           gpurt tune -n 2 -c allreduce -b 1K -e 64M -f 4 -o p2.json
           GPURT_PROFILE=profile.json mpiexec -n 4 python train.py
         """
+        # refused here, before the launch: -b above -e measured nothing and wrote an empty
+        # profile; a dtype the ranks cannot make failed on every rank with a traceback
+        check_sweep_options(minbytes, maxbytes, factor)
+        try:
+            parse_dtype(dtype)
+        except ValueError as e:      # bfloat16 without ml_dtypes
+            raise click.BadParameter(str(e), param_hint="'-d' / '--datatype'") from None
         prof = run(nranks, list(colls or DEFAULT_COLLS), _sizes(minbytes, maxbytes, factor),
                    out, warmup, iters, dtype)
         rows = prof["model_vs_best"]

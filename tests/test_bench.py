@@ -186,12 +186,23 @@ def test_every_collective_checked_on_3_ranks(coll, tmp_path):
             "--ceiling-size", "0", "--json", str(out)]
     if coll in B.ROOTED:
         args += ["-r", "1"]
-    run_bench(args)
+    proc = run_bench(args)
     rep = json.loads(out.read_text())
     assert len(rep["rows"]) == 1
     g = rep["rows"][0]["gpurt"]
-    assert g["wrong"] == 0, rep["rows"]
     assert g["p50_s"] > 0
+    if coll != "barrier":
+        assert g["wrong"] == 0, rep["rows"]
+        assert "out of bounds values : 0 OK" in proc.stdout
+        return
+    # a barrier has no output: nothing is checked (n/a, null in the JSON, not a 0), and
+    # no bus bandwidth ("–", not "algbw × 0")
+    assert g["wrong"] is None and g["busbw_GBps"] is None, rep["rows"]
+    assert rep["busbw_factor"] is None
+    row = [ln for ln in proc.stdout.splitlines() if ln and not ln.startswith("#")][0]
+    assert row.split()[-2:] == ["n/a", g["algo"]], row
+    assert "busbw = – " in proc.stdout and "× 0" not in proc.stdout, proc.stdout
+    assert "out of bounds values : n/a" in proc.stdout
 
 
 def test_in_place_under_mpiexec():
@@ -312,6 +323,251 @@ def test_count_wrong_nan():
     assert B.count_wrong(np.array([np.nan]), np.array([np.nan])) == 1
 
 
+# -- -c: wrong elements fail the run -------------------------------------------------------
+
+def _report(coll: str, wrongs: list[int | None], mpi_wrongs: list[int | None] | None = None,
+            check: bool = True) -> dict:
+    """A report as ``build_report`` makes it, from made-up launches: sizes 1K, 2K, ... (a
+    barrier's 0) with the given #wrong per size (and an mpi baseline's)."""
+    def launch(lib, ws):
+        return {"lib": lib, "rows": [
+            {"size": S << i, "count": S // 4 << i, "p50_s": 1e-5, "p99_s": 2e-5,
+             "mean_s": 1.5e-5, "wrong": w, "algo": "ring"} for i, w in enumerate(ws)],
+            "ceiling": None, "info": {}}
+    S = 0 if coll == "barrier" else 1024
+    launches = {"gpurt": [launch("gpurt", wrongs)]}
+    if mpi_wrongs is not None:
+        launches["mpi"] = [launch("mpi", mpi_wrongs)]
+    cfg = {"collective": coll, "dtype": "float32", "op": "sum", "root": 0, "warmup": 1,
+           "iters": 3, "algo": None, "check": check, "repeat": 1, "memory": "host",
+           "baselines": ["mpi"] if mpi_wrongs is not None else [], "sizes": []}
+    return B.build_report(cfg, 2, launches, {}, ["gpurt", "bench", coll])
+
+
+def test_wrong_elements_are_reported_and_decide_the_exit_code(monkeypatch):
+    """What decides -c's verdict, on made-up results (no ranks run: gpurt gives no wrong
+    elements to order): ``wrong_sizes`` names every (library, size) with #wrong > 0, the
+    table's footer says FAILED and where, and `gpurt bench` exits 1 saying where — through
+    the real click command, with ``run_bench`` replaced by one returning the made-up
+    report.  A clean checked run exiting 0 is real: test_allreduce_sweep_json and
+    test_every_collective_checked_on_3_ranks (run_bench fails on a non-zero exit), and
+    test_checked_pass_fails_for_real below runs a real failing one."""
+    from click.testing import CliRunner
+
+    bad = _report("allreduce", [0, 3, 0, 1], mpi_wrongs=[0, 0, 2, 0])
+    assert B.wrong_sizes(bad) == [("gpurt", 2048, 3), ("gpurt", 8192, 1), ("mpi", 4096, 2)]
+    text = B.format_table(bad)
+    assert "# out of bounds values : 6 FAILED" in text
+    assert "# wrong elements: gpurt at 2048 B (3 wrong), 8192 B (1 wrong)" in text
+    assert "# wrong elements: mpi at 4096 B (2 wrong)" in text
+    good = _report("allreduce", [0, 0], mpi_wrongs=[0, 0])
+    assert B.wrong_sizes(good) == [] and "out of bounds values : 0 OK" in B.format_table(good)
+    unchecked = _report("allreduce", [None, None], check=False)
+    assert B.wrong_sizes(unchecked) == [] and "out of bounds" not in B.format_table(unchecked)
+
+    for rep, code in ((bad, 1), (good, 0), (unchecked, 0)):
+        monkeypatch.setattr(B, "run_bench", lambda *a, rep=rep, **k: rep)
+        res = CliRunner().invoke(B.bench_command, ["allreduce", "-n", "2", "-c"])
+        assert res.exit_code == code, (res.output, res.exception)
+        if code:
+            assert ("the checked pass (-c) found wrong elements: gpurt at 2048 B (3 wrong), "
+                    "8192 B (1 wrong); mpi at 4096 B (2 wrong)") in res.output, res.output
+
+
+BREAK_RANK_1 = """
+import sys
+import gpurt.comm
+from gpurt.launch.cli import main
+
+real = gpurt.comm.Communicator.allreduce
+
+
+def allreduce(self, x, out=None, *args, **kwargs):
+    # the fault under test: rank 1's result is off by one in its first element
+    res = real(self, x, out, *args, **kwargs)
+    if self.rank == 1:
+        (x if out is None else out).reshape(-1)[0] += 1
+    return res
+
+
+gpurt.comm.Communicator.allreduce = allreduce
+main(sys.argv[1:])
+"""
+
+
+def test_checked_pass_fails_for_real(tmp_path):
+    """A real checked run on 2 ranks (mpiexec, in place: `gpurt bench` under the launcher)
+    whose only fake part is the fault: a wrapper around Communicator.allreduce, installed
+    by the script that starts the command, adds 1 to rank 1's first output element.  The
+    checker finds 1 wrong element per size, and the run exits non-zero saying where."""
+    script = tmp_path / "break_rank_1.py"
+    script.write_text(BREAK_RANK_1)
+    cmd = [mpiexec(), "-n", "2", sys.executable, str(script), "bench", "allreduce", "-b", "64",
+           "-e", "256", "-f", "4", "-c", "-w", "1", "-i", "2", "--ceiling-size", "0"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, GPURT_TIMEOUT="60"))
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert "# out of bounds values : 2 FAILED" in proc.stdout, proc.stdout
+    assert "# wrong elements: gpurt at 64 B (1 wrong), 256 B (1 wrong)" in proc.stdout
+    assert "found wrong elements: gpurt at 64 B (1 wrong), 256 B (1 wrong)" in proc.stderr
+
+
+def test_barrier_table_says_na():
+    """A barrier moves no data and has no output: busbw is "–" in the header (not
+    "algbw × 0"), null in the JSON, and a -c run's #wrong is n/a, not 0 (made-up rows;
+    the real run is test_every_collective_checked_on_3_ranks[barrier])."""
+    rep = _report("barrier", [None])
+    text = B.format_table(rep)
+    assert "busbw = – (no data moves)" in text and "× 0" not in text, text
+    assert rep["busbw_factor"] is None and json.loads(json.dumps(rep))["busbw_factor"] is None
+    row = [ln for ln in text.splitlines() if not ln.startswith("#")][0]
+    assert row.split()[-2:] == ["n/a", "ring"], row
+    assert "out of bounds values : n/a" in text
+    assert "busbw = algbw × 1;" in B.format_table(_report("allreduce", [0]))   # 2(n-1)/n
+
+
+# -- usage errors: refused before any rank starts -----------------------------------------
+
+class _Launched(Exception):
+    pass
+
+
+def _invoke(args: list[str], monkeypatch, env: dict | None = None):
+    """`gpurt bench ARGS` in this process (click's CliRunner) with the launches replaced:
+    ``_launch`` (mpiexec) and ``worker`` (in place under a launcher) raise _Launched, so
+    a usage error must come before them (and ``_fail``, which would MPI_Abort this
+    process, passes it on).  SIGALRM bounds it: a sweep that never ends fails the test in
+    20 s instead of hanging it."""
+    import signal
+
+    from click.testing import CliRunner
+
+    def launched(*a, **k):
+        raise _Launched()
+
+    def reraise(cfg, e):
+        raise e
+
+    def too_long(*a):
+        raise TimeoutError("gpurt bench did not return within 20 s")
+
+    monkeypatch.setattr(B, "_launch", launched)
+    monkeypatch.setattr(B, "worker", launched)
+    monkeypatch.setattr(B, "_fail", reraise)
+    old = signal.signal(signal.SIGALRM, too_long)
+    signal.alarm(20)
+    try:
+        return CliRunner().invoke(B.bench_command, args, env=env)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def _usage_error(res, option: str, *words: str) -> None:
+    assert res.exit_code == 2, (res.output, repr(res.exception))
+    assert f"Invalid value for {option}" in res.output, res.output
+    for w in words:
+        assert w in res.output, res.output
+    assert "Traceback" not in res.output
+
+
+@pytest.mark.parametrize("args,option,words", [
+    (["-b", "0"], "'-b' / '--minbytes'", ["'0': must be at least 1 byte"]),
+    (["-b", "0.5"], "'-b' / '--minbytes'", ["0.5 bytes is not a whole number"]),
+    (["-b", "inf"], "'-b' / '--minbytes'", ["'inf': not a finite number"]),
+    (["-e", "nan"], "'-e' / '--maxbytes'", ["'nan': not a finite number"]),
+    (["-e", "0"], "'-e' / '--maxbytes'", ["at least 1 byte"]),
+    (["-b", "4M", "-e", "1K"], "'-b' / '--minbytes'", ["4M is larger than -e 1K"]),
+    (["-f", "1"], "'-f' / '--stepfactor'", ["1: must be 2 or more when -b is smaller"]),
+    (["-b", "8", "-e", "16", "-f", "1"], "'-f' / '--stepfactor'", ["2 or more"]),
+    (["-f", "0.5"], "'-f' / '--stepfactor'", ["0.5"]),
+    (["-f", "0"], "'-f' / '--stepfactor'", []),
+])
+def test_bad_sizes_are_usage_errors(args, option, words, monkeypatch):
+    """-b 0 (or 0.5, which truncated to 0) made the size loop spin forever, -b inf raised
+    OverflowError: usage errors naming the option now, before any launch."""
+    for coll in ("allreduce", "barrier"):
+        _usage_error(_invoke([coll, "-n", "2"] + args, monkeypatch), option, *words)
+
+
+def test_good_sizes_are_launched(monkeypatch):
+    """What is fine gets to the launch: one size with -f 1 (as nccl-tests), a fraction
+    that makes whole bytes."""
+    for args in (["-b", "1K", "-e", "1K", "-f", "1"], ["-b", "1.5K", "-e", "3K"],
+                 ["-b", "1", "-e", "1"]):
+        res = _invoke(["allreduce", "-n", "2"] + args, monkeypatch)
+        assert isinstance(res.exception, _Launched), (args, res.output, res.exception)
+    assert B.parse_size("1.5K") == 1536 and B.parse_size("0") == 0   # --ceiling-size 0
+    for bad in ("inf", "-inf", "nan", "0.5", "1.3K"):
+        with pytest.raises(ValueError):
+            B.parse_size(bad)
+    with pytest.raises(ValueError):                 # not a loop that never ends
+        B.sweep_sizes("allreduce", 2, 4, 0, 64, 2)
+
+
+def test_root_and_algo_are_checked_before_the_launch(monkeypatch):
+    """A root beyond the ranks and an algorithm the collective does not have were found
+    only on the ranks, after the launch: now usage errors naming the option — the root
+    against -n, the default 2 ranks, or the launch's size when running in place (only
+    rank 0 says so); the algorithm against gpurt/algorithms' REGISTRY (aliases, and the
+    native protocols and hierarchical form where the collective has them, accepted)."""
+    _usage_error(_invoke(["reduce", "-r", "5"], monkeypatch), "'-r' / '--root'",
+                 "5 is not a rank of the 2 ranks launched (-n defaults to 2)")
+    _usage_error(_invoke(["scatter", "-r", "2"], monkeypatch), "'-r' / '--root'")
+    _usage_error(_invoke(["gather", "-n", "3", "-r", "3"], monkeypatch), "'-r' / '--root'",
+                 "3 is not a rank of -n 3")
+    # in place under an MPI launcher of 3 ranks: its size decides; rank 1 exits quietly
+    under = {"PMI_SIZE": "3", "PMI_RANK": "0"}
+    _usage_error(_invoke(["broadcast", "-r", "3"], monkeypatch, under), "'-r' / '--root'",
+                 "3 is not a rank of this launch's 3 ranks")
+    res = _invoke(["broadcast", "-r", "3"], monkeypatch, dict(under, PMI_RANK="1"))
+    assert res.exit_code == 2 and res.output == "", res.output
+    res = _invoke(["broadcast", "-r", "2"], monkeypatch, under)
+    assert isinstance(res.exception, _Launched), (res.output, res.exception)
+    for args in (["reduce", "-r", "1"], ["reduce", "-n", "4", "-r", "3"],
+                 ["barrier", "-r", "7"]):           # not rooted: -r does not apply
+        res = _invoke(args, monkeypatch)
+        assert isinstance(res.exception, _Launched), (args, res.output, res.exception)
+
+    _usage_error(_invoke(["allreduce", "--algo", "nosuch"], monkeypatch), "'--algo'",
+                 "'nosuch' is not an algorithm of allreduce", "ring", "recursive_doubling")
+    _usage_error(_invoke(["gather", "--algo", "shm_direct"], monkeypatch), "'--algo'")
+    _usage_error(_invoke(["barrier", "--algo", "ring"], monkeypatch), "'--algo'")
+    for coll, algo in (("allreduce", "ring"), ("allreduce", "rd"), ("reduce", "tree"),
+                       ("allreduce", "shm_direct"), ("barrier", "shm_board"),
+                       ("allgather", "hierarchical"), ("broadcast", "hier")):
+        res = _invoke([coll, "--algo", algo], monkeypatch)
+        assert isinstance(res.exception, _Launched), (coll, algo, res.output, res.exception)
+
+
+def test_algo_names_run_on_the_ranks():
+    """Every name algo_names lets through is one the ranks take: on 2 ranks of one node,
+    each collective forced to each of its names through bench's own calls runs (bench's
+    check refuses only what is no algorithm of the collective, never one the ranks would
+    run; hierarchical on one node is a single-stage plan)."""
+    code = ("import numpy as np\n"
+            "from gpurt.launch import bench as B\n"
+            "lib = B._GpurtLib()\n"
+            "n, r, runs, bad = lib.size, lib.rank, 0, []\n"
+            "for coll in B.COLLECTIVES:\n"
+            "    if coll == 'sendrecv':\n"
+            "        continue\n"
+            "    c, nin, nout = B.layout(coll, n, r, 0 if coll == 'barrier' else 16 * n, 4)\n"
+            "    for a in B.algo_names(coll):\n"
+            "        x, y = np.ones(nin, np.float32), np.zeros(nout, np.float32)\n"
+            "        try:\n"
+            "            lib.make(coll, x, y, 'sum', 0, a)()\n"
+            "            runs += 1\n"
+            "        except ValueError as e:\n"
+            "            bad.append((coll, a, str(e)))\n"
+            "lib.close()\n"
+            "if r == 0:\n"
+            "    print('ran', runs, 'refused', bad, flush=True)\n")
+    out = run_mpi(2, ["-c", code], timeout=120).stdout
+    names = sum(len(B.algo_names(c)) for c in B.COLLECTIVES if c != "sendrecv")
+    assert f"ran {names} refused []" in out, out
+
+
 # -- pure helpers -------------------------------------------------------------------------
 
 def test_sizes_and_formulas():
@@ -368,7 +624,7 @@ def test_every_collective_on_device_buffers_standin(coll, tmp_path):
     assert rep["ceiling"]["best"]["memory"] == "standin"
     assert len(rep["rows"]) == (1 if coll == "barrier" else 2)
     for row in rep["rows"]:
-        assert row["gpurt"]["wrong"] == 0, rep["rows"]
+        assert row["gpurt"]["wrong"] == (None if coll == "barrier" else 0), rep["rows"]
 
 
 def test_device_memory_refuses_host_only_baselines():
