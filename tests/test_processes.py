@@ -555,8 +555,9 @@ sys.exit(0)       # a normal exit: MPI_Finalize with rank 1, which is finalizing
 def test_unhandled_exception_reaches_the_peers(hook, tmp_path):
     """An unhandled exception on rank 1 becomes PeerFailure(rank=1) on its peers within a
     second, carrying the exception's type and message (GPURT_EXCEPTHOOK=1).  Without the
-    hook (=0) rank 1 sits in MPI_Finalize, alive, and its peers only learn of it by their
-    deadline — the hang the hook exists to avoid."""
+    hook (=0) rank 1's exit handler still closes its communicator before it sits in
+    MPI_Finalize, alive: its peers learn that much as promptly (PeerFailure: it closed the
+    communicator), but not why."""
     if not is_hydra():
         pytest.skip("uses MPICH hydra's -disable-auto-cleanup; this launcher is not hydra")
     proc = subprocess.run([mpiexec(), "-disable-auto-cleanup", "-n", "3", sys.executable, "-c",
@@ -571,8 +572,9 @@ def test_unhandled_exception_reaches_the_peers(hook, tmp_path):
             assert line.startswith("PeerFailure rank=1 "), (got, proc.stderr[-2000:])
             assert "failed: ValueError: bad batch 17" in line and 0 <= took < 1.0, line
         else:
-            assert line.startswith("CollectiveTimeout"), (got, proc.stderr[-2000:])
-            assert "[1]" in line and took >= 4.0, line
+            assert line.startswith("PeerFailure rank=1 "), (got, proc.stderr[-2000:])
+            assert "closed the communicator" in line and "ValueError" not in line, line
+            assert 0 <= took < 2.0, line
 
 
 FLIGHT = """
