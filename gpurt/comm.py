@@ -1915,12 +1915,13 @@ class Communicator:
     # -- communicators ------------------------------------------------------------
     def split(self, color: int | None, key: int = 0) -> "Communicator | None":
         """Ranks with the same ``color`` form a new communicator, ordered by ``key`` then
-        rank.  ``color=None`` opts out (returns ``None``).  Collective."""
+        rank.  ``color=None`` (or ``MPI.UNDEFINED``) opts out (returns ``None``).
+        Collective."""
         self._check_open()
         MPI = _mpi()
         why = ""
         try:
-            c = None if color is None else operator.index(color)
+            c = None if color is None or color == MPI.UNDEFINED else operator.index(color)
             k = operator.index(key)
             if c is not None and not 0 <= c <= _INT_MAX:
                 why = f"color={c} is outside 0..{_INT_MAX} (None opts out)"
@@ -2040,6 +2041,8 @@ _INT_MAX = 2**31 - 1
 
 def _nbytes(nbytes: Any) -> int:
     """explain()'s and candidates()' size: an integer >= 0."""
+    if isinstance(nbytes, float) and nbytes.is_integer():
+        nbytes = int(nbytes)            # explain("allreduce", 1e6)
     try:
         n = operator.index(nbytes)
     except TypeError:
@@ -2259,6 +2262,7 @@ def _after_fork() -> None:
             continue
         eng.on_poison = eng.on_stopped = None       # (tell nobody)
         eng.busy = eng.owner = 0    # (threads in calls stayed in the parent)
+        eng.lent = False
         if eng.poisoned is None:
             eng.poison(CommunicatorClosed(
                 f"rank {c.rank}: this communicator belongs to process {c._pid}, not to "

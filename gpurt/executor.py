@@ -272,6 +272,13 @@ class Request:
 
 #: every engine of this process: a wait that stalls advances the others too (``lend``)
 _ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+#: how many of them are not poisoned (closed): lend only where there is another
+_LIVE_ENGINES = 0
+
+
+def _count_engine(k: int) -> None:
+    global _LIVE_ENGINES
+    _LIVE_ENGINES += k
 
 
 class Engine:
@@ -308,6 +315,7 @@ class Engine:
         #: (``lend``): a thread that comes in meanwhile waits a moment, it is no error
         self.lent = False
         _ENGINES.add(self)
+        _count_engine(1)
 
     def enter(self) -> int:
         """This thread advances a run from here until ``leave`` (nests in one thread).  A
@@ -331,7 +339,7 @@ class Engine:
                 continue
             if prev or (self.owner and self.owner != me):
                 raise self._two_threads(prev or self.owner)
-            self.busy = self.user = me
+            self.busy = me
             return 0
 
     def claim(self) -> int:
@@ -343,7 +351,7 @@ class Engine:
             prev = self.owner               # (a test and set, as in enter)
             if prev == me:
                 return me
-            if not prev and self.busy and self.lent:    # (lent: see enter)
+            if not prev and self.lent and self.busy and self.busy != me:   # (see enter)
                 time.sleep(0)
                 continue
             if prev or (self.busy and self.busy != me):
@@ -390,6 +398,7 @@ class Engine:
     def submit(self, req: Request) -> Request:
         self.raise_if_poisoned()
         prev = self.enter()     # (queued and begun by this thread alone: see enter)
+        self.user = self.busy
         try:
             self.raise_if_poisoned()        # (read after enter(): see there)
             if req.p2p:
@@ -432,6 +441,7 @@ class Engine:
     def poison(self, exc: BaseException) -> None:
         if self.poisoned is None:
             self.poisoned = exc
+            _count_engine(-1)
             if self.on_poison is not None:
                 try:
                     self.on_poison(exc)
@@ -491,8 +501,10 @@ class Engine:
             except Exception:  # noqa: BLE001 - poisoned that engine; its requests say why
                 pass
             finally:
-                eng.leave(0)    # (busy cleared first: a thread that came in meanwhile
-                eng.lent = False  # waited for this, and finds the engine free)
+                try:
+                    eng.leave(0)    # (busy cleared first: a thread that came in meanwhile
+                finally:            # waited for this, and finds the engine free; lent is
+                    eng.lent = False    # cleared even if on_stopped is interrupted)
         return moved
 
     def _step_begin(self) -> None:
@@ -556,6 +568,7 @@ class Engine:
         only while no other collective is queued (so call order is kept) and without a
         ``Request``.  Same deadlines, liveness checks and poisoning as ``wait``."""
         prev = self.enter()
+        self.user = self.busy
         try:
             if self.poisoned is not None:       # (read after enter(): see there)
                 raise self._interrupted(name, seq) from self.poisoned
@@ -600,15 +613,16 @@ class Engine:
             moved = step()
             if finished():
                 return
-            if not moved and len(_ENGINES) > 1:
-                moved = self.lend()
             if moved:
                 if backoff is not None:
                     backoff.reset()
             else:
                 if backoff is None:
                     backoff = Backoff(self.spin, self.sleeper)
-                backoff.pause()
+                # past the spin phase (pause() yielded or slept), another live engine's
+                # requests are advanced too: nothing while this wait spins on its own
+                if backoff.pause() and _LIVE_ENGINES > 1 and self.lend():
+                    backoff.reset()
             now = time.monotonic()
             if now >= next_check:
                 next_check = min(now + 0.2, deadline)

@@ -62,15 +62,17 @@ class Backoff:
         self.yield_until = now + spin + 2e-3
         self.sleep = 5e-6
 
-    def pause(self) -> None:
+    def pause(self) -> bool:
+        """One pause: nothing while spinning (False), then a yield, then sleeps (True)."""
         now = time.perf_counter()
         if now < self.spin_until:
-            return
+            return False
         if now < self.yield_until:
             _yield()
-            return
+            return True
         self.sleeper(self.sleep)
         self.sleep = min(self.sleep * 2, 1e-3)
+        return True
 
 
 def mpi_barrier(comm, longest: float = 1e-2) -> None:

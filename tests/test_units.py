@@ -593,3 +593,66 @@ def test_call_sites_met_inside_a_signal_handler_during_a_first_sight():
     assert len(got) > 300
     for want, sid in got:
         assert callsite.decode(callsite.words(sid)).startswith(want), (want, sid)
+
+
+def test_a_lent_engine_lets_its_lender_back_in_and_is_returned_however_the_pass_ends():
+    """Engine.lend: the thread advancing another engine in passing may come into that
+    engine itself (a signal handler's call: enter and claim nest, claim spun for ever
+    before); a thread coming in meanwhile waits for the pass instead of getting the
+    two-threads error; the engine is handed back (busy and lent cleared) even when the
+    pass is interrupted (on_stopped raising a KeyboardInterrupt); a poisoned engine is not
+    lent; nothing is lent while the wait spins (Backoff.pause says so)."""
+    import threading
+
+    from gpurt.errors import CommunicatorClosed
+    from gpurt.executor import Engine, Request
+    from gpurt.wait import Backoff
+
+    me = threading.get_ident()
+    a = Engine(0, lambda: 10.0, lambda peers: None, spin=0.0)
+    b = Engine(0, lambda: 10.0, lambda peers: None, spin=0.0)
+    b.busy, b.lent = me, True                   # as lend() leaves it during its pass
+    done = []
+    t = threading.Thread(target=lambda: done.append(b.claim()))
+    t.start()
+    time.sleep(0.2)
+    assert not done                             # another thread waits for the pass ...
+    assert b.claim() == 0 and b.enter() == me   # ... the lender itself nests, at once
+    b.unclaim(0)
+    b.busy, b.lent = 0, False                   # the pass ends: the other thread is in
+    t.join(5)
+    assert done == [0] and b.owner == t.ident
+    b.owner = 0                                 # (that thread's call is over)
+
+    moved = []
+
+    class Run:
+        done = False
+
+        def advance(self):
+            moved.append(1)
+            return True
+
+        def waiting_on(self):
+            return []
+
+    req = Request(b, "allreduce", 1, Run)
+    b.submit(req)
+    assert b.user == me
+    assert a.lend() and moved and b.busy == 0 and not b.lent
+
+    def interrupted():
+        raise KeyboardInterrupt
+    b.on_stopped = interrupted
+    b.poisoned = CommunicatorClosed("x")        # (as another thread's close() leaves it)
+    b.colls.append(req)
+    assert not a.lend()                         # poisoned: not lent
+    b.poisoned = None
+    b.busy = 0
+    Run.advance = lambda self: (_ for _ in ()).throw(KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        a.lend()
+    assert b.busy == 0 and not b.lent           # handed back all the same
+    spin = Backoff(spin=10.0)
+    assert spin.pause() is False                # spinning: lend() is not even asked
+    assert Backoff(spin=0.0).pause() is True

@@ -1134,8 +1134,10 @@ def test_split_and_explain_refuse_bad_arguments_on_every_rank(comm):
     s = comm.split(np.int64(1), key=np.int32(-r))     # NumPy integers are integers
     assert s.size == p and s.rank == p - 1 - r
     s.close()
+    assert comm.split(MPI.UNDEFINED) is None          # MPI's way of opting out
     with pytest.raises(ValueError, match="nbytes must be >= 0, got -1"):
         comm.explain("allreduce", -1)
     with pytest.raises(TypeError, match="nbytes must be an integer, got 1.5"):
         comm.candidates("allreduce", 1.5)
+    assert comm.explain("allreduce", 1e6) == comm.explain("allreduce", 1000000)
     assert "chosen" in comm.explain("allreduce", np.int64(4096))
