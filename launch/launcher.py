@@ -248,7 +248,11 @@ def _set_subreaper() -> bool:
 def _children() -> dict[int, str]:
     """This process's child processes now: pid -> command line."""
     me, out = os.getpid(), {}
-    for d in os.listdir("/proc"):
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return out
+    for d in entries:
         if not d.isdigit():
             continue
         try:
@@ -265,42 +269,86 @@ def _children() -> dict[int, str]:
     return out
 
 
-def _end_leftovers(rank, grace: float = 2.0) -> list[str]:
-    """(The rank's program has ended) Processes it left running — a daemon, a background
-    ``sleep`` — hold the launcher's output pipes open, and hydra waits for those, so the
-    job would never end: SIGTERM them (and whatever they leave in turn), SIGKILL after
-    ``grace`` seconds, reap them.  Returns what was found ("pid (command)")."""
-    found: dict[int, str] = {}
-    deadline = time.monotonic() + grace
-    sig = signal.SIGTERM
+def _reap_others() -> None:
+    """Reap every ended child but not the program: the children that end now."""
     while True:
-        try:                            # reap what has ended
-            while os.waitpid(-1, os.WNOHANG)[0] > 0:
-                pass
+        try:
+            pid = os.waitpid(-1, os.WNOHANG)[0]
+        except ChildProcessError:
+            return
+        if pid <= 0:
+            return
+
+
+def _reaper(child_pid: int) -> None:
+    """(A thread, while the program runs) As the subreaper, this process inherits the
+    program's orphans: reap each as it ends — else every ``cmd &`` of a long job stays a
+    zombie until the end — but leave the program's own status to ``child.wait()``
+    (``WNOWAIT`` looks without reaping)."""
+    while True:
+        try:
+            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT)
+        except ChildProcessError:
+            return
+        except InterruptedError:
+            continue
+        if info is None or info.si_pid == child_pid:
+            return              # (the program ended: _end_leftovers takes it from here)
+        try:
+            os.waitpid(info.si_pid, 0)
         except ChildProcessError:
             pass
-        kids = _children()
+
+
+def _end_leftovers(rank, child_pid: int, note: Callable[[str], None], settle: float = 0.3,
+                   grace: float = 2.0, bound: float = 5.0) -> list[str]:
+    """(The rank's program has ended) Processes it left running — a daemon, a background
+    ``sleep`` — hold the launcher's output pipes open, and hydra waits for those, so the
+    job would never end.  What has not ended ``settle`` seconds later by itself (a
+    multiprocessing resource tracker ends once its pipe closes) is sent SIGTERM (and what
+    it leaves in turn), SIGKILL after ``grace`` s, and reaped; after ``bound`` s (a process
+    in uninterruptible sleep survives SIGKILL) the rest is named and left.  Each is named
+    through ``note``.  Returns what was ended ("pid (command)")."""
+    start = time.monotonic()
+    while time.monotonic() - start < settle:
+        _reap_others()
+        if not _children():
+            return []
+        time.sleep(0.02)
+    who = f"rank {rank if rank is not None else '?'}"
+    found: dict[int, str] = {}
+    refused: set[int] = set()
+    sig = signal.SIGTERM
+    while True:
+        _reap_others()
+        kids = {pid: cmd for pid, cmd in _children().items()
+                if pid != child_pid and pid not in refused}
         if not kids:
             break
+        now = time.monotonic() - start
+        if now > settle + bound:
+            note(f"gpurt launch: {who}: process(es) "
+                 f"{', '.join(f'{pid} ({cmd[:60]})' for pid, cmd in sorted(kids.items()))} "
+                 f"survived SIGKILL (uninterruptible sleep?): left running")
+            break
         for pid, cmd in kids.items():
-            found.setdefault(pid, cmd)
             try:
                 os.kill(pid, sig)
+                found.setdefault(pid, cmd)
             except ProcessLookupError:
                 pass
-        if time.monotonic() > deadline:
+            except OSError as e:        # (another user's: a setuid program)
+                refused.add(pid)
+                note(f"gpurt launch: {who}: cannot end the process it left running, {pid} "
+                     f"({cmd[:60]}): {e.strerror}")
+        if now > settle + grace:
             sig = signal.SIGKILL
         time.sleep(0.05)
     if found:
         listed = ", ".join(f"{pid} ({cmd[:60]})" for pid, cmd in sorted(found.items())[:5])
         more = f" and {len(found) - 5} more" if len(found) > 5 else ""
-        try:
-            sys.stderr.write(f"gpurt launch: rank {rank if rank is not None else '?'} left "
-                             f"process(es) running after its program ended: {listed}{more}; "
-                             f"ended them (SIGTERM, SIGKILL after {grace:g} s)\n")
-            sys.stderr.flush()
-        except (BrokenPipeError, ValueError):
-            pass
+        note(f"gpurt launch: {who} left process(es) running after its program ended: "
+             f"{listed}{more}; ended them (SIGTERM, SIGKILL after {grace:g} s)")
     return [f"{pid} ({cmd})" for pid, cmd in sorted(found.items())]
 
 
@@ -360,6 +408,8 @@ def rank_wrapper(cmd: list[str]) -> int:
                                       args=(child.stdout, sys.stdout.buffer, prefix, None)))
     for t in pumps:
         t.start()
+    if reaper:
+        threading.Thread(target=_reaper, args=(child.pid,), daemon=True).start()
     while True:
         try:
             rc = child.wait()
@@ -367,15 +417,27 @@ def rank_wrapper(cmd: list[str]) -> int:
         except InterruptedError:  # pragma: no cover
             continue
     ended = time.time()
+    words = None
     if reaper:        # what the program left running ends with it (see _end_leftovers)
-        _end_leftovers(rank)
+        for t in pumps:     # (the program's last lines first: they are its last words,
+            t.join(timeout=0.3)     # not what the leftovers say as they are ended)
+        words = list(last)
+
+        def note(text: str) -> None:
+            try:
+                sys.stderr.buffer.write(prefix + text.encode() + b"\n")
+                sys.stderr.flush()
+            except (BrokenPipeError, ValueError):
+                pass
+        _end_leftovers(rank, child.pid, note)
     for t in pumps:   # a grandchild may keep the pipes open: don't wait for it forever
         t.join(timeout=2.0)
     sig = -rc if rc < 0 else None
     _write_record({"rank": rank, "host": socket.gethostname(), "pid": child.pid,
                    "exit_code": rc if rc >= 0 else None,
                    "signal": signal.Signals(sig).name if sig else None,
-                   "time": ended, "started": started, "stderr_tail": list(last)})
+                   "time": ended, "started": started,
+                   "stderr_tail": words if words is not None else list(last)})
     if sig:   # end as the child ended: the launcher sees the same signal
         for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(s, signal.SIG_DFL)
