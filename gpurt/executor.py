@@ -256,7 +256,14 @@ class Request:
         # threads at once.  A thread polling test() while another makes calls is still
         # two threads using one communicator, and may meet that error between calls)
         if not self.done and not self.engine.other_thread():
-            self.engine.progress()
+            eng = self.engine
+            if not eng.progress() and not self.done and _LIVE_ENGINES > 1:
+                # polled in a loop, test() also advances this thread's other
+                # communicators (as a held-up wait does: Engine.lend), at most every 50 us
+                now = time.perf_counter()
+                if now >= eng.lend_at:
+                    eng.lend_at = now + 5e-5
+                    eng.lend()
         if self.error is not None:
             raise self.error
         return self.done
@@ -314,6 +321,7 @@ class Engine:
         #: ``busy`` is held by another engine's stalled wait advancing this one in passing
         #: (``lend``): a thread that comes in meanwhile waits a moment, it is no error
         self.lent = False
+        self.lend_at = 0.0          # (Request.test: when it may lend next)
         _ENGINES.add(self)
         _count_engine(1)
 

@@ -1089,7 +1089,8 @@ def test_a_bad_timeout_on_one_rank_is_announced_too(comm):
 def test_waits_on_two_communicators_in_opposite_orders_complete(comm, count):
     """MPI's progress rule across communicators: a rank blocked on one communicator still
     advances its requests on the others.  Even ranks wait c2's request first, odd ranks
-    c1's; then a blocking call on c2 while c1's request is outstanding on even ranks only.
+    c1's; then a blocking call on c2 while c1's request is outstanding on even ranks only;
+    then the first again, polling test() instead of waiting.
     (Before: each wait advanced its own communicator alone — a deadlock at 8 KB.)"""
     r, p = comm.rank, comm.size
     c1, c2 = comm.dup(), comm.dup()
@@ -1111,6 +1112,14 @@ def test_waits_on_two_communicators_in_opposite_orders_complete(comm, count):
             qx.wait(timeout=30)
             c2.allreduce(y, timeout=30)
         assert np.all(x == p * (p - 1) // 2) and np.all(y == p)
+        # polling test() in opposite orders (bounded: a deadlock fails, it does not hang)
+        a[:], b[:] = r + 1, 2 * (r + 1)
+        qa, qb = c1.iallreduce(a), c2.iallreduce(b)
+        deadline = time.monotonic() + 30
+        for q in ((qb, qa) if r % 2 == 0 else (qa, qb)):
+            while not q.test():
+                assert time.monotonic() < deadline, f"rank {r}: polling test() never completed"
+        assert np.all(a == total) and np.all(b == 2 * total)
     finally:
         c1.close()
         c2.close()
