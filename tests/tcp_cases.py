@@ -334,6 +334,72 @@ def case_setupfail() -> None:
     print(f"setupfail ok on rank {r}", flush=True)
 
 
+class _Tear:
+    """A socket whose next large sendmsg (armed) hands the kernel half of the bytes and
+    then raises KeyboardInterrupt — what a Ctrl-C landing between sendmsg() returning and
+    tcp's record of it does (a real SIGINT hits that window only now and then: tried 20
+    times it tore 4 streams; here it is made to, the kernel write itself is real)."""
+
+    def __init__(self, sock):
+        self._s, self.armed = sock, False
+
+    def __getattr__(self, name):
+        return getattr(self._s, name)
+
+    def sendmsg(self, bufs, *rest):
+        total = sum(len(b) for b in bufs)
+        if not self.armed or total < (64 << 10):
+            return self._s.sendmsg(bufs, *rest)
+        self.armed = False
+        half = b"".join(bytes(b) for b in bufs)[:total // 2]
+        self._s.sendmsg([half], *rest)
+        raise KeyboardInterrupt
+
+
+def case_torn(c: gpurt.Communicator) -> None:
+    """Rank 1's write to rank 2 is torn mid-frame by a KeyboardInterrupt inside a 24 MiB
+    allreduce; rank 1 catches it and carries on for 4 s before it closes.  Ranks 0 and 2
+    raise PeerFailure naming rank 1 and the KeyboardInterrupt within 2 s of it — rank 2
+    (whose stream was torn: the notice cannot be framed after half a frame) by the end of
+    that stream and the authenticated datagram, not a malformed-frame TransportError or a
+    wait until rank 1 closes."""
+    from mpi4py import MPI
+    r = c.rank
+    x = np.ones(3 << 21, np.float32)
+    c.allreduce(x)
+    tear = None
+    if r == 1:
+        conn = c.endpoints[2].conns[0]
+        tear = conn.sock = _Tear(conn.sock)
+    MPI.COMM_WORLD.Barrier()
+    t = None
+    outcome = "completed"
+    try:
+        for i in range(50):
+            x[:] = 1
+            if tear is not None and i == 3:
+                tear.armed = True
+            c.allreduce(x, timeout=30)
+    except KeyboardInterrupt:
+        t = time.time()
+        outcome = "KeyboardInterrupt"
+        time.sleep(4)
+    except gpurt.GpurtError as e:
+        t = time.time()
+        outcome = f"{type(e).__name__}(rank={getattr(e, 'rank', None)}): {e}"
+    res = MPI.COMM_WORLD.allgather((t, outcome))
+    if r == 0:
+        t1 = res[1][0]
+        for k, (tk, what) in enumerate(res):
+            print(f"rank {k}: {'+%.2fs' % (tk - t1) if tk and t1 else '-'} {what[:300]}",
+                  flush=True)
+    assert res[1][1] == "KeyboardInterrupt", res
+    for k in (0, 2):
+        tk, what = res[k]
+        assert what.startswith("PeerFailure(rank=1)") and "KeyboardInterrupt" in what, res
+        assert tk - res[1][0] < 2.0, f"rank {k} heard only after {tk - res[1][0]:.2f} s"
+
+
 def main() -> int:
     case = sys.argv[1]
     if case == "setupfail":
@@ -365,7 +431,8 @@ def main() -> int:
                 s.close()
             os.unlink(handler.done)
     else:
-        {"p2p": case_p2p, "mismatch": case_mismatch, "fds": case_fds}[case](c)
+        {"p2p": case_p2p, "mismatch": case_mismatch, "fds": case_fds,
+         "torn": case_torn}[case](c)
     c.close()
     print(f"{case} ok on rank {c.rank}", flush=True)
     return 0

@@ -391,6 +391,16 @@ def test_mismatched_calls_raise_not_hang(env):
     assert "does not match the receive posted here" in proc.stdout
 
 
+def test_a_write_torn_by_a_keyboard_interrupt_is_told_at_once_not_misframed():
+    """tests/tcp_cases.py case_torn: rank 1's KeyboardInterrupt lands between the kernel
+    taking half a frame for rank 2 and tcp's record of it; ranks 0 and 2 raise
+    PeerFailure naming rank 1 and the interrupt within 2 s (before: rank 2 read the
+    error notice as the rest of that frame — a malformed-frame TransportError or a wait
+    until rank 1 closed)."""
+    proc = run_mpi(3, ["tests/tcp_cases.py", "torn"], env=TCP, check=False)
+    assert proc.stdout.count("torn ok on rank") == 3, proc.stdout + proc.stderr[-3000:]
+
+
 @pytest.mark.parametrize("env", [TCP, STRIPED])
 def test_nothing_left_after_close(env):
     before = set(gpurt_shm_files())

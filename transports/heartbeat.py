@@ -175,6 +175,13 @@ class Heartbeat:
         """The text ``peer`` sent with ``notify``, if any."""
         return self.notices.get(peer)
 
+    def notice_now(self, peer: int) -> str | None:
+        """``notice``, after reading what has arrived meanwhile here (the thread may not
+        have run yet: a peer's notice is sent just before its stream ends)."""
+        if peer not in self.notices and self._thread is not None:
+            self._receive()
+        return self.notices.get(peer)
+
     def notify(self, text: str, only: tuple[int, ...] | None = None) -> None:
         """Tell every peer (or those in ``only``) ``text`` (best effort: three datagrams
         each, no waiting)."""

@@ -372,9 +372,31 @@ class _Conn:
         self.dead = False
         self.rdead = False          # reading stopped (a mismatch): the sending side still
                                     # carries the error notice that tells the peer why
+        #: a write and its bookkeeping are under way; still set after they ended means an
+        #: exception from outside (a KeyboardInterrupt) came between the kernel taking
+        #: bytes and the record of it: the stream's framing is lost (``torn``)
+        self.writing = False
 
     # -- sending ------------------------------------------------------------------------
     def push(self, bufs: list, msg: _Send | None) -> None:
+        self.writing = True
+        self._push(bufs, msg)
+        self.writing = False
+
+    def flush(self) -> bool:
+        """Write what is queued until the kernel takes no more; True if anything went."""
+        self.writing = True
+        moved = self._flush()
+        self.writing = False
+        return moved
+
+    @property
+    def torn(self) -> bool:
+        """A write was interrupted between the kernel and its record (see ``writing``):
+        nothing more may be framed on this connection."""
+        return self.writing
+
+    def _push(self, bufs: list, msg: _Send | None) -> None:
         if self.dead:               # the completion raises the endpoint's failure
             if msg is not None:
                 msg.conns.append(self)
@@ -402,8 +424,7 @@ class _Conn:
             msg.conns.append(self)
         self.out.append(_Out(bufs, msg))
 
-    def flush(self) -> bool:
-        """Write what is queued until the kernel takes no more; True if anything went."""
+    def _flush(self) -> bool:
         out, moved = self.out, False
         while out and not self.dead:
             bufs = out[0].bufs if len(out) == 1 else \
@@ -596,7 +617,7 @@ class _Conn:
         if sock is None:
             return
         try:
-            if self.out and not self.dead:
+            if self.out and not self.dead and not self.torn:
                 self.flush()        # a last non-blocking try (an error notice, say)
             sock.shutdown(socket.SHUT_WR)
             for _ in range(64):     # discard what is unread: closing over it sends a reset
@@ -671,6 +692,10 @@ class TcpEndpoint:
         if self.failure is not None:
             self.raise_failure()
         hb = getattr(self.owner, "heartbeat", None)
+        note = hb.notice(self.peer) if hb is not None else None
+        if note:
+            self.peer_error(note)
+            self.raise_failure()
         why = hb.stopped(self.peer, self.host, "stopped (SIGSTOP, a debugger) or hung") \
             if hb is not None else None
         if why:
@@ -700,7 +725,12 @@ class TcpEndpoint:
         self.closed = (f"{self._who()} closed the tcp connection (it exited, was killed or "
                        f"closed the communicator)")
         if all(c.dead for c in self.conns):
-            self.fail(PeerFailure, self.closed)
+            hb = getattr(self.owner, "heartbeat", None)
+            note = hb.notice_now(self.peer) if hb is not None else None
+            if note:                # (it failed, and said why by datagram: see publish)
+                self.peer_error(note)
+            else:
+                self.fail(PeerFailure, self.closed)
 
     def lost(self, conn: _Conn, e: OSError) -> None:
         conn.dead = True
@@ -724,6 +754,16 @@ class TcpEndpoint:
         self.fail(published_class(text), f"rank {self.peer} ({self.host}) failed: {text}")
 
     def publish(self, data: bytes) -> _Conn | None:
+        for c in self.conns:
+            if c.torn and not c.dead:
+                # a write interrupted mid-frame (a KeyboardInterrupt): a notice framed
+                # after it would be read as the rest of that frame — end the stream
+                # instead (the peer sees its end at once; the UDP notice says why)
+                c.dead = True
+                try:
+                    c.sock.shutdown(socket.SHUT_WR)
+                except OSError:
+                    pass
         live = [c for c in self.conns if not c.dead]
         if not live:
             return None
@@ -903,6 +943,10 @@ class TcpTransport:
         """Tell every peer why this rank is going down (best effort, at most half a
         second): they raise ``PeerFailure`` with ``text``."""
         data = text.encode("utf-8", "replace")[:_ERR_MAX]
+        if self.heartbeat is not None:
+            # (also by datagram: it reaches a peer whose stream this rank had to end —
+            # see TcpEndpoint.publish — and is read by its check())
+            self.heartbeat.notify(text)
         conns = [c for c in (ep.publish(data) for ep in self.endpoints.values()) if c]
         deadline = time.monotonic() + _PUBLISH_S
         while True:
