@@ -1836,8 +1836,10 @@ class Communicator:
         return int(peer)
 
     def _p2p(self, kind: str, b: Buf, peer: int, tag: int, stream: Any = None) -> Request:
-        if not isinstance(tag, (int, np.integer)) or tag < 0:
-            raise ValueError(f"rank {self.rank}: tag must be a non-negative int, got {tag!r}")
+        if not isinstance(tag, (int, np.integer)) or isinstance(tag, bool) or \
+                not 0 <= tag <= _TAG_MAX:
+            raise ValueError(f"rank {self.rank}: tag must be an int from 0 to 2**64-1, got "
+                             f"{tag!r}")
         dev = b.kind != "host"
         sig = zlib.crc32(f"p2p|{b.dtype.str}{'@device' if dev else ''}".encode())
         sl = Slice("in" if kind == "send" else "out", 0, b.count)
@@ -2037,6 +2039,7 @@ class Communicator:
 
 
 _INT_MAX = 2**31 - 1
+_TAG_MAX = 2**64 - 1     # (the transports carry a tag in 64 bits)
 
 
 def _nbytes(nbytes: Any) -> int:

@@ -208,8 +208,10 @@ def test_bad_input_raises_before_anything_moves(comm):
         comm.send(x, p)
     with pytest.raises(ValueError, match="to itself"):
         comm.send(x, r)
-    with pytest.raises(ValueError, match="tag must be a non-negative int"):
-        comm.isend(x, (r + 1) % p, tag=-1) if p > 1 else comm._p2p("send", comm._in(x), 0, -1)
+    for bad in (-1, 2**64, 2**64 + 5, True, 1.0):   # (2**64 + 5 wrapped to tag 5 before)
+        with pytest.raises(ValueError, match=r"tag must be an int from 0 to 2\*\*64-1"):
+            comm.isend(x, (r + 1) % p, tag=bad) if p > 1 else \
+                comm._p2p("send", comm._in(x), 0, bad)
 
     class FakeDevice:
         __cuda_array_interface__ = {"shape": (4,), "typestr": "<f4", "data": (1234, False),
@@ -417,6 +419,23 @@ def test_torch_cpu_tensors(comm):
     assert t.tolist() == [sum(range(1, comm.size + 1))] * 4
     g = comm.allgather(torch.ones(2))
     assert isinstance(g, torch.Tensor) and tuple(g.shape) == (comm.size, 2)
+
+
+def test_torch_lazily_negated_views_are_refused_not_read_as_their_storage(comm):
+    """z.conj().imag is a view with torch's negative bit: its storage holds -imag, which
+    DLPack hands over as it is (allreduce MAX of -1 and -5 gave -5 before; an allgather
+    lost the sign).  Refused with the fix in the message; resolve_neg() works, exact."""
+    torch = pytest.importorskip("torch", reason="PyTorch is not installed here")
+    r, p = comm.rank, comm.size
+    z = torch.tensor([1 - (4 * r + 1) * 1j], dtype=torch.complex64)   # imag: -1, -5, ...
+    v = z.conj().imag
+    assert v.is_neg() and v.tolist() == [4 * r + 1]
+    with pytest.raises(TypeError, match=r"lazily negated view .*resolve_neg\(\)"):
+        comm.allreduce(v, torch.empty(1), op=gpurt.MAX)
+    with pytest.raises(TypeError, match="lazily negated"):
+        comm.allgather(v)
+    m = comm.allreduce(v.resolve_neg(), torch.empty(1), op=gpurt.MAX)
+    assert m.tolist() == [4 * (p - 1) + 1]
 
 
 def test_torch_cpu_bfloat16_tensors(comm):
