@@ -134,10 +134,14 @@ class Communicator:
         self._agree_hdrs: dict = {}               # (sig, meta, site) -> header words
         self._fold_views: dict = {}               # (offset, bytes, dtype) -> rows' blocks
         self._devretired: list = []     # outgrown device scratch, until its event fires
-        self.mpi = mpi_comm if _owned else mpi_comm.Dup()
+        self.mpi, self.node_comm = _mpi_comms(mpi_comm, _owned)
+        # (MPI's handles of a communicator collected without close() are freed at the
+        # next creation or close() here: see _MPI_GARBAGE)
+        self._mpi_fin = weakref.finalize(self, _MPI_GARBAGE.extend,
+                                         [(self._pid, self.node_comm), (self._pid, self.mpi)])
+        self._mpi_fin.atexit = False
         self.rank: int = self.mpi.Get_rank()
         self.size: int = self.mpi.Get_size()
-        self.node_comm = self.mpi.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         leader = self.node_comm.bcast(self.rank, 0)
         info = self.mpi.allgather((leader, socket.gethostname(), os.getpid(), next(_COMM_IDS),
                                    config.problems()))
@@ -2027,6 +2031,9 @@ class Communicator:
         self._transports = []
         self.endpoints = {}
         MPI = _mpi()
+        fin = getattr(self, "_mpi_fin", None)
+        if fin is not None:
+            fin.detach()
         if not MPI.Is_finalized():
             for c in ("node_comm", "mpi"):
                 comm = getattr(self, c, None)
@@ -2036,6 +2043,63 @@ class Communicator:
                     except Exception:  # noqa: BLE001
                         pass
         _LIVE.discard(self)
+        _free_mpi_garbage()
+
+
+#: (pid, mpi4py communicator) of gpurt communicators collected without close(): freed
+#: at the next creation or close() of one in this process — in the program's own flow,
+#: not at a garbage collector's arbitrary moment and thread (a dropped communicator per
+#: step otherwise used up MPI's context ids: ~1021 in MPICH)
+_MPI_GARBAGE: list = []
+
+
+def _free_mpi_garbage() -> None:
+    if not _MPI_GARBAGE:
+        return
+    MPI = _mpi()
+    me = os.getpid()
+    while _MPI_GARBAGE:
+        pid, comm = _MPI_GARBAGE.pop()
+        if pid != me or MPI.Is_finalized():     # (a forked child's: its parent's handles)
+            continue
+        try:
+            if comm != MPI.COMM_NULL:
+                comm.Free()
+        except Exception:  # noqa: BLE001 - best effort, as close()
+            pass
+
+
+def _mpi_comms(mpi_comm: Any, owned: bool) -> tuple[Any, Any]:
+    """The control plane's duplicate of ``mpi_comm`` (itself if ``owned``) and its node
+    communicator.  MPI running out of communicators (context ids) is a ResourceError
+    naming how many gpurt communicators are open here — after a collection and one more
+    try, since communicators only forgotten hold theirs until they are collected."""
+    import gc
+
+    MPI = _mpi()
+    _free_mpi_garbage()
+    for last in (False, True):
+        dup = node = None
+        try:
+            dup = mpi_comm if owned else mpi_comm.Dup()
+            node = dup.Split_type(MPI.COMM_TYPE_SHARED, key=dup.Get_rank())
+            return dup, node
+        except MPI.Exception as e:
+            if dup is not None and not owned:
+                try:
+                    dup.Free()
+                except Exception:  # noqa: BLE001
+                    pass
+            if last:
+                lines = [ln.split(": ", 1)[-1].strip() for ln in str(e).splitlines()]
+                why = next((ln for ln in reversed(lines) if ln), str(e))   # (the cause)
+                raise ResourceError(
+                    f"rank {mpi_comm.Get_rank()}: MPI could not make a communicator "
+                    f"({why}) with {len(_LIVE)} gpurt communicators open in this process: "
+                    f"close() the ones no longer needed") from None
+            gc.collect()
+            _free_mpi_garbage()
+    raise AssertionError("unreachable")
 
 
 _INT_MAX = 2**31 - 1

@@ -741,7 +741,7 @@ def test_a_forked_child_leaves_its_parents_communicator_alone(mode, nodes, tmp_p
 
 
 DROPPED = """
-import gc, json, os, threading, time, numpy as np, gpurt
+import gc, json, os, sys, threading, time, numpy as np, gpurt
 c = gpurt.init()
 x = np.ones(16, np.float32)
 def count():
@@ -756,7 +756,26 @@ gc.collect()
 deadline = time.monotonic() + 10  # (the threads end as their finalizers wake them)
 while count() != before and time.monotonic() < deadline:
     time.sleep(0.05)
-print("DROPPED " + json.dumps({"rank": c.rank, "before": before, "after": count()}), flush=True)
+rec = {"rank": c.rank, "before": before, "after": count()}
+if len(sys.argv) > 1:           # MPI's handles too: more dropped than MPI has context ids
+    for i in range(int(sys.argv[1])):
+        d = c.dup()
+        d.allreduce(x)
+        del d
+    rec["many"] = "ok"
+    kept = []                   # kept open: MPI runs out, a ResourceError that says so
+    try:
+        while len(kept) < 3000:
+            kept.append(c.dup())
+        rec["kept"] = "no error"
+    except gpurt.ResourceError as e:
+        rec["kept"] = f"ResourceError after {len(kept)}: {e}"
+    for k in kept:
+        k.close()
+    d = c.dup()                 # and all is usable again
+    d.allreduce(x)
+    d.close()
+print("DROPPED " + json.dumps(rec), flush=True)
 c.close()
 """
 
@@ -765,11 +784,20 @@ c.close()
 def test_communicators_dropped_without_close_leave_nothing_behind(nodes):
     """A subcommunicator made per step and forgotten, not closed: once collected it holds
     no descriptor, thread or segment (across nodes each one's heartbeat thread and socket
-    stayed for the life of the process: 40 dups, 40 threads and 40 descriptors)."""
+    stayed for the life of the process: 40 dups, 40 threads and 40 descriptors).  On one
+    node also 1100 more dropped, beyond MPI's ~1021 communicators (their MPI handles
+    were never freed: MPI ran out); and communicators kept open until MPI runs out: a
+    ResourceError that says how many are open and what to do, not mpi4py's raw error."""
     env = {"MPIR_CVAR_NUM_CLIQUES": "2"} if nodes == 2 else {}
-    out = run_mpi(2, ["-c", DROPPED], env=env, timeout=180).stdout
+    args = ["-c", DROPPED] + (["1100"] if nodes == 1 else [])
+    out = run_mpi(2, args, env=env, timeout=180).stdout
     for r, rec in rank_records(out, "DROPPED", 2).items():
         assert rec["after"] == rec["before"], rec
+        if nodes == 1:
+            assert rec["many"] == "ok", rec
+            assert rec["kept"].startswith("ResourceError after "), rec
+            assert f"rank {r}: MPI could not make a communicator" in rec["kept"], rec
+            assert "gpurt communicators open in this process: close()" in rec["kept"], rec
 
 
 @pytest.mark.parametrize("mode", ["request", "request_close", "request_waiting",
