@@ -678,5 +678,12 @@ class Engine:
             self._annotate(e, "" if req.p2p else f"in {req.name} (call #{req.seq}): ")
             self.poison(e)
             raise
+        except BaseException as e:
+            # a KeyboardInterrupt in the middle of the wait (a liveness check may have been
+            # writing): as in a blocking call, the communicator is done and the peers are
+            # told (``run_inline``)
+            if not self._stopped_by_poison(e):
+                self.poison(e)
+            raise
         if req.error is not None:
             raise req.error

@@ -205,6 +205,47 @@ def test_endpoint_mismatch_names_the_lane_and_both_sides():
         _close(a, b)
 
 
+def test_an_interrupted_write_tears_the_connection_and_a_datagram_waits_for_the_stream():
+    """(1) A write interrupted between the kernel and its record (``writing`` left set:
+    a KeyboardInterrupt, say in a liveness check's flush that nothing poisoned) makes the
+    next push or flush end the stream — the peer sees its end, nothing is framed after
+    half a frame — and fail the endpoint; (2) a peer's UDP notice is not acted on while
+    its stream lives (what it sent before failing is still ahead of its error frame), but
+    names the failure once the stream has ended."""
+    notes: dict[int, str] = {}
+    hb = SimpleNamespace(notice=notes.get, notice_now=notes.get,
+                         stopped=lambda *a: None)
+    a, b = _pair()
+    b.owner = SimpleNamespace(stripes=1, smin=1 << 62, heartbeat=hb)
+    try:
+        conn = a.conns[0]
+        conn.writing = True                     # as an interrupted write leaves it
+        s = a.send(np.ones(8, np.uint8), 0, 1, 1)
+        assert conn.dead and conn.torn and a.failure[0] is TransportError
+        assert "interrupted mid-frame" in a.failure[1]
+        with pytest.raises(TransportError, match="interrupted mid-frame"):
+            s.test()
+        assert a.publish(b"KeyboardInterrupt: ") is None    # no frame after it either
+        notes[0] = "KeyboardInterrupt: "        # the datagram came (a is rank 0 to b)
+        r = b.recv(8, _Sink(np.zeros(8, np.uint8)), 0, 1, 1)
+        with pytest.raises(PeerFailure, match=r"rank 0 \(hosta\) failed: KeyboardInterrupt"):
+            _drive(r)                           # the end of the stream, then the notice
+    finally:
+        _close(a, b)
+    a, b = _pair()
+    b.owner = SimpleNamespace(stripes=1, smin=1 << 62, heartbeat=hb)
+    try:
+        notes.clear()
+        notes[0] = "ValueError: late"
+        b.check()                               # the stream lives: no failure yet
+        a.send(np.arange(8, dtype=np.uint8), 0, 1, 1)
+        out = np.zeros(8, np.uint8)
+        _drive(b.recv(8, _Sink(out), 0, 1, 1))  # what was sent before is delivered
+        assert np.array_equal(out, np.arange(8))
+    finally:
+        _close(a, b)
+
+
 def test_endpoint_peer_gone_error_notice_and_garbage():
     a, b = _pair()
     try:

@@ -379,16 +379,39 @@ class _Conn:
 
     # -- sending ------------------------------------------------------------------------
     def push(self, bufs: list, msg: _Send | None) -> None:
+        if self.writing:            # an earlier write was interrupted (or this is a signal
+            self._tear()            # handler's, inside one): no frame may follow it
+            if msg is not None:
+                msg.conns.append(self)      # (its completion raises the failure)
+            return
         self.writing = True
         self._push(bufs, msg)
         self.writing = False
 
     def flush(self) -> bool:
         """Write what is queued until the kernel takes no more; True if anything went."""
+        if self.writing:
+            self._tear()
+            return False
         self.writing = True
         moved = self._flush()
         self.writing = False
         return moved
+
+    def _tear(self) -> None:
+        """The stream's framing is lost on the sending side (see ``writing``): end it (the
+        peer sees the end at once) and fail what it carries; ``writing`` stays set, so
+        ``publish`` frames no notice after it either."""
+        if not self.dead:
+            self.dead = True
+            try:
+                self.sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+            self.ep.fail(TransportError, f"the write to {self.ep._who()} on tcp connection "
+                                         f"{self.stripe} was interrupted mid-frame (an "
+                                         f"exception such as KeyboardInterrupt inside it): "
+                                         f"the connection is closed")
 
     @property
     def torn(self) -> bool:
@@ -692,7 +715,10 @@ class TcpEndpoint:
         if self.failure is not None:
             self.raise_failure()
         hb = getattr(self.owner, "heartbeat", None)
-        note = hb.notice(self.peer) if hb is not None else None
+        # (the peer's datagram only once its stream ended: while the stream lives, what
+        # the peer sent before failing is still in it, ahead of its error frame)
+        note = hb.notice(self.peer) if hb is not None and \
+            any(c.dead for c in self.conns) else None
         if note:
             self.peer_error(note)
             self.raise_failure()
@@ -709,6 +735,14 @@ class TcpEndpoint:
             log.debug("tcp: %s", text)
 
     def raise_failure(self) -> None:
+        if self.failure is None or self.failure == (PeerFailure, self.closed):
+            # a peer's stream that just ended: its datagram may say why (it failed), and
+            # may have come after the end of the stream (another path through the net)
+            hb = getattr(self.owner, "heartbeat", None)
+            note = hb.notice_now(self.peer) if hb is not None else None
+            if note:
+                self.failure = None
+                self.peer_error(note)
         cls, text = self.failure or (PeerFailure, self.closed)
         if cls is PeerFailure:
             raise PeerFailure(text, rank=getattr(self, "blame", self.peer))
