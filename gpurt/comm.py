@@ -1940,7 +1940,8 @@ class Communicator:
         if any(whys):
             raise ValueError(f"rank {self.rank}: split: " + "; ".join(
                 f"rank {r}: {w}" for r, w in enumerate(whys) if w))
-        new = self.mpi.Split(MPI.UNDEFINED if c is None else c, k)
+        new = _mpi_make(lambda: self.mpi.Split(MPI.UNDEFINED if c is None else c, k),
+                        self.rank)
         if new == MPI.COMM_NULL:
             return None
         return Communicator(new, _owned=True)
@@ -2069,37 +2070,63 @@ def _free_mpi_garbage() -> None:
             pass
 
 
-def _mpi_comms(mpi_comm: Any, owned: bool) -> tuple[Any, Any]:
-    """The control plane's duplicate of ``mpi_comm`` (itself if ``owned``) and its node
-    communicator.  MPI running out of communicators (context ids) is a ResourceError
-    naming how many gpurt communicators are open here — after a collection and one more
-    try, since communicators only forgotten hold theirs until they are collected."""
+def _ran_out(e: Exception) -> str:
+    """MPI's cause, if ``e`` is MPI running out of communicators (context ids: the same
+    on every rank, since a new communicator's id is agreed by all), else ""."""
+    text = str(e)
+    low = text.lower()
+    if "too many communicators" not in low and "context id" not in low and \
+            "contextid" not in low:
+        return ""
+    lines = [ln.split(": ", 1)[-1].strip() for ln in text.splitlines()]
+    return next((ln for ln in reversed(lines) if ln), text)
+
+
+def _mpi_make(make: Callable[[], Any], rank: int) -> Any:
+    """``make()`` a communicator; MPI running out of them is a ResourceError naming how
+    many gpurt communicators are open here — after a collection and one more try, since
+    communicators only forgotten (a split per step) hold theirs until collected (their
+    reference cycles wait for the cycle collector).  Any other MPI error is raised as it
+    is (one rank's own failure must not make it repeat a collective alone)."""
     import gc
 
     MPI = _mpi()
     _free_mpi_garbage()
-    for last in (False, True):
-        dup = node = None
-        try:
-            dup = mpi_comm if owned else mpi_comm.Dup()
-            node = dup.Split_type(MPI.COMM_TYPE_SHARED, key=dup.Get_rank())
-            return dup, node
-        except MPI.Exception as e:
-            if dup is not None and not owned:
-                try:
-                    dup.Free()
-                except Exception:  # noqa: BLE001
-                    pass
-            if last:
-                lines = [ln.split(": ", 1)[-1].strip() for ln in str(e).splitlines()]
-                why = next((ln for ln in reversed(lines) if ln), str(e))   # (the cause)
-                raise ResourceError(
-                    f"rank {mpi_comm.Get_rank()}: MPI could not make a communicator "
-                    f"({why}) with {len(_LIVE)} gpurt communicators open in this process: "
-                    f"close() the ones no longer needed") from None
-            gc.collect()
-            _free_mpi_garbage()
-    raise AssertionError("unreachable")
+    try:
+        return make()
+    except MPI.Exception as e:
+        if not _ran_out(e):
+            raise
+    gc.collect()
+    _free_mpi_garbage()
+    try:
+        return make()
+    except MPI.Exception as e:
+        why = _ran_out(e)
+        if not why:
+            raise
+        raise ResourceError(
+            f"rank {rank}: MPI could not make a communicator ({why}) with {len(_LIVE)} gpurt "
+            f"communicators open in this process: close() the ones no longer needed") from None
+
+
+def _mpi_comms(mpi_comm: Any, owned: bool) -> tuple[Any, Any]:
+    """The control plane's duplicate of ``mpi_comm`` (itself if ``owned``: then freed
+    here if this fails) and its node communicator (``_mpi_make``)."""
+    MPI = _mpi()
+    rank = mpi_comm.Get_rank()
+    dup = None
+    try:
+        dup = mpi_comm if owned else _mpi_make(mpi_comm.Dup, rank)
+        node = _mpi_make(lambda: dup.Split_type(MPI.COMM_TYPE_SHARED, key=rank), rank)
+        return dup, node
+    except BaseException:
+        if dup is not None:
+            try:
+                dup.Free()
+            except Exception:  # noqa: BLE001
+                pass
+        raise
 
 
 _INT_MAX = 2**31 - 1
