@@ -759,10 +759,11 @@ while count() != before and time.monotonic() < deadline:
 rec = {"rank": c.rank, "before": before, "after": count()}
 if len(sys.argv) > 1:           # MPI's handles too: more dropped than MPI has context ids
     gc.disable()                # (as training loops do: collected only when MPI runs out)
-    for i in range(int(sys.argv[1])):
-        d = c.dup() if i % 2 else c.split(0)
-        d.allreduce(x)
-        del d
+    for make in (lambda: c.split(0), c.dup):
+        for i in range(int(sys.argv[1])):
+            d = make()
+            d.allreduce(x)
+            del d
     gc.enable()
     rec["many"] = "ok"
     kept = []                   # kept open: MPI runs out, a ResourceError that says so
