@@ -98,12 +98,16 @@ def as_buf(x: Any, what: str = "x") -> Buf:
         return x
     if isinstance(x, np.ndarray):
         return _host(x, x, what)
+    # (torch's lazy views: the storage holds the values negated or unconjugated, which
+    # __cuda_array_interface__ (and for is_neg DLPack too) would hand over as they are)
     is_neg = getattr(x, "is_neg", None)
     if is_neg is not None and callable(is_neg) and is_neg():
-        # (a lazily negated torch view, e.g. z.conj().imag: its storage holds the values'
-        # negatives, which DLPack and __cuda_array_interface__ would hand over as they are)
         raise TypeError(f"{what}: this tensor is a lazily negated view (is_neg(): e.g. "
                         f"z.conj().imag); call .resolve_neg() first")
+    is_conj = getattr(x, "is_conj", None)
+    if is_conj is not None and callable(is_conj) and is_conj():
+        raise TypeError(f"{what}: this tensor is a lazily conjugated view (is_conj(): "
+                        f"z.conj()); call .resolve_conj() first")
     try:
         cai = getattr(x, "__cuda_array_interface__", None)
     except (RuntimeError, AttributeError, TypeError):

@@ -436,6 +436,10 @@ def test_torch_lazily_negated_views_are_refused_not_read_as_their_storage(comm):
         comm.allgather(v)
     m = comm.allreduce(v.resolve_neg(), torch.empty(1), op=gpurt.MAX)
     assert m.tolist() == [4 * (p - 1) + 1]
+    with pytest.raises(TypeError, match=r"lazily conjugated view .*resolve_conj\(\)"):
+        comm.allreduce(z.conj())
+    c = comm.allreduce(z.conj().resolve_conj())
+    assert c.tolist() == [complex(p, sum(4 * q + 1 for q in range(p)))]
 
 
 def test_torch_cpu_bfloat16_tensors(comm):
