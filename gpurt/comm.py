@@ -582,8 +582,9 @@ class Communicator:
         deadline (once per communicator; best effort, bounded).  close() comes here too,
         with the text for a call in flight, if any (a plain close() is no failure: the
         peers see the connections go — tcp's end of stream, verbs' BYE, shm's close
-        notice — and raise ``PeerFailure`` only if they still wait on this rank).  Both before the requests get their error: the
-        caller of a Request has its arrays back only after the drain."""
+        notice — and raise ``PeerFailure`` only if they still wait on this rank).  Both
+        before the requests get their error: the caller of a Request has its arrays back
+        only after the drain."""
         if self._closed:
             text = self._close_text
             if text is None:
