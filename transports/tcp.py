@@ -759,12 +759,7 @@ class TcpEndpoint:
         self.closed = (f"{self._who()} closed the tcp connection (it exited, was killed or "
                        f"closed the communicator)")
         if all(c.dead for c in self.conns):
-            hb = getattr(self.owner, "heartbeat", None)
-            note = hb.notice_now(self.peer) if hb is not None else None
-            if note:                # (it failed, and said why by datagram: see publish)
-                self.peer_error(note)
-            else:
-                self.fail(PeerFailure, self.closed)
+            self.fail(PeerFailure, self.closed)     # (raise_failure: its datagram says why)
 
     def lost(self, conn: _Conn, e: OSError) -> None:
         conn.dead = True
@@ -789,15 +784,11 @@ class TcpEndpoint:
 
     def publish(self, data: bytes) -> _Conn | None:
         for c in self.conns:
-            if c.torn and not c.dead:
+            if c.torn:
                 # a write interrupted mid-frame (a KeyboardInterrupt): a notice framed
                 # after it would be read as the rest of that frame — end the stream
                 # instead (the peer sees its end at once; the UDP notice says why)
-                c.dead = True
-                try:
-                    c.sock.shutdown(socket.SHUT_WR)
-                except OSError:
-                    pass
+                c._tear()
         live = [c for c in self.conns if not c.dead]
         if not live:
             return None
