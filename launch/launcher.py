@@ -262,11 +262,21 @@ def _children() -> dict[int, str]:
             if int(stat[stat.rindex(b")") + 2:].split()[1]) != me:
                 continue
             with open(f"/proc/{d}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode("utf-8", "replace").strip()
+                argv = f.read().decode("utf-8", "replace").rstrip("\0").split("\0")
         except (OSError, ValueError, IndexError):
             continue
-        out[int(d)] = cmd or "?"
+        out[int(d)] = _shown(argv)
     return out
+
+
+def _shown(argv: list[str], width: int = 100) -> str:
+    """A command line as a user would retype it, short: the program's file name without its
+    directory (an interpreter's path says little; its arguments say which process it is),
+    the arguments quoted, cut at `width` characters."""
+    if not argv or argv == [""]:
+        return "?"
+    cmd = shlex.join([os.path.basename(argv[0]) or argv[0], *argv[1:]])
+    return cmd if len(cmd) <= width else cmd[:width - 1] + "…"
 
 
 def _reap_others() -> None:
@@ -328,7 +338,7 @@ def _end_leftovers(rank, child_pid: int, note: Callable[[str], None], settle: fl
         now = time.monotonic() - start
         if now > settle + bound:
             note(f"gpurt launch: {who}: process(es) "
-                 f"{', '.join(f'{pid} ({cmd[:60]})' for pid, cmd in sorted(kids.items()))} "
+                 f"{', '.join(f'{pid} ({cmd})' for pid, cmd in sorted(kids.items()))} "
                  f"survived SIGKILL (uninterruptible sleep?): left running")
             break
         for pid, cmd in kids.items():
@@ -340,12 +350,12 @@ def _end_leftovers(rank, child_pid: int, note: Callable[[str], None], settle: fl
             except OSError as e:        # (another user's: a setuid program)
                 refused.add(pid)
                 note(f"gpurt launch: {who}: cannot end the process it left running, {pid} "
-                     f"({cmd[:60]}): {e.strerror}")
+                     f"({cmd}): {e.strerror}")
         if now > settle + grace:
             sig = signal.SIGKILL
         time.sleep(0.05)
     if found:
-        listed = ", ".join(f"{pid} ({cmd[:60]})" for pid, cmd in sorted(found.items())[:5])
+        listed = ", ".join(f"{pid} ({cmd})" for pid, cmd in sorted(found.items())[:5])
         more = f" and {len(found) - 5} more" if len(found) > 5 else ""
         note(f"gpurt launch: {who} left process(es) running after its program ended: "
              f"{listed}{more}; ended them (SIGTERM, SIGKILL after {grace:g} s)")

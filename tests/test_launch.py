@@ -300,6 +300,19 @@ def test_the_raising_rank_is_named_first_though_its_victims_end_before_it(tmp_pa
     assert_nothing_left(str(tmp_path))
 
 
+def test_a_leftover_process_is_shown_as_retyped_and_short():
+    """The interpreter's directory (long in a deep virtual environment: a first version cut
+    the line at 60 characters and lost the arguments that tell processes apart) is dropped,
+    arguments are quoted, the line is cut at 100 characters."""
+    deep = "/check/" + "d/" * 40 + ".venv/bin/python3"
+    assert L._shown([deep, "-c", "import time; time.sleep(777)", "/tmp/x"]) == \
+        "python3 -c 'import time; time.sleep(777)' /tmp/x"
+    assert L._shown(["sleep", "5"]) == "sleep 5"
+    assert L._shown([""]) == "?"
+    long = L._shown(["prog"] + ["argument"] * 30)
+    assert len(long) == 100 and long.endswith("…") and long.startswith("prog argument ")
+
+
 def test_processes_a_rank_left_running_end_with_the_job(tmp_path):
     """Rank 0 leaves a background child, rank 1 a daemon in its own session (escaping the
     process group): both hold the launcher's output pipes, and hydra would wait for them
@@ -342,7 +355,8 @@ def test_processes_a_rank_left_running_end_with_the_job(tmp_path):
     for r in (0, 1):
         assert f"[rank {r}] gpurt launch: rank {r} left process(es) running after its " \
             f"program ended" in p.stderr, p.stderr
-    assert "time.sleep(777)" in p.stderr
+    # (shown as retyped, the interpreter without its directory: however long its path is)
+    assert "python -c 'import time; time.sleep(777)'" in p.stderr, p.stderr
     assert "rank 2 left" not in p.stderr, p.stderr
     assert "[rank 2] zombies 0" in p.stdout, both(p)
     assert_nothing_left(str(tmp_path))
