@@ -65,6 +65,32 @@ def _mpi():
     return MPI
 
 
+_THREAD_LEVELS = {"single": "THREAD_SINGLE", "funneled": "THREAD_FUNNELED",
+                  "serialized": "THREAD_SERIALIZED", "multiple": "THREAD_MULTIPLE"}
+
+
+def _mpi_ready(who: str = ""):
+    """mpi4py's ``MPI``, initialised: a program that set ``mpi4py.rc.initialize = False``
+    and has not called ``MPI.Init`` yet gets it initialised here (at the thread level
+    ``mpi4py.rc.thread_level`` asks for, as mpi4py itself would; mpi4py finalizes it at
+    exit).  After ``MPI.Finalize()`` no communicator can be made (MPICH would end the
+    process from inside the call, with no exception): ``CommunicatorClosed``."""
+    MPI = _mpi()
+    if MPI.Is_finalized():
+        if not who:     # (MPI cannot say which rank this was any more; the launcher can)
+            world = os.environ.get("PMI_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK")
+            who = f"rank {world} of MPI_COMM_WORLD" if world else f"pid {os.getpid()}"
+        raise CommunicatorClosed(
+            f"{who}: MPI was finalized (MPI.Finalize() was called): gpurt makes "
+            f"communicators with MPI, so none can be made or split any more; communicators "
+            f"made before go on working until closed")
+    if not MPI.Is_initialized():
+        import mpi4py
+        level = str(getattr(mpi4py.rc, "thread_level", "multiple")).lower()
+        MPI.Init_thread(getattr(MPI, _THREAD_LEVELS.get(level, "THREAD_MULTIPLE")))
+    return MPI
+
+
 def _announces_rejection(coll: str):
     """For a collective's i-method: when the call is rejected as invalid input (ValueError
     or TypeError before it counted), tell the peers on the board — so that ranks that made
@@ -116,12 +142,16 @@ class Communicator:
     _close_text: str | None = None
 
     def __init__(self, mpi_comm: Any = None, *, _owned: bool = False):
-        MPI = _mpi()
+        MPI = _mpi_ready()
         if mpi_comm is None:
             mpi_comm = MPI.COMM_WORLD
-        if not isinstance(mpi_comm, MPI.Comm) or mpi_comm == MPI.COMM_NULL:
+        if not isinstance(mpi_comm, MPI.Comm):
             raise TypeError(f"gpurt.Communicator needs an mpi4py intracommunicator, "
                             f"got {mpi_comm!r}")
+        if mpi_comm == MPI.COMM_NULL:
+            raise TypeError("gpurt.Communicator needs an mpi4py intracommunicator, got "
+                            "MPI.COMM_NULL (a communicator already freed, or one this "
+                            "rank is not in: Split/Create return COMM_NULL there)")
         if mpi_comm.Is_inter():
             raise TypeError("gpurt.Communicator needs an intracommunicator (got an "
                             "intercommunicator; Merge() it first)")
@@ -1925,7 +1955,7 @@ class Communicator:
         rank.  ``color=None`` (or ``MPI.UNDEFINED``) opts out (returns ``None``).
         Collective."""
         self._check_open()
-        MPI = _mpi()
+        MPI = _mpi_ready(f"rank {self.rank}")
         why = ""
         try:
             c = None if color is None or color == MPI.UNDEFINED else operator.index(color)
@@ -1950,6 +1980,7 @@ class Communicator:
     def dup(self) -> "Communicator":
         """A new communicator over the same ranks, with its own transports.  Collective."""
         self._check_open()
+        _mpi_ready(f"rank {self.rank}")
         return Communicator(self.mpi)
 
     def explain(self, collective: str, nbytes: int) -> str:

@@ -5,6 +5,7 @@ what a killed job leaves behind."""
 from __future__ import annotations
 
 import os
+import re
 import select
 import signal
 import subprocess
@@ -738,6 +739,34 @@ def test_a_forked_child_leaves_its_parents_communicator_alone(mode, nodes, tmp_p
             "belongs to process" in got["child"] and "forked child" in got["child"], got
     else:
         assert got["child"] == "ended", got
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_mpi_life_cycle(n):
+    """gpurt.init() in a program that left MPI uninitialised (mpi4py.rc.initialize = False)
+    initialises it at the thread level mpi4py.rc asks for; it used to end the process from
+    inside MPICH ("before initializing"), no exception.  After the program's MPI.Finalize()
+    the communicators made before still work (gpurt's own transports), and making one
+    (split, dup, Communicator) is a CommunicatorClosed naming the rank — MPICH ended the
+    process from inside MPI_Comm_dup.  A freed communicator is named as MPI.COMM_NULL
+    (tests/mpi_lifecycle_cases.py)."""
+    total = float(sum(range(1, n + 1)))
+    recs = run_mpi(n, ["tests/mpi_lifecycle_cases.py", "late_init"]).stdout
+    for r in range(n):
+        assert f"rank {r}: late_init size {n} level 2 sum {[total] * 5}" in recs, recs
+    out = run_mpi(n, ["tests/mpi_lifecycle_cases.py", "after_finalize"], timeout=120).stdout
+    for r in range(n):
+        sub = float(sum(1 for q in range(n) if q % 2 == r % 2))
+        # (the ranks' lines may arrive run together: matched as one record each)
+        fin = "MPI was finalized \\(MPI.Finalize\\(\\) was called\\)[^|]*"
+        assert re.search(
+            re.escape(f"rank {r}: after_finalize sum {[total] * 3} sub {[sub] * 2} | ")
+            + f"split: rank {r}: {fin}\\| dup: rank {r}: {fin}\\| "
+            f"Communicator: rank {r} of MPI_COMM_WORLD: {fin}", out), out
+    out = run_mpi(n, ["tests/mpi_lifecycle_cases.py", "null"]).stdout
+    for r in range(n):
+        assert f"rank {r}: null gpurt.Communicator needs an mpi4py intracommunicator, got " \
+            "MPI.COMM_NULL (a communicator already freed" in out, out
 
 
 DROPPED = """
