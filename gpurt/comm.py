@@ -2033,7 +2033,6 @@ class Communicator:
             # (its descriptors and mappings go when it exits)
             return
         if self.flight is not None:
-            self.flight.dumped = True   # a plain close is no failure: nothing to report
             last = self.flight.events[-1] if self.flight.events else None
             if last is not None and last[flight.STATE] == "running":
                 # a call in flight (another thread's): its peers are told at once, or by
@@ -2044,6 +2043,11 @@ class Communicator:
                                     f"{last[flight.KIND]} (call #{last[flight.SEQ]})")
                 if not hasattr(self, "engine"):
                     self._publish(self._close_text)
+            if self.flight.running():   # calls left unfinished: recorded as for a failure
+                self.flight.dump(CommunicatorClosed(
+                    f"rank {self.rank}: closed with calls unfinished (at exit: a request "
+                    f"never completed, e.g. its wait timed out)"))
+            self.flight.dumped = True   # a plain close is no failure: nothing to report
         if hasattr(self, "engine"):
             self.engine.poison(CommunicatorClosed(f"rank {self.rank}: communicator closed"))
         self._release()
@@ -2360,6 +2364,16 @@ def _install_excepthook() -> None:
                         publish(text)
                     except Exception:  # noqa: BLE001 - never mask the user's error
                         pass
+        # the calls this rank leaves unfinished as it dies (a Request whose wait timed out
+        # stays in flight, so nothing dumped them): recorded as for a failure
+        for c in list(_LIVE):
+            fl = c.flight
+            if fl is not None and not fl.dumped and fl.running():
+                try:
+                    fl.name_site(callsite.site())
+                    fl.dump(value)
+                except Exception:  # noqa: BLE001
+                    pass
         previous(etype, value, tb)
 
     sys.excepthook = hook

@@ -26,22 +26,47 @@ SEQ, KIND, ARGS, ALGO, T0, T1, STATE, SITE = range(8)
 
 
 class FlightRecorder:
-    __slots__ = ("rank", "size", "cid", "events", "dumped")
+    """``events``: the last ``n`` calls.  A call still running when the ring pushes it out
+    (many requests in flight) moves to ``held`` — the oldest unfinished call is the one a
+    hang is about — up to ``4 n`` of them; beyond that ``lost`` counts them."""
+
+    __slots__ = ("rank", "size", "cid", "events", "dumped", "held", "lost")
 
     def __init__(self, rank: int, size: int, cid: str, n: int):
         self.rank, self.size, self.cid = rank, size, cid
         self.events: deque = deque(maxlen=max(1, n))
         self.dumped = False
+        self.held: list = []
+        self.lost = 0
 
     def start(self, seq: int, kind: str, args: tuple, algo: str, site: int = 0) -> list:
         rec = [seq, kind, args, algo, time.time(), 0.0, "running", site]
-        self.events.append(rec)
+        ev = self.events
+        if len(ev) == ev.maxlen and ev[0][STATE] == "running":
+            self._hold(ev[0])
+        ev.append(rec)
         return rec
+
+    def _hold(self, rec: list) -> None:
+        held = self.held
+        held[:] = [e for e in held if e[STATE] == "running"]
+        if len(held) < 4 * self.events.maxlen:
+            held.append(rec)
+        else:
+            self.lost += 1
+
+    def _all(self) -> list:
+        """The held calls still running (oldest first), then the ring."""
+        return [e for e in self.held if e[STATE] != "done"] + list(self.events)
+
+    def running(self) -> bool:
+        """A call recorded as started has not completed (nor failed)."""
+        return any(e[STATE] == "running" for e in self._all())
 
     def name_site(self, sid: int) -> None:
         """Give the calls still running that recorded no call site this one (the failing
         call's, found when it failed)."""
-        for e in self.events:
+        for e in self._all():
             if e[STATE] == "running" and not e[SITE]:
                 e[SITE] = sid
 
@@ -54,7 +79,7 @@ class FlightRecorder:
         return [{"seq": e[SEQ], "kind": e[KIND], "args": _args(e[ARGS]), "algorithm": e[ALGO],
                  "t_start": e[T0], "t_end": e[T1] or None, "state": e[STATE],
                  "site": callsite.decode(callsite.words(e[SITE])) if len(e) > SITE else ""}
-                for e in self.events]
+                for e in self._all()]
 
     def dump(self, reason: BaseException) -> str | None:
         """Once per communicator: the last records to stderr, all of them to
@@ -62,13 +87,23 @@ class FlightRecorder:
         if self.dumped:
             return None
         self.dumped = True
-        for e in self.events:
+        for e in self._all():
             if e[STATE] == "running":
                 e[STATE] = f"failed: {type(reason).__name__}"
         recs = self.records()
         lines = [f"gpurt flight recorder, rank {self.rank}/{self.size} (communicator "
                  f"{self.cid}): {type(reason).__name__}: {reason}"]
-        for r in recs[-8:]:
+        if self.lost:
+            lines.append(f"  ({self.lost} older unfinished call(s) not recorded: more in "
+                         f"flight than 4 x GPURT_FLIGHT={self.events.maxlen})")
+        shown = recs[-8:]
+        first = next((i for i, r in enumerate(recs) if r["state"] != "done"), len(recs))
+        if first < len(recs) - 8:       # the oldest unfinished call, if the last 8 lack it
+            shown = [recs[first], None] + shown
+        for r in shown:
+            if r is None:
+                lines.append("  ...")
+                continue
             took = f"{(r['t_end'] - r['t_start']) * 1e3:.1f} ms" if r["t_end"] else "-"
             lines.append(f"  #{r['seq']:<6} {r['kind']:<16} {r['args']:<36} "
                          f"{r['algorithm']:<18} {took:>10}  {r['state']}"
@@ -83,6 +118,7 @@ class FlightRecorder:
             with open(path, "w") as f:
                 json.dump({"rank": self.rank, "size": self.size, "communicator": self.cid,
                            "pid": os.getpid(), "host": os.uname().nodename,
+                           "lost": self.lost,
                            "reason": f"{type(reason).__name__}: {reason}", "records": recs},
                           f, indent=1)
             return path
@@ -104,7 +140,10 @@ def _args(a: tuple) -> str:
 
 
 def line_up(paths: list[str]) -> str:
-    """Who is missing from which call, from the ranks' dumps (one communicator each)."""
+    """Who is missing from which call, from the ranks' dumps (one communicator each): the
+    first collective not completed everywhere (each rank's own call where they differ),
+    who entered it and who did not, point-to-point calls that did not complete, and the
+    ranks that wrote nothing."""
     by_comm: dict[str, list[dict]] = {}
     for p in paths:
         with open(p) as f:
@@ -122,25 +161,44 @@ def line_up(paths: list[str]) -> str:
         first_open = min((s for recs in state.values() for s, r in recs.items()
                           if r["state"] != "done"), default=None)
         if first_open is None:
-            out.append("  every recorded call completed on every rank that dumped")
+            out.append("  every recorded collective completed on every rank that dumped")
         else:
-            rec = next(recs[first_open] for recs in state.values() if first_open in recs)
-            inside = sorted(rk for rk, recs in state.items() if first_open in recs)
-            out.append(f"  first call not completed everywhere: #{first_open} {rec['kind']} "
-                       f"({rec['args']}, {rec['algorithm']})")
+            calls = {rk: recs[first_open] for rk, recs in state.items() if first_open in recs}
+            inside = sorted(calls)
+            shapes = {(r["kind"], r["args"]) for r in calls.values()}
+            rec = calls[inside[0]]
+            if len(shapes) == 1:
+                out.append(f"  first call not completed everywhere: #{first_open} "
+                           f"{rec['kind']} ({rec['args']}, {rec['algorithm']})")
+            else:
+                out.append(f"  first call not completed everywhere: #{first_open}, and the "
+                           f"ranks called different collectives there:")
+                for rk in inside:
+                    r = calls[rk]
+                    out.append(f"      rank {rk}: {r['kind']} ({r['args']}, {r['algorithm']})")
             out.append(f"    entered by rank(s) {inside}")
             for rk in inside:
-                site = state[rk][first_open].get("site")
+                site = calls[rk].get("site")
                 if site:
                     out.append(f"      rank {rk} from {site}")
             for rk in sorted(set(state) - set(inside)):
                 out.append(f"    rank {rk} never entered it; its last completed call: "
                            f"#{last_done[rk]}")
-            silent = sorted(set(range(size)) - set(have))
-            if silent:
-                out.append(f"    no dump from rank(s) {silent} (dead, or GPURT_FLIGHT_DIR "
-                           f"not shared)")
         for d in sorted(dumps, key=lambda d: d["rank"]):
+            for r in d["records"]:
+                if r["kind"] == "p2p" and r["state"] != "done":
+                    out.append(f"  rank {d['rank']}: {r['algorithm']} ({r['args']}) did not "
+                               f"complete: {r['state']}"
+                               + (f"  ({r['site']})" if r.get("site") else ""))
+        silent = sorted(set(range(size)) - set(have))
+        if silent:
+            out.append(f"  no dump from rank(s) {silent} (dead, ended without a failure "
+                       f"of this communicator, or GPURT_FLIGHT_DIR not shared)")
+        for d in sorted(dumps, key=lambda d: d["rank"]):
+            if d.get("lost"):
+                out.append(f"  rank {d['rank']}: {d['lost']} older unfinished call(s) not "
+                           f"recorded (more in flight than its records hold): the first "
+                           f"call above may be later than the first that hung")
             out.append(f"  rank {d['rank']} (pid {d['pid']} on {d['host']}): {d['reason']}")
     return "\n".join(out)
 

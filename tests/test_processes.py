@@ -617,6 +617,44 @@ def test_flight_recorder_shows_who_is_missing(tmp_path):
     assert "CollectiveTimeout" in out
 
 
+@pytest.mark.parametrize("mode", ["evicted", "wait", "p2p", "differ"])
+def test_flight_lines_up_what_each_rank_left_unfinished(mode, tmp_path):
+    """gpurt flight on the records of a failed job (tests/flight_cases.py), each case a
+    fault found by a bug hunt: a call still running that the ring pushed out was lost and
+    a later call named as the first one open (#9 for #2); a rank dying of a Request.wait
+    timeout wrote no records; a failed recv and the ranks that wrote nothing were not
+    mentioned ("every recorded call completed"); two different collectives at one call
+    number were shown as rank 0's on every rank."""
+    env = {"GPURT_FLIGHT_DIR": str(tmp_path), "GPURT_TIMEOUT": "30"}
+    if mode == "evicted":
+        env["GPURT_FLIGHT"] = "4"
+    proc = run_mpi(3, ["tests/flight_cases.py", mode], env=env, timeout=120, check=False)
+    res = subprocess.run([sys.executable, "-m", "gpurt.flight", str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, (res.stderr, proc.stderr[-3000:])
+    out = res.stdout
+    if mode in ("evicted", "wait"):
+        assert "dumps from 2: [0, 2]" in out, out
+        assert "first call not completed everywhere: #2 allreduce (<f8 x 10 SUM" in out, out
+        assert "entered by rank(s) [0, 2]" in out and "no dump from rank(s) [1]" in out, out
+        line = 30 if mode == "evicted" else 33
+        for r in (0, 2):
+            assert f"rank {r} from flight_cases.py:{line} in " in out, out
+            assert f"CollectiveTimeout: rank {r}: allreduce (call #" \
+                f"{10 if mode == 'evicted' else 2})" in out, out
+    elif mode == "p2p":
+        assert "every recorded collective completed" in out, out
+        assert "rank 0: recv from rank 1 tag 7 (<f8 x 100) did not complete: failed: " \
+            "PeerFailure  (flight_cases.py:36 in <module>)" in out, out
+        assert "no dump from rank(s) [1, 2]" in out, out
+    else:
+        assert "first call not completed everywhere: #2, and the ranks called different " \
+            "collectives there:" in out, out
+        assert "rank 0: allreduce (<f8 x 10 SUM" in out and "rank 1: barrier (" in out \
+            and "rank 2: allreduce (<f8 x 10 SUM" in out, out
+        assert "entered by rank(s) [0, 1, 2]" in out, out
+
+
 @pytest.mark.parametrize("n", [1, 3])
 def test_cg_example_embedded_in_mpi4py_matches_a_serial_solve(n):
     """examples/cg_mpi4py.py: an mpi4py program wraps its own communicator; halo exchange
