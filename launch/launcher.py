@@ -495,28 +495,63 @@ class Result:
         as their last words) or were stopped afterwards — such a rank often ends before
         the rank it blames, which is still printing its traceback and finalising."""
         bad = [r for r in self.records if r.get("exit_code") != 0]
-        return min(bad, key=lambda r: (_consequence(r), r["time"])) if bad else None
+        if not bad:
+            return None
+        first = min(bad, key=lambda r: (_consequence(r), r["time"]))
+        if _consequence(first) == 2:    # no rank failed of its own: the one blamed, if
+            blamed = _blamed(first)     # it failed too (stopped by the launcher: frozen)
+            for r in bad:
+                if blamed is not None and r.get("rank") == blamed:
+                    return r
+        return first
 
 
 _EXC_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*([A-Za-z_]\w*)(?:: |$)")   # a traceback's last
 _EXC_NAME = re.compile(r"(Error|Exception|Failure|Closed|Timeout|Interrupt|Exit)$")
 
 
-def _consequence(rec: dict) -> int:
-    """0: the rank failed of its own (an exception of its own in its last stderr lines, a
-    crash: SIGSEGV, SIGABRT, ...); 1: unknown (an exit code, SIGKILL); 2: its last words
-    are gpurt's word that another rank failed (``PeerFailure``, ``CommunicatorClosed``),
-    or it was stopped by SIGTERM/SIGINT/SIGHUP (the launcher stopping the job)."""
+def _last_exception(rec: dict) -> tuple[str, str] | None:
+    """(name, message) of the exception in a rank's last stderr lines, if any."""
     for line in reversed(rec.get("stderr_tail") or []):
         m = _EXC_LINE.match(line)
         if m and _EXC_NAME.search(m.group(1)):
-            return 2 if m.group(1) in ("PeerFailure", "CommunicatorClosed") else 0
+            return m.group(1), line[m.end():]
+    return None
+
+
+def _consequence(rec: dict) -> int:
+    """0: the rank failed of its own (an exception of its own in its last stderr lines —
+    ``CommunicatorClosed`` of its own close() or abort() included —, a crash: SIGSEGV,
+    SIGABRT, ...); 1: unknown (an exit code, SIGKILL); 2: its last words are gpurt's word
+    that another rank failed (``PeerFailure``; ``CommunicatorClosed`` for a communicator
+    unusable after an earlier failure), or it was stopped by SIGTERM/SIGINT/SIGHUP (the
+    launcher stopping the job)."""
+    exc = _last_exception(rec)
+    if exc is not None:
+        name, msg = exc
+        if name == "PeerFailure" or (name == "CommunicatorClosed"
+                                     and "unusable after an earlier failure" in msg):
+            return 2
+        return 0
     sig = rec.get("signal")
     if sig in ("SIGTERM", "SIGINT", "SIGHUP"):
         return 2
     if sig in ("SIGSEGV", "SIGABRT", "SIGBUS", "SIGFPE", "SIGILL"):
         return 0
     return 1
+
+
+_BLAMED = re.compile(r"^rank \d+: (?:in [^:]*: )?(?:.*?: )??rank (\d+)\b")
+
+
+def _blamed(rec: dict) -> int | None:
+    """The rank a ``PeerFailure`` in a rank's last words names: ``rank 2: rank 1 (pid
+    ...) has been stopped``, ``rank 2: in allreduce (call #4): rank 1 ...`` -> 1."""
+    exc = _last_exception(rec)
+    if exc is None or exc[0] != "PeerFailure":
+        return None
+    m = _BLAMED.match(exc[1])
+    return int(m.group(1)) if m else None
 
 
 def _how(rec: dict) -> str:
@@ -703,8 +738,10 @@ def run_job(launcher: Launcher, nranks: int, program: Sequence[str], *,
 
 
 def failure_report(first: dict, records: list[dict], nranks: int) -> str:
-    lines = [f"gpurt launch: rank {first.get('rank')} (host {first.get('host')}, pid "
-             f"{first.get('pid')}) failed first: {_how(first)}"]
+    pid = first.get("pid")
+    where = f"pid {pid}" if pid is not None else "its program never started"
+    lines = [f"gpurt launch: rank {first.get('rank')} (host {first.get('host')}, {where}) "
+             f"failed first: {_how(first)}"]
     tail = first.get("stderr_tail") or []
     if tail:
         lines.append(f"  its last {len(tail)} line(s) of stderr:")

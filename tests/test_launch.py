@@ -133,6 +133,9 @@ def test_failure_report_text():
     assert "rank 1 (host h, pid 7) failed first: signal SIGKILL (9)" in text
     assert "| b" in text and "rank 0 signal SIGTERM" in text
     assert "no status): rank(s) 2" in text
+    never = dict(first, pid=None, signal=None, exit_code=127)       # (no such program)
+    assert "rank 1 (host h, its program never started) failed first: exit code 127" in \
+        L.failure_report(never, [never], 1)
 
 
 def test_the_rank_whose_failure_was_its_own_failed_first():
@@ -145,7 +148,8 @@ def test_the_rank_whose_failure_was_its_own_failed_first():
               "stderr_tail": [tb, "gpurt.errors.PeerFailure: rank 0: rank 1 failed: "
                               "ValueError: bad lr"]}
     closed = {"rank": 3, "host": "h", "pid": 10, "exit_code": 1, "signal": None, "time": 3.0,
-              "stderr_tail": ["gpurt.errors.CommunicatorClosed: rank 3: interrupted"]}
+              "stderr_tail": ["gpurt.errors.CommunicatorClosed: rank 3: communicator "
+                              "unusable after an earlier failure: rank 3: rank 1 failed"]}
     stopped = {"rank": 2, "host": "h", "pid": 9, "exit_code": None, "signal": "SIGTERM",
                "time": 4.5, "stderr_tail": []}
     assert L.Result(1, [victim, stopped, own, closed]).first_failure is own
@@ -155,6 +159,21 @@ def test_the_rank_whose_failure_was_its_own_failed_first():
     assert L.Result(1, [victim, killed]).first_failure is killed      # (an OOM kill)
     assert L.Result(1, [stopped, victim]).first_failure is victim     # both: the earlier
     assert L.Result(0, [dict(own, exit_code=0)]).first_failure is None
+    # a rank that uses the communicator it closed itself (a bug hunt: its victim, whose
+    # PeerFailure says it closed the communicator, was named first)
+    closer = dict(own, stderr_tail=[tb, "gpurt.errors.CommunicatorClosed: rank 1: "
+                                    "communicator is closed"])
+    told = dict(victim, stderr_tail=[tb, "gpurt.errors.PeerFailure: rank 0: rank 1 (pid 7, "
+                                     "same node) closed the communicator"])
+    assert L.Result(1, [told, closer]).first_failure is closer
+    # no rank failed of its own: the rank the others blame, if it failed too (a frozen
+    # rank, SIGTERMed by the launcher after its peers raised)
+    frozen = dict(stopped, rank=1, time=9.0)
+    blaming = dict(victim, stderr_tail=[tb, "gpurt.errors.PeerFailure: rank 0: in allreduce "
+                                        "(call #4): rank 1 (pid 7, same node) has been "
+                                        "stopped (SIGSTOP?) for 5.0 s"])
+    assert L.Result(1, [blaming, frozen]).first_failure is frozen
+    assert L.Result(1, [blaming, stopped]).first_failure is blaming   # rank 2: not blamed
 
 
 def test_leftovers_that_cannot_be_ended_are_named_and_left(monkeypatch):
