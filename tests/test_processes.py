@@ -617,6 +617,17 @@ def test_flight_recorder_shows_who_is_missing(tmp_path):
     assert "CollectiveTimeout" in out
 
 
+@pytest.mark.parametrize("n,env", [(2, {}), (3, {}), (5, {}),
+                                   (4, {"GPURT_TRANSPORTS": "tcp"})])
+def test_allreduce_leaves_every_rank_the_same_bits(n, env):
+    """A bug hunt found recursive doubling computing "mine op yours" on both partners:
+    complex64 PROD and the MIN/MAX of +0.0/-0.0 left ranks with different bits (1425 of
+    4096 words on 2 ranks; over tcp with 4 ranks the tuner's own choice).  Every
+    algorithm and the default, in and out of place (tests/consistency_cases.py)."""
+    out = run_mpi(n, ["tests/consistency_cases.py"], env=env).stdout
+    assert out.strip() == "ok 40", out
+
+
 @pytest.mark.parametrize("mode", ["evicted", "wait", "p2p", "differ"])
 def test_flight_lines_up_what_each_rank_left_unfinished(mode, tmp_path):
     """gpurt flight on the records of a failed job (tests/flight_cases.py), each case a

@@ -102,7 +102,14 @@ def allreduce_recursive_doubling(p: int, r: int, n: int, root: int = 0) -> Sched
     while mask < p2:
         peer = _old_rank(j ^ mask, rem)
         steps.append(pending + [Send(peer, Slice(have, 0, n)), Recv(peer, vtmp)])
-        pending = [Reduce(vtmp, vout, acc=vin if have == "in" else None)]
+        # both partners compute (lower's partial) op (higher's partial): the same bits on
+        # both, as on every rank in the end — NumPy's complex multiply (SIMD, FMA) and the
+        # MIN/MAX of +0.0 and -0.0 depend on the operands' order, and "mine op yours" left
+        # the ranks holding different results
+        if (j ^ mask) < j:
+            pending = [Reduce(Slice(have, 0, n), vout, acc=vtmp)]
+        else:
+            pending = [Reduce(vtmp, vout, acc=vin if have == "in" else None)]
         have = "out"
         mask <<= 1
     last = list(pending)
