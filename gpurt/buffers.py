@@ -96,8 +96,11 @@ def as_buf(x: Any, what: str = "x") -> Buf:
         return _host(x, x, what)
     if isinstance(x, Buf):
         return x
-    if isinstance(x, np.ndarray):
-        return _host(x, x, what)
+    if isinstance(x, np.ndarray):   # a subclass (memmap, recarray, matrix): its memory
+        if isinstance(x, np.ma.MaskedArray):   # (the compiled paths take plain arrays)
+            raise TypeError(f"{what}: a masked array: its mask would be ignored; pass "
+                            f"x.filled(value) (masked elements replaced) or x.data")
+        return _host(x.view(np.ndarray), x, what)
     # (torch's lazy views: the storage holds the values negated or unconjugated, which
     # __cuda_array_interface__ (and for is_neg DLPack too) would hand over as they are)
     is_neg = getattr(x, "is_neg", None)

@@ -145,6 +145,35 @@ def test_buffer_kinds(comm):
     assert int(z) == 3 * p
 
 
+@pytest.mark.parametrize("count", [3, 100003])
+def test_ndarray_subclasses(comm, count, tmp_path):
+    """np.memmap, np.recarray, np.matrix work as the arrays they are (a bug hunt: the
+    compiled board refused them — "out must be a numpy.ndarray" — mid-call, and the
+    communicator was unusable afterwards); a masked array is refused (its mask would be
+    ignored) and the communicator goes on."""
+    p, r = comm.size, comm.rank
+    tri = p * (p + 1) / 2
+    mm = np.memmap(tmp_path / f"mm{r}.bin", dtype=np.float64, mode="w+", shape=(count,))
+    mm[:] = r + 1
+    assert comm.allreduce(mm) is mm and isinstance(mm, np.memmap)
+    assert (np.asarray(mm) == tri).all()
+    g = comm.allgather(mm[:3])
+    assert g.shape == (p, 3) and (g == tri).all()
+    m = np.matrix([[r + 1.0, 1.0]])
+    assert isinstance(comm.allreduce(m), np.matrix) and m.tolist() == [[tri, p]]
+    rec = np.arange(4.0).view(np.recarray)
+    comm.allreduce(rec, op="max")
+    assert rec.tolist() == [0.0, 1.0, 2.0, 3.0]
+    out = np.zeros(count).view(np.recarray)
+    comm.allreduce(np.full(count, r + 1.0), out)
+    assert (np.asarray(out) == tri).all()
+    with pytest.raises(TypeError, match=f"rank {r}: x: a masked array: its mask would be "
+                                        f"ignored"):
+        comm.allreduce(np.ma.array([1.0, 2.0], mask=[0, 1]))
+    assert comm.allreduce(np.ones(2)).tolist() == [p, p]
+    del mm
+
+
 def test_ops_as_strings_and_avg(comm):
     p, r = comm.size, comm.rank
     x = np.array([float(r)], np.float64)
