@@ -48,9 +48,10 @@ class FlightRecorder:
         return rec
 
     def _hold(self, rec: list) -> None:
-        held = self.held
-        held[:] = [e for e in held if e[STATE] == "running"]
-        if len(held) < 4 * self.events.maxlen:
+        held, cap = self.held, 4 * self.events.maxlen
+        if len(held) >= cap:        # (pruned only when full: amortised O(1) per call)
+            held[:] = [e for e in held if e[STATE] == "running"]
+        if len(held) < cap:
             held.append(rec)
         else:
             self.lost += 1

@@ -656,3 +656,23 @@ def test_a_lent_engine_lets_its_lender_back_in_and_is_returned_however_the_pass_
     spin = Backoff(spin=10.0)
     assert spin.pause() is False                # spinning: lend() is not even asked
     assert Backoff(spin=0.0).pause() is True
+
+
+def test_flight_recorder_keeps_unfinished_calls_the_ring_pushes_out():
+    """The oldest unfinished call is the one a hang is about: kept when the ring of the
+    last n records pushes it out (up to 4 n of them; beyond, counted as lost), and
+    dropped from the side list once it completes."""
+    from gpurt.flight import FlightRecorder
+    f = FlightRecorder(0, 2, "c", 4)
+    recs = [f.start(i, "allreduce", ("<f4", 1, None, None), "ring") for i in range(1, 11)]
+    for r in recs[2:]:
+        FlightRecorder.done(r)
+    assert [r["seq"] for r in f.records()] == [1, 2, 7, 8, 9, 10] and f.lost == 0
+    assert f.running()
+    FlightRecorder.done(recs[0])
+    assert [r["seq"] for r in f.records()] == [2, 7, 8, 9, 10]
+    g = FlightRecorder(0, 2, "c", 2)
+    for i in range(1, 20):
+        g.start(i, "allreduce", ("<f4", 1, None, None), "ring")
+    assert [r["seq"] for r in g.records()] == [1, 2, 3, 4, 5, 6, 7, 8, 18, 19]
+    assert g.lost == 9
