@@ -500,9 +500,8 @@ class Result:
         first = min(bad, key=lambda r: (_consequence(r), r["time"]))
         if _consequence(first) == 2:    # no rank failed of its own: the one blamed, if
             blamed = _blamed(first)     # it failed too (stopped by the launcher: frozen)
-            for r in bad:
-                if blamed is not None and r.get("rank") == blamed:
-                    return r
+            if blamed is not None:
+                return next((r for r in bad if r.get("rank") == blamed), first)
         return first
 
 
@@ -541,7 +540,7 @@ def _consequence(rec: dict) -> int:
     return 1
 
 
-_BLAMED = re.compile(r"^rank \d+: (?:in [^:]*: )?(?:.*?: )??rank (\d+)\b")
+_BLAMED = re.compile(r"^rank \d+: (?:.*?: )??rank (\d+)\b")   # (past "in allreduce (...): ")
 
 
 def _blamed(rec: dict) -> int | None:
