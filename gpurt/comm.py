@@ -72,8 +72,10 @@ _THREAD_LEVELS = {"single": "THREAD_SINGLE", "funneled": "THREAD_FUNNELED",
 def _mpi_ready(who: str = ""):
     """mpi4py's ``MPI``, initialised: a program that set ``mpi4py.rc.initialize = False``
     and has not called ``MPI.Init`` yet gets it initialised here (at the thread level
-    ``mpi4py.rc.thread_level`` asks for, as mpi4py itself would; mpi4py finalizes it at
-    exit).  After ``MPI.Finalize()`` no communicator can be made (MPICH would end the
+    ``mpi4py.rc.thread_level`` asks for, as mpi4py itself would, and finalized at exit
+    after gpurt's communicators are closed: mpi4py does not finalize an MPI it did not
+    initialise, and a rank leaving without MPI_Finalize gets the job's other ranks killed
+    by the process manager).  After ``MPI.Finalize()`` no communicator can be made (MPICH would end the
     process from inside the call, with no exception): ``CommunicatorClosed``."""
     MPI = _mpi()
     if MPI.Is_finalized():
@@ -88,7 +90,12 @@ def _mpi_ready(who: str = ""):
         import mpi4py
         level = str(getattr(mpi4py.rc, "thread_level", "multiple")).lower()
         MPI.Init_thread(getattr(MPI, _THREAD_LEVELS.get(level, "THREAD_MULTIPLE")))
+        global _MPI_OURS
+        _MPI_OURS = os.getpid()
     return MPI
+
+
+_MPI_OURS = 0       # pid of the process in which gpurt initialised MPI (it finalizes it)
 
 
 def _announces_rejection(coll: str):
@@ -2418,3 +2425,7 @@ os.register_at_fork(after_in_child=_after_fork)
 def _close_all() -> None:  # runs before mpi4py's own finalisation (registered earlier)
     for c in list(_LIVE):
         c.close()
+    if _MPI_OURS == os.getpid():     # (not in a forked child: the parent's MPI)
+        MPI = _mpi()
+        if MPI.Is_initialized() and not MPI.Is_finalized():
+            MPI.Finalize()

@@ -11,6 +11,15 @@ import numpy as np
 
 mode = sys.argv[1]
 if mode == "late_init":
+    import atexit
+
+    @atexit.register        # (registered before gpurt's: runs after it)
+    def _at_exit():
+        from mpi4py import MPI
+        print(f"rank {MPI.COMM_WORLD.rank if not MPI.Is_finalized() else RANK}: at exit "
+              f"finalized {MPI.Is_finalized()}", flush=True)
+
+
     mpi4py.rc.initialize = False          # the program does not start MPI itself
     mpi4py.rc.thread_level = "serialized"
 from mpi4py import MPI  # noqa: E402
@@ -22,6 +31,7 @@ if mode == "late_init":
     comm = gpurt.init()                   # initialises MPI at the level rc asks for
     x = np.full(5, comm.rank + 1.0)
     comm.allreduce(x)
+    RANK = comm.rank
     print(f"rank {comm.rank}: late_init size {comm.size} level {MPI.Query_thread()} "
           f"sum {x.tolist()}", flush=True)
 elif mode == "after_finalize":

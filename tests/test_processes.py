@@ -793,7 +793,7 @@ def test_a_forked_child_leaves_its_parents_communicator_alone(mode, nodes, tmp_p
 @pytest.mark.parametrize("n", [1, 3])
 def test_mpi_life_cycle(n):
     """gpurt.init() in a program that left MPI uninitialised (mpi4py.rc.initialize = False)
-    initialises it at the thread level mpi4py.rc asks for; it used to end the process from
+    initialises it at the thread level mpi4py.rc asks for, and finalizes it at exit; it used to end the process from
     inside MPICH ("before initializing"), no exception.  After the program's MPI.Finalize()
     the communicators made before still work (gpurt's own transports), and making one
     (split, dup, Communicator) is a CommunicatorClosed naming the rank — MPICH ended the
@@ -803,6 +803,9 @@ def test_mpi_life_cycle(n):
     recs = run_mpi(n, ["tests/mpi_lifecycle_cases.py", "late_init"]).stdout
     for r in range(n):
         assert f"rank {r}: late_init size {n} level 2 sum {[total] * 5}" in recs, recs
+        # (gpurt finalizes the MPI it initialised: a rank leaving without MPI_Finalize had
+        # the process manager kill the others — exit code 9 about half the runs)
+        assert f"rank {r}: at exit finalized True" in recs, recs
     out = run_mpi(n, ["tests/mpi_lifecycle_cases.py", "after_finalize"], timeout=120).stdout
     for r in range(n):
         sub = float(sum(1 for q in range(n) if q % 2 == r % 2))
