@@ -447,6 +447,34 @@ def test_what_a_rank_sent_before_it_closed_is_still_delivered(transport):
     assert recs[1]["outcome"] == "exact", recs
 
 
+@pytest.mark.parametrize("transport", ["shm", "tcp", "tcp-striped"])
+def test_a_failed_send_is_never_read_after_the_sender_reuses_its_buffer(transport):
+    """Rank 0's 8 MiB send fails (send(timeout=0.5), a watchdog's abort(), close() with the
+    isend in flight) before rank 1 posts its receive; rank 0 then overwrites its buffer.
+    Rank 1 must raise PeerFailure naming rank 0 and its reason at once — it completed with
+    the overwritten bytes (shm: the single copy read the sender's memory in place; tcp:
+    the rest of the message stayed queued on the socket, pointing into that buffer, and the
+    receiver waited for its deadline).  Without a failure the late receive is exact
+    (tests/revoked_cases.py: NumPy and comm.empty buffers)."""
+    env = {"GPURT_TIMEOUT": "60"}
+    args = ["tests/revoked_cases.py"]
+    if transport != "shm":
+        env["GPURT_TRANSPORTS"] = "tcp"
+    if transport == "tcp-striped":      # (more than 4 connections' kernel buffers hold)
+        env.update(GPURT_TCP_STRIPES="4")
+        args.append("48")
+    recs = rank_records(run_mpi(2, args, env=env, timeout=180).stdout, "REVOKED", 2)
+    why = {"timeout": "did not complete within 0.5 s", "abort": "watchdog: send hung",
+           "close": "closed the communicator"}
+    for buf in ("numpy", "shared"):
+        assert recs[0][f"none/{buf}"] == "sent" and recs[1][f"none/{buf}"] == "exact", recs
+        for mode, text in why.items():
+            assert text in recs[0][f"{mode}/{buf}"] or mode == "close", recs[0]
+            got = recs[1][f"{mode}/{buf}"]
+            assert got.startswith("PeerFailure(rank=0)") and text in got, (mode, buf, got)
+            assert float(got.split()[1][:-2]) < 5, got
+
+
 STOPPED_PEER = """
 import numpy as np, gpurt, os, signal, sys, time
 freeze, outdir = float(sys.argv[1]), sys.argv[2]

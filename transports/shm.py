@@ -25,7 +25,10 @@ unavailable, since pure Python cannot issue the barriers they need.
 
 Liveness: every rank writes its pid into the segment header; a waiting endpoint checks
 that the peer's pid still exists (``check``), so a peer that died becomes ``PeerFailure``
-instead of a wait until the deadline.
+instead of a wait until the deadline.  A failing rank writes its error record there
+before its caller gets its buffers back; a single-copy read of its memory checks that
+record before and after (``_Ring._trust``), so it never takes bytes written after the
+failure.
 
 Cost constants (defaults, overridden by ``GPURT_COST``): α ≈ 4 µs per message (Python
 per-message overhead), β ≈ 1/4 GB/s, γ ≈ 1/2 GB/s.
@@ -240,13 +243,20 @@ class _Segment:
         return ((8 + 2 * self.nlocal) * 8 + _ERR * self.nlocal) // 8 + \
             (src * self.nlocal + dst) * LANES + lane
 
-    def write_error(self, k: int, text: str, closed: bool = False) -> None:
+    def write_error(self, k: int, text: str, closed: bool = False,
+                    replace_close: bool = False) -> None:
         """Local rank k's fatal error (``closed``: its close notice — a plain close(),
-        not a failure — which marks the length word with CLOSED)."""
+        not a failure — which marks the length word with CLOSED).  The first word stays
+        (an error is not a close), except that ``replace_close`` turns a close notice
+        into this error."""
         data = text.encode("utf-8", "replace")[:_ERR - 8]
         off = self.err_off(k)
-        if self.q[off // 8]:
-            return                  # the first word stays (an error is not a close)
+        w = self.q[off // 8]
+        if w and not (replace_close and w & CLOSED and not closed):
+            return
+        if w:
+            self.q[off // 8] = 0    # (a reader in between sees neither)
+            _fence()
         self.u8[off + 8:off + 8 + len(data)] = np.frombuffer(data, np.uint8)
         _fence()
         self.q[off // 8] = len(data) | (CLOSED if closed else 0)
@@ -314,6 +324,7 @@ class _Ring:
     def __init__(self, seg: _Segment, src: int, dst: int, lane: int, me_is_sender: bool):
         base = seg.ring_offset(src, dst, lane)
         self.seg, self.lane = seg, lane
+        self.src = src       # the sending end's local rank (its error record: _trust)
         self.nslots, self.slot = seg.nslots[lane], seg.slot
         # control: head (+0, the sender's), tail and single-copy acks (+64, +72: the receiver's)
         self.head_i, self.tail_i, self.ack_i = base // 8, (base + 64) // 8, (base + 72) // 8
@@ -424,6 +435,7 @@ class _Ring:
                         self._mismatch(m, tag, sig, total, off)
                 remote = q[h + 5]
                 if remote:
+                    self._trust(m, "")      # (its shared array may be gone with it)
                     m.remote = remote   # single copy: read from the sender's memory below
                     if q[h + 6] and self.maps is not None:   # ... or its shared array
                         m.src = self.maps.view(q[h + 6], q[h + 7], total)
@@ -447,6 +459,8 @@ class _Ring:
         acknowledge.  False while chunks the sender took are still being copied.  From a
         sender's shared array (``m.src``) it is a memcpy out of a mapping of it, and a
         reduction reads it in place."""
+        if not m.off:
+            self._trust(m, "")          # (not worth reading what is revoked)
         dst = getattr(m.sink, "dst", None)
         if dst is not None:
             if m.help is None and self.help_min and not m.off and m.total >= self.help_min:
@@ -476,10 +490,26 @@ class _Ring:
                     cma.read(self.peer_pid, m.remote + m.off, chunk, m.peer)
                 m.sink(m.off, chunk)
                 m.off += n
+        self._trust(m, "before this rank finished reading it: what was read cannot be "
+                       "trusted")
         self.acks += 1
         self.seg.q[self.ack_i] = self.acks
         m.done, m.sink, m.remote, m.help, m.src = True, None, 0, None, None
         return True
+
+    def _trust(self, m: _Msg, when: str) -> None:
+        """A single-copy message is read in place from the sender's memory, which is the
+        sender's again once it has failed (or closed, and given up waiting for this
+        read): its program may be writing it.  The sender publishes that (its error
+        record) before its caller gets the buffer back, so a read that finds no record
+        after it ended read the bytes as sent; else ``PeerFailure``, never stale data."""
+        err = self.seg.read_error(self.src)
+        if err:
+            pid = self.peer_pid
+            raise from_peer(err, f"rank {m.peer} (pid {pid}, same node) failed with its "
+                                 f"{m.total}-byte message to this rank unread in its memory "
+                                 f"(single copy){' ' + when if when else ''}: {err}",
+                            relayed_rank(err, m.peer))
 
     # -- cooperative single copy -----------------------------------------------
     # process_vm_readv copies at ~1/3 of memcpy's speed here, and in a one-to-one transfer
@@ -944,16 +974,29 @@ class ShmTransport:
         q = self.seg.q
         rings = [(ep.peer, ring) for ep in self.endpoints.values() for ring in ep.tx]
         deadline = time.monotonic() + bound
+        seg = self.seg
+        mine = seg.q[seg.err_off(self.local_rank) // 8]
+        if mine and not mine & CLOSED:
+            return      # failed here: the peers read no single-copy send of ours (_trust)
         while True:
             late = [(peer, ring) for peer, ring in rings if q[ring.ack_i] < ring.acks]
+            # (a peer that has exited, failed or closed reads nothing any more)
+            late = [(p, ring) for p, ring in late
+                    if not seg.q[seg.err_off(self.endpoints[p].local_peer) // 8]
+                    and _pid_alive(self.endpoints[p]._pid
+                                   or q[seg.pid_i(self.endpoints[p].local_peer)])]
             if not late:
                 return
-            if time.monotonic() > deadline or not all(
-                    _pid_alive(self.endpoints[p]._pid or q[self.seg.pid_i(
-                        self.endpoints[p].local_peer)]) for p, _ in late):
-                log.warning("shm: closing with single-copy sends that rank(s) %s have not "
-                            "finished reading; their buffers must stay untouched",
-                            sorted({p for p, _ in late}))
+            if time.monotonic() > deadline:
+                # the caller gets the buffers back: revoke the sends (an error record in
+                # place of the close notice), so a late read raises instead of taking
+                # whatever the program writes there next (_Ring._trust)
+                who = sorted({p for p, _ in late})
+                log.warning("shm: closing with single-copy sends that rank(s) %s did not "
+                            "read within %g s; revoked", who, bound)
+                seg.write_error(self.local_rank, f"closed the communicator with messages "
+                                f"to rank(s) {who} unread after {bound:g} s (single copy: "
+                                f"they were revoked)", replace_close=True)
                 return
             time.sleep(1e-4)
 

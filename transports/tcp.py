@@ -75,9 +75,13 @@ also runs a heartbeat thread (``transports/heartbeat.py``: authenticated UDP dat
 every 0.5 s, its port exchanged with the set-up); ``check()`` raises ``PeerFailure`` after
 ``GPURT_PEER_STOPPED`` seconds of silence.
 
-*Failure*: ``publish_error(text)`` (the excepthook) queues an error frame to every peer
-and flushes for at most half a second; the peers raise ``PeerFailure("rank R (host)
-failed: TEXT")``.  ``close()`` shuts down the sending side (so queued bytes are delivered
+*Failure*: ``publish_error(text)`` (the excepthook, any failure of the communicator)
+queues an error frame to every peer and flushes for at most half a second; the peers raise
+``PeerFailure("rank R (host) failed: TEXT")``.  A connection that still has frames queued
+is ended instead (after what the kernel holds): they point into the buffers of sends
+whose callers get them back with the failure, so nothing more may go out, and the head
+frame may be half written; the peer fails the message the end cuts and reads the
+heartbeat's UDP notice for the reason.  ``close()`` shuts down the sending side (so queued bytes are delivered
 before the FIN), discards what is still unread (so the kernel does not answer with a
 reset) and closes every socket; no thread, no socket is left.
 
@@ -789,6 +793,22 @@ class TcpEndpoint:
                 # after it would be read as the rest of that frame — end the stream
                 # instead (the peer sees its end at once; the UDP notice says why)
                 c._tear()
+            elif c.out and not c.dead:
+                # frames still queued point into the senders' buffers, which their
+                # callers get back with this failure and may overwrite: none of it may
+                # go out any more (the peer would take the new bytes for the message),
+                # and the head frame may be half written — end the stream after what
+                # the kernel has (the peer fails the message it cuts; the UDP notice
+                # says why)
+                c.out.clear()
+                c.dead = True
+                try:
+                    c.sock.shutdown(socket.SHUT_WR)
+                except OSError:
+                    pass
+                self.fail(TransportError, f"this rank failed with messages to "
+                                          f"{self._who()} still queued on tcp connection "
+                                          f"{c.stripe}: the connection was ended")
         live = [c for c in self.conns if not c.dead]
         if not live:
             return None
