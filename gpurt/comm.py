@@ -23,6 +23,7 @@ import itertools
 import logging
 import operator
 import os
+import re
 import socket
 import sys
 import threading
@@ -95,6 +96,7 @@ def _mpi_ready(who: str = ""):
     return MPI
 
 
+_TIMED_OUT = re.compile(r"failed: (PeerFailure\[rank=\d+\]: .*)?CollectiveTimeout: ")
 _MPI_OURS = 0       # pid of the process in which gpurt initialised MPI (it finalizes it)
 
 
@@ -697,11 +699,28 @@ class Communicator:
             except Exception:  # noqa: BLE001 - best effort on the way out
                 pass
 
-    def _check_peers(self, peers: list[int]) -> None:
+    def _check_peers(self, peers: list[int], collective: bool = False) -> None:
+        """The engine's liveness check: the peers waited on (``check``: gone, stopped,
+        failed); with a collective in flight (every rank takes part) also any other peer
+        that published a failure — read where it already is (shm's error records, tcp's
+        error frames and UDP notices), no peer asked — so a rank waiting on a slow one
+        learns of a third one's failure at once, not at its deadline."""
         for p in peers:
             ep = self.endpoints.get(p)
             if ep is not None:
                 ep.check()
+        if collective and peers:
+            for p, ep in self.endpoints.items():
+                published = getattr(ep, "published", None)
+                if p not in peers and published is not None:
+                    e = published()
+                    # (not a peer's timeout, first-hand or relayed: it gave up waiting,
+                    # most likely for the slow rank this one waits for too, which its
+                    # own deadline names — the better blame)
+                    if e is not None and not _TIMED_OUT.search(e.args[0]):
+                        e.args = (f"{e.args[0]} (while this rank waited for rank(s) "
+                                  f"{peers})",) + e.args[1:]
+                        raise e
 
     # -- properties --------------------------------------------------------------
     def __repr__(self) -> str:

@@ -292,7 +292,7 @@ class Engine:
     """Progress for one communicator: a queue of collectives and a set of p2p requests."""
 
     def __init__(self, rank: int, default_timeout: Callable[[], float],
-                 check_peers: Callable[[list[int]], None], spin: float | None = None):
+                 check_peers: Callable[[list[int], bool], None], spin: float | None = None):
         self.rank, self.spin = rank, spin
         #: blocks up to the given seconds until a transport has something (select on its
         #: sockets); None: plain sleep
@@ -607,11 +607,15 @@ class Engine:
 
     def _drive(self, step: Callable[[], bool], finished: Callable[[], bool],
                waiting_on: Callable[[], list[int]], timeout: float | None,
-               timed_out: Callable[[float, list[int]], BaseException]) -> None:
+               timed_out: Callable[[float, list[int]], BaseException],
+               collective: Callable[[], bool] = lambda: True) -> None:
         """The one wait loop: ``step`` until ``finished``; spin, yield, then sleep while
         nothing moves (``wait.Backoff``); every 0.2 s ask the endpoints whether the peers
-        still waited on are alive (``PeerFailure`` propagates) and raise ``timed_out``'s
-        exception past the deadline."""
+        still waited on are alive — and, while ``collective()`` (a collective is in
+        flight), whether any peer has published a failure: it takes part too, so the call
+        cannot end well, and waiting on a slow rank would only blame that one at the
+        deadline (``PeerFailure`` propagates) — and raise ``timed_out``'s exception past
+        the deadline."""
         timeout = self._timeout() if timeout is None else float(timeout)
         start = time.monotonic()
         deadline = start + timeout
@@ -634,7 +638,7 @@ class Engine:
             now = time.monotonic()
             if now >= next_check:
                 next_check = min(now + 0.2, deadline)
-                self._check_peers(waiting_on())
+                self._check_peers(waiting_on(), collective())
                 if now >= deadline:
                     raise timed_out(timeout, waiting_on())
 
@@ -668,7 +672,7 @@ class Engine:
 
         try:
             self._drive(self.progress, lambda: req.done or req.error is not None,
-                        self.pending_peers, timeout, timed_out)
+                        self.pending_peers, timeout, timed_out, lambda: bool(self.colls))
         except CollectiveTimeout:
             raise           # (the request stays in flight: wait again, or abort())
         except GpurtError as e:

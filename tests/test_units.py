@@ -352,7 +352,7 @@ def test_a_transfer_finished_while_waiting_leaves_its_peer_unchecked():
             def recv(self, nbytes, sink, lane, tag, sig, upto=False):
                 return ops[self.peer]
 
-        def check_peers(peers):
+        def check_peers(peers, collective=False):
             checked.append(list(peers))
             for p in peers:
                 if p in closed:
@@ -395,7 +395,7 @@ def test_engine_leaves_the_telling_to_the_thread_advancing_a_run():
     from gpurt.errors import CommunicatorClosed
     from gpurt.executor import Engine, Request
 
-    eng = Engine(0, lambda: 10.0, lambda peers: None, spin=0.0)
+    eng = Engine(0, lambda: 10.0, lambda peers, collective=False: None, spin=0.0)
     seen = []
     eng.on_poison = lambda exc: seen.append(("told", eng.elsewhere()))
     eng.on_stopped = lambda: seen.append(("stopped", threading.get_ident()))
@@ -460,7 +460,7 @@ def test_engine_marks_a_thread_in_a_call_and_a_second_thread_is_an_error():
     from gpurt.errors import GpurtError
     from gpurt.executor import Engine, Request
 
-    eng = Engine(0, lambda: 10.0, lambda peers: None, spin=0.0)
+    eng = Engine(0, lambda: 10.0, lambda peers, collective=False: None, spin=0.0)
     steps, go = [], threading.Event()
 
     class Run:
@@ -609,8 +609,8 @@ def test_a_lent_engine_lets_its_lender_back_in_and_is_returned_however_the_pass_
     from gpurt.wait import Backoff
 
     me = threading.get_ident()
-    a = Engine(0, lambda: 10.0, lambda peers: None, spin=0.0)
-    b = Engine(0, lambda: 10.0, lambda peers: None, spin=0.0)
+    a = Engine(0, lambda: 10.0, lambda peers, collective=False: None, spin=0.0)
+    b = Engine(0, lambda: 10.0, lambda peers, collective=False: None, spin=0.0)
     b.busy, b.lent = me, True                   # as lend() leaves it during its pass
     done = []
     t = threading.Thread(target=lambda: done.append(b.claim()))

@@ -668,6 +668,17 @@ class ShmEndpoint:
         ring._pull()
         return m
 
+    def published(self) -> Exception | None:
+        """The failure the peer published (its error record), if any — no system call
+        (asked of every peer while a collective waits: ``Communicator._check_peers``)."""
+        seg = self.owner.seg
+        err = seg.read_error(self.local_peer) if seg is not None else ""
+        if not err:
+            return None
+        pid = self._pid or seg.q[seg.pid_i(self.local_peer)]
+        return from_peer(err, f"rank {self.peer} (pid {pid}, same node) failed: {err}",
+                         relayed_rank(err, self.peer))
+
     def check(self) -> None:
         """PeerFailure if the peer process is gone, or has been stopped (SIGSTOP, a
         debugger) for longer than GPURT_PEER_STOPPED; a shorter freeze is not a failure."""

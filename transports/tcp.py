@@ -113,7 +113,7 @@ import numpy as np
 
 from gpurt import config
 from gpurt.errors import (CollectiveMismatchError, PeerFailure, ResourceError, TransportError,
-                          published_class, relayed_rank)
+                          from_peer, published_class, relayed_rank)
 
 from .base import LANE_NAMES, LANES, UPTO_MAX, Sink, ensure_fds, mismatch_detail, unpaired
 from .heartbeat import Heartbeat
@@ -669,6 +669,7 @@ class TcpEndpoint:
         self.conns = [_Conn(s, self, i) for i, s in enumerate(socks)]
         self.failure: tuple[type, str] | None = None
         self.closed = ""            # why a connection is closed (a failure once all are)
+        self.told: str | None = None    # the failure the peer published (peer_error)
         self.stripes, self.smin = owner.stripes, owner.smin
 
     def send(self, src: np.ndarray, lane: int, tag: int, sig: int) -> _Send:
@@ -732,6 +733,19 @@ class TcpEndpoint:
             self.fail(PeerFailure, why)
             self.raise_failure()
 
+    def published(self) -> Exception | None:
+        """The failure the peer published (its error frame, read by an earlier pump, or
+        its UDP notice), if any — no system call (asked of every peer while a collective
+        waits: ``Communicator._check_peers``)."""
+        text = self.told
+        if text is None:
+            hb = getattr(self.owner, "heartbeat", None)
+            text = hb.notice(self.peer) if hb is not None else None
+        if text is None:
+            return None
+        msg = f"rank {self.peer} ({self.host}) failed: {text}"
+        return from_peer(text, msg, relayed_rank(text, self.peer))
+
     # -- failure ------------------------------------------------------------------------
     def fail(self, cls: type, text: str) -> None:
         if self.failure is None:    # the first reason is the one that explains the rest
@@ -783,6 +797,7 @@ class TcpEndpoint:
                                   f"{conn.stripe}; the stream cannot be trusted any more")
 
     def peer_error(self, text: str) -> None:
+        self.told = text
         self.blame = relayed_rank(text, self.peer)
         self.fail(published_class(text), f"rank {self.peer} ({self.host}) failed: {text}")
 
