@@ -627,16 +627,19 @@ class Communicator:
         if self._closed:
             text = self._close_text
             if text is None:
+                self.engine.told.set()
                 return
         else:
-            if self.flight is not None:
-                self.flight.name_site(callsite.site())   # inline calls record no site
-                self.flight.dump(exc)
             text = relay_text(exc)
-        if self._defer(text):
-            return
-        self._publish(text)
-        self._direct_drain()
+        # told first, dumped after: a caller in another thread that saw the poison has its
+        # buffers back only once the peers know (Engine.wait_told), and a dump can block
+        if not self._defer(text):
+            self._publish(text)
+            self._direct_drain()
+            self.engine.told.set()
+        if not self._closed and self.flight is not None:
+            self.flight.name_site(callsite.site())   # inline calls record no site
+            self.flight.dump(exc)
 
     def _elsewhere(self) -> bool:
         """A call is being advanced in another thread of this process (``Engine.busy``)."""
@@ -671,6 +674,7 @@ class Communicator:
             self._publish(text)
             told = True
             self._direct_drain()
+            self.engine.told.set()
         finally:
             if text is not None:
                 if not told:            # (interrupted: a KeyboardInterrupt) close() tells
@@ -1525,6 +1529,7 @@ class Communicator:
             self._publish(text)
             if drain:
                 self._direct_drain()
+            self.engine.told.set()
             raise CommunicatorClosed(text) from (None if isinstance(e, shm_direct.Stopped)
                                                  else e)
 
@@ -1567,6 +1572,7 @@ class Communicator:
             text, self._deferred = self._deferred, None
         if text is not None:                # (its thread did not tell them: we do)
             self._publish(text)
+        eng.told.set()
 
     def _direct_rest(self, coll: str, dp: "_DirectPlan", xf: np.ndarray, rf: np.ndarray,
                      alias: bool, root: int, n: int, seq: int, site: int, got: int,

@@ -265,6 +265,7 @@ class Request:
                     eng.lend_at = now + 5e-5
                     eng.lend()
         if self.error is not None:
+            self.engine.wait_told()
             raise self.error
         return self.done
 
@@ -301,6 +302,13 @@ class Engine:
         self.colls: deque[Request] = deque()
         self.p2p: list[Request] = []
         self.poisoned: BaseException | None = None
+        #: set once the peers have been told of the poison (or there was nothing to tell):
+        #: no caller has its buffers back before (``wait_told``) — a thread that saw the
+        #: poison set by another thread's abort() could otherwise return while that thread
+        #: has not yet published, and a peer still reading this rank's buffers in place
+        #: would take what the program writes there next
+        self.told = threading.Event()
+        self.teller = 0         # the thread that poisoned the engine (it tells)
         self._timeout = default_timeout
         self._check_peers = check_peers
         #: the thread advancing a run right now (0: none) — a run may be storing into
@@ -396,8 +404,17 @@ class Engine:
         # (busy is cleared before poisoned is read, and another thread sets poisoned before
         # it reads busy: either it saw this thread out and told the peers itself, or it
         # left that to on_stopped, which then sees the poison)
-        if not prev and self.poisoned is not None and self.on_stopped is not None:
-            self.on_stopped()
+        if not prev and self.poisoned is not None:
+            if self.on_stopped is not None:
+                self.on_stopped()
+            self.wait_told()
+
+    def wait_told(self, bound: float = 10.0) -> None:
+        """(Poisoned) Before this thread hands a caller its buffers back: wait, bounded,
+        until the thread that poisoned the engine has told the peers (``told``)."""
+        if self.poisoned is not None and not self.told.is_set() and \
+                self.teller != threading.get_ident():
+            self.told.wait(bound)
 
     def elsewhere(self) -> bool:
         """Another thread of this process is advancing a run now."""
@@ -443,18 +460,22 @@ class Engine:
 
     def raise_if_poisoned(self) -> None:
         if self.poisoned is not None:
+            self.wait_told()
             raise CommunicatorClosed(f"rank {self.rank}: communicator unusable after an earlier "
                                      f"failure: {self.poisoned}") from self.poisoned
 
     def poison(self, exc: BaseException) -> None:
         if self.poisoned is None:
+            self.teller = threading.get_ident()
             self.poisoned = exc
             _count_engine(-1)
-            if self.on_poison is not None:
+            if self.on_poison is None:
+                self.told.set()
+            else:       # (it sets told once the peers know, or leaves that to on_stopped)
                 try:
                     self.on_poison(exc)
                 except Exception:  # noqa: BLE001 - reporting must not mask the failure
-                    pass
+                    self.told.set()
         for r in list(self.colls) + self.p2p:
             if not r.done and r.error is None:
                 r.error = exc
@@ -467,12 +488,18 @@ class Engine:
             return False
         moved = False
         while self.colls:
-            head = self.colls[0]
+            try:
+                head = self.colls[0]
+            except IndexError:      # (cleared by another thread's abort(): poison)
+                break
             if self._step(head):
                 moved = True
             if not head.done:
                 break
-            self.colls.popleft()
+            try:
+                self.colls.popleft()
+            except IndexError:
+                break
             self._step_begin()
             moved = True
         if self.p2p:
@@ -651,6 +678,7 @@ class Engine:
 
     def wait(self, req: Request, timeout: float | None) -> None:
         if req.error is not None:
+            self.wait_told()
             raise req.error
         if req.done:
             return

@@ -10,7 +10,9 @@ sockets hold under tcp striping); each rank prints one
 
 Modes: ``none`` (no failure: the late receive gets the data exact), ``timeout``
 (``send(timeout=0.5)``), ``abort`` (a watchdog thread's ``abort()`` 0.5 s into a blocking
-send), ``close`` (``isend`` then ``close()``).  Buffers: ``numpy`` (single copy by
+send), ``poll`` (the same while the caller polls an ``isend``'s ``wait(timeout=0.001)``:
+it must not have the buffer back before the peers are told), ``close`` (``isend`` then
+``close()``).  Buffers: ``numpy`` (single copy by
 process_vm_readv on shm) and ``shared`` (``comm.empty``: read through a mapping of it).
 Each case on a communicator of its own; rank 1 posts its receive 1.5 s after rank 0
 started sending.
@@ -48,6 +50,15 @@ def case(world, mode: str, buf: str) -> str:
             elif mode == "abort":
                 threading.Timer(0.5, comm.abort, ("watchdog: send hung",)).start()
                 comm.send(x, 1, timeout=30)
+            elif mode == "poll":          # the caller polls its Request meanwhile
+                req = comm.isend(x, 1)
+                threading.Timer(0.5, comm.abort, ("watchdog: send hung",)).start()
+                while True:
+                    try:
+                        req.wait(timeout=0.001)
+                        break
+                    except gpurt.CollectiveTimeout:
+                        pass
             else:
                 comm.isend(x, 1)
                 comm.close()
@@ -77,7 +88,7 @@ def main() -> None:
     world = MPI.COMM_WORLD
     got = {}
     for buf in ("numpy", "shared"):
-        for mode in ("none", "timeout", "abort", "close"):
+        for mode in ("none", "timeout", "abort", "poll", "close"):
             got[f"{mode}/{buf}"] = case(world, mode, buf)
     print("REVOKED " + json.dumps({"rank": world.rank, **got}), flush=True)
 

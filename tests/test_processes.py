@@ -449,8 +449,8 @@ def test_what_a_rank_sent_before_it_closed_is_still_delivered(transport):
 
 @pytest.mark.parametrize("transport", ["shm", "tcp", "tcp-striped"])
 def test_a_failed_send_is_never_read_after_the_sender_reuses_its_buffer(transport):
-    """Rank 0's 8 MiB send fails (send(timeout=0.5), a watchdog's abort(), close() with the
-    isend in flight) before rank 1 posts its receive; rank 0 then overwrites its buffer.
+    """Rank 0's 8 MiB send fails (send(timeout=0.5), a watchdog's abort() — also while the
+    caller polls the isend's Request — close() with the isend in flight) before rank 1 posts its receive; rank 0 then overwrites its buffer.
     Rank 1 must raise PeerFailure naming rank 0 and its reason at once — it completed with
     the overwritten bytes (shm: the single copy read the sender's memory in place; tcp:
     the rest of the message stayed queued on the socket, pointing into that buffer, and the
@@ -465,7 +465,7 @@ def test_a_failed_send_is_never_read_after_the_sender_reuses_its_buffer(transpor
         args.append("48")
     recs = rank_records(run_mpi(2, args, env=env, timeout=180).stdout, "REVOKED", 2)
     why = {"timeout": "did not complete within 0.5 s", "abort": "watchdog: send hung",
-           "close": "closed the communicator"}
+           "poll": "watchdog: send hung", "close": "closed the communicator"}
     for buf in ("numpy", "shared"):
         assert recs[0][f"none/{buf}"] == "sent" and recs[1][f"none/{buf}"] == "exact", recs
         for mode, text in why.items():

@@ -383,6 +383,52 @@ def test_a_transfer_finished_while_waiting_leaves_its_peer_unchecked():
     assert e.value.rank == 1
 
 
+def test_a_caller_has_its_buffers_back_only_once_the_peers_are_told():
+    """Another thread's abort() sets the poison before it has told the peers (its
+    on_poison may still be writing the flight recorder): a thread that sees the poison
+    meanwhile — a Request's wait, a new call — returns to its caller only once the
+    telling is done (``Engine.told``), or the peers could still read its buffers in place
+    after the program wrote them.  Found by a review: the peer took the overwritten
+    bytes (tests/revoked_cases.py has the single-thread cases)."""
+    import threading
+    import time
+
+    from gpurt.errors import CommunicatorClosed
+    from gpurt.executor import Engine, Request
+
+    eng = Engine(0, lambda: 10.0, lambda peers, collective=False: None, spin=0.0)
+    telling, order = threading.Event(), []
+
+    def on_poison(exc):
+        telling.set()
+        time.sleep(0.3)                 # publishing, dumping: slow
+        order.append("told")
+        eng.told.set()
+    eng.on_poison = on_poison
+
+    class Run:
+        done = False
+
+        def advance(self):
+            return False
+
+        def waiting_on(self):
+            return []
+
+    req = Request(eng, "send", 1, Run, p2p=True)
+    eng.submit(req)
+    aborter = threading.Thread(target=eng.poison, args=(CommunicatorClosed("rank 0: watchdog"),))
+    aborter.start()
+    assert telling.wait(5)
+    for call in (lambda: req.wait(0.01), eng.raise_if_poisoned):
+        try:
+            call()
+        except CommunicatorClosed:
+            order.append("caller")
+    aborter.join(5)
+    assert order == ["told", "caller", "caller"], order
+
+
 def test_engine_leaves_the_telling_to_the_thread_advancing_a_run():
     """Another thread's abort() while a run is being advanced: on_poison sees that
     (``elsewhere``), and the advancing thread calls on_stopped once it left its outermost
@@ -398,7 +444,9 @@ def test_engine_leaves_the_telling_to_the_thread_advancing_a_run():
     eng = Engine(0, lambda: 10.0, lambda peers, collective=False: None, spin=0.0)
     seen = []
     eng.on_poison = lambda exc: seen.append(("told", eng.elsewhere()))
-    eng.on_stopped = lambda: seen.append(("stopped", threading.get_ident()))
+    # (the thread it was deferred to tells the peers, then marks the engine told)
+    eng.on_stopped = lambda: (seen.append(("stopped", threading.get_ident())),
+                              eng.told.set())
     inside, go = threading.Event(), threading.Event()
     advanced = []
 

@@ -112,8 +112,9 @@ from itertools import islice
 import numpy as np
 
 from gpurt import config
-from gpurt.errors import (CollectiveMismatchError, PeerFailure, ResourceError, TransportError,
-                          from_peer, published_class, relayed_rank)
+from gpurt.errors import (CollectiveMismatchError, CommunicatorClosed, PeerFailure,
+                          ResourceError, TransportError, from_peer, published_class,
+                          relayed_rank)
 
 from .base import LANE_NAMES, LANES, UPTO_MAX, Sink, ensure_fds, mismatch_detail, unpaired
 from .heartbeat import Heartbeat
@@ -821,9 +822,12 @@ class TcpEndpoint:
                     c.sock.shutdown(socket.SHUT_WR)
                 except OSError:
                     pass
-                self.fail(TransportError, f"this rank failed with messages to "
-                                          f"{self._who()} still queued on tcp connection "
-                                          f"{c.stripe}: the connection was ended")
+                # (a thread still in a wait here ends with the poison: see
+                # Engine._stopped_by_poison)
+                self.fail(CommunicatorClosed, f"this rank failed with messages to "
+                                              f"{self._who()} still queued on tcp "
+                                              f"connection {c.stripe}: the connection was "
+                                              f"ended")
         live = [c for c in self.conns if not c.dead]
         if not live:
             return None
