@@ -83,7 +83,10 @@ def _cuda(cai: dict, owner: Any, what: str) -> Buf:
         for dim in reversed(shape):
             expect.append(acc)
             acc *= dim
-        if tuple(reversed(expect)) != tuple(strides) and not any(s == 1 for s in shape):
+        # (an axis of length 1 may carry any stride — CuPy and PyTorch differ there —
+        # but only those: a.T[None] is as strided as a.T)
+        if any(d != 1 and st != want
+               for d, st, want in zip(shape, strides, reversed(expect))):
             raise ValueError(f"{what} is not C-contiguous (strides {strides} for shape {shape})")
     ptr, ro = cai["data"]
     return Buf("cuda", int(ptr), count * dtype.itemsize, dtype, shape, bool(ro), owner,

@@ -49,6 +49,26 @@ def test_cuda_array_interface_is_recognised():
     assert (b.kind, b.ptr, b.count, b.dtype, b.stream) == ("cuda", 4096, 6, np.float16, 1)
 
 
+def test_cuda_array_interface_strides_with_a_length_one_axis():
+    """A device view with an axis of length 1 is C-contiguous whatever that axis's stride
+    (CuPy and PyTorch write different ones), but only then: a.T[None] and a[:, None, ::2]
+    were taken as contiguous because any length-1 axis skipped the check, and their
+    elements read straight from the base pointer — wrong data, no error (bug hunt)."""
+    def dev(shape, strides):
+        class Dev:
+            __cuda_array_interface__ = {"shape": shape, "typestr": "<f8", "data": (4096, False),
+                                        "version": 3, "strides": strides}
+        return Dev()
+
+    for shape, strides in (((1, 4, 4), (128, 32, 8)), ((1, 4, 4), (8, 32, 8)),
+                           ((4, 1, 4), (32, 8, 8)), ((4, 4, 1), (32, 8, 1))):
+        assert as_buf(dev(shape, strides)).count == 16
+    for shape, strides in (((1, 4, 4), (128, 8, 32)), ((4, 1, 2), (32, 16, 16)),
+                           ((4, 4), (8, 32))):
+        with pytest.raises(ValueError, match="x is not C-contiguous"):
+            as_buf(dev(shape, strides))
+
+
 def test_overlap():
     a = np.zeros(10)
     assert overlaps(as_buf(a[:5]), as_buf(a[4:]))
