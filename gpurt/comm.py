@@ -761,7 +761,8 @@ class Communicator:
         self.engine.raise_if_poisoned()
 
     def _root(self, root: int) -> int:
-        if not isinstance(root, (int, np.integer)) or not 0 <= root < self.size:
+        if not isinstance(root, (int, np.integer)) or isinstance(root, (bool, np.bool_)) \
+                or not 0 <= root < self.size:
             raise ValueError(f"rank {self.rank}: root {root!r} is not a rank of this "
                              f"communicator (size {self.size})")
         return int(root)

@@ -127,10 +127,20 @@ def empty(shape, dtype=np.float32) -> np.ndarray:
     if dt.hasobject:
         raise TypeError(f"gpurt.empty: dtype {dt} holds Python objects; shared memory "
                         f"takes plain data only")
-    shp = (int(shape),) if np.ndim(shape) == 0 else tuple(int(s) for s in shape)
+    dims = (shape,) if np.ndim(shape) == 0 else tuple(shape)
+    if not all(isinstance(s, (int, np.integer)) and not isinstance(s, (bool, np.bool_))
+               for s in dims):
+        raise TypeError(f"gpurt.empty: shape {shape!r} must be integers (as numpy.empty "
+                        f"takes)")
+    shp = tuple(int(s) for s in dims)
     if any(s < 0 for s in shp):
         raise ValueError(f"gpurt.empty: negative dimension in shape {shp}")
-    count = int(np.prod(shp, dtype=np.int64))
+    count = 1
+    for s in shp:       # (Python integers: np.prod wraps around past int64)
+        count *= s
+    if count * dt.itemsize >= 1 << 62:
+        raise ValueError(f"gpurt.empty: shape {shp} of {dt} is {count * dt.itemsize} "
+                         f"bytes, more than any machine holds")
     size = _data_bytes(count * dt.itemsize)
     try:
         fd = os.memfd_create("gpurt-array", os.MFD_CLOEXEC)

@@ -744,3 +744,18 @@ def test_flight_recorder_keeps_unfinished_calls_the_ring_pushes_out():
         g.start(i, "allreduce", ("<f4", 1, None, None), "ring")
     assert [r["seq"] for r in g.records()] == [1, 2, 3, 4, 5, 6, 7, 8, 18, 19]
     assert g.lost == 9
+
+
+def test_shared_array_shapes_are_checked_like_numpy():
+    """comm.empty(2.5) made a 2-element array and a shape past int64 failed inside NumPy's
+    reshape ("cannot reshape array of size 0"): both are refused by name (bug hunt)."""
+    from gpurt import sharedmem
+
+    with pytest.raises(TypeError, match=r"shape 2\.5 must be integers"):
+        sharedmem.empty(2.5)
+    with pytest.raises(TypeError, match="must be integers"):
+        sharedmem.empty((3, True))
+    with pytest.raises(ValueError, match="more than any machine holds"):
+        sharedmem.empty((2**32, 2**32))
+    assert sharedmem.empty((3, np.int64(2)), np.int8).shape == (3, 2)
+    assert sharedmem.empty((), np.float64).shape == ()

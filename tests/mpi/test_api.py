@@ -206,6 +206,8 @@ def test_bad_input_raises_before_anything_moves(comm):
         comm.broadcast(x, root=p)
     with pytest.raises(ValueError, match="root -1 is not a rank"):
         comm.reduce(x, root=-1)
+    with pytest.raises(ValueError, match="root True is not a rank"):   # (was root 1)
+        comm.broadcast(x, root=True)
     with pytest.raises(TypeError, match="dtype <U3 is not supported"):
         comm.allreduce(np.array(["abc"]))
     with pytest.raises(TypeError, match="op BAND is not defined for dtype float32"):
