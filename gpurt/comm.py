@@ -76,8 +76,8 @@ def _mpi_ready(who: str = ""):
     ``mpi4py.rc.thread_level`` asks for, as mpi4py itself would, and finalized at exit
     after gpurt's communicators are closed: mpi4py does not finalize an MPI it did not
     initialise, and a rank leaving without MPI_Finalize gets the job's other ranks killed
-    by the process manager).  After ``MPI.Finalize()`` no communicator can be made (MPICH would end the
-    process from inside the call, with no exception): ``CommunicatorClosed``."""
+    by the process manager).  After ``MPI.Finalize()`` no communicator can be made (MPICH
+    would end the process from inside the call, with no exception): ``CommunicatorClosed``."""
     MPI = _mpi()
     if MPI.Is_finalized():
         if not who:     # (MPI cannot say which rank this was any more; the launcher can)

@@ -81,9 +81,9 @@ queues an error frame to every peer and flushes for at most half a second; the p
 is ended instead (after what the kernel holds): they point into the buffers of sends
 whose callers get them back with the failure, so nothing more may go out, and the head
 frame may be half written; the peer fails the message the end cuts and reads the
-heartbeat's UDP notice for the reason.  ``close()`` shuts down the sending side (so queued bytes are delivered
-before the FIN), discards what is still unread (so the kernel does not answer with a
-reset) and closes every socket; no thread, no socket is left.
+heartbeat's UDP notice for the reason.  ``close()`` shuts down the sending side (so
+queued bytes are delivered before the FIN), discards what is still unread (so the kernel
+does not answer with a reset) and closes every socket; no thread, no socket is left.
 
 Measured here (2 vCPU VM, loopback, 2 ranks): 8-byte allreduce ~145 µs (shm ~30 µs with
 its board), 16 MiB ~18.5 ms (0.9 GB/s busbw; shm 6.5 ms) — about what a plain Python
