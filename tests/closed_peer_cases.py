@@ -8,6 +8,8 @@ sent.  ``mpiexec -n 3 python tests/closed_peer_cases.py MODE``; each rank prints
   flight and stays alive 6 s; ranks 0 and 1 call a barrier, or an allreduce of 4 MiB of
   NumPy or of shared arrays (shm_direct) (GPURT_TIMEOUT=60): ``PeerFailure`` naming rank 2
   and the close.
+- ``close send``: rank 2 closes; then ranks 0 and 1 send it 40 bytes / 4 MiB (shm):
+  ``PeerFailure`` naming rank 2 (the small one used to complete into the ring, lost).
 - ``exit``: rank 2 returns from main without closing (the exit handler closes it); the
   others as above.
 - ``drained``: rank 0 sends rank 1 a small and a 4 MiB message and closes at once; rank 1
@@ -41,13 +43,17 @@ def main() -> int:
     world, comm, r, p, _ = casekit.start()
     comm.allreduce(np.ones(4, np.float32))          # connected, warm
     if mode in ("close", "exit"):
+        call = sys.argv[2] if len(sys.argv) > 2 else "barrier"
         if r == 2:
             if mode == "close":
                 comm.close()
+                if call == "send":
+                    world.Barrier()     # (closed before the others send)
                 time.sleep(6)
             report(rank=r, outcome="left")
             return 0            # ("exit": the exit handler closes the communicator)
-        call = sys.argv[2] if len(sys.argv) > 2 else "barrier"
+        if call == "send":
+            world.Barrier()
         if call == "shared":            # shared arrays: shm_direct, the compiled round
             x = comm.empty(1 << 20, np.float32)
             x[:] = 1
@@ -57,6 +63,8 @@ def main() -> int:
         try:
             if call == "barrier":
                 comm.barrier()
+            elif call == "send":        # small (into the ring) / 4 MiB (single copy)
+                comm.send(np.ones(10 if r == 0 else 1 << 20, np.float32), 2, timeout=60)
             else:
                 comm.allreduce(x)
             outcome = "completed"

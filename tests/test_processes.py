@@ -416,15 +416,20 @@ def test_local_peer_exit_is_a_peer_failure_not_a_hang(tmp_path):
         assert f"rank {r}: poisoned" in text
 
 
-@pytest.mark.parametrize("transport,call", [("shm", "barrier"), ("tcp", "barrier"),
-                                            ("shm", "allreduce"), ("shm", "shared")])
-@pytest.mark.parametrize("mode", ["close", "exit"])
+@pytest.mark.parametrize("mode,transport,call", [
+    (mode, t, c) for mode in ("close", "exit")
+    for t, c in (("shm", "barrier"), ("tcp", "barrier"), ("shm", "allreduce"),
+                 ("shm", "shared"), ("shm", "send"))
+    if not (mode, c) == ("exit", "send")])
 def test_a_peer_that_closes_or_exits_is_a_peer_failure_at_once(mode, transport, call):
     """Rank 2 closes its communicator with no call in flight (and stays alive), or exits
     without closing it (the exit handler closes it; MPI_Finalize keeps the process there):
     ranks 0 and 1, in a barrier (or an allreduce: single copy, shm_direct) under
     GPURT_TIMEOUT=60, raise PeerFailure naming rank 2 within 3 s (shm: rank 2's close
-    notice; tcp: its connections' end) — not CollectiveTimeout a minute later."""
+    notice; tcp: its connections' end) — not CollectiveTimeout a minute later.  A send to
+    rank 2 once it has closed (shm) is a PeerFailure too: a small one completed into the
+    ring, never to be read ("send"; only after a close(): an exit's close has no moment
+    the others could wait for)."""
     env = {"GPURT_TIMEOUT": "60", **({"GPURT_TRANSPORTS": "tcp"} if transport == "tcp" else {})}
     recs = rank_records(run_mpi(3, ["tests/closed_peer_cases.py", mode, call],
                                 env=env).stdout, "CLOSED_PEER", 3)
