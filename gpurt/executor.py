@@ -580,9 +580,12 @@ class Engine:
 
     def _stopped_by_poison(self, e: BaseException) -> bool:
         """A run stopped (``CommunicatorClosed`` from it: a transport's "stopping", a
-        released segment's) because another thread poisoned the engine meanwhile."""
-        return self.poisoned is not None and self.poisoned is not e and \
-            isinstance(e, CommunicatorClosed)
+        released segment's) because another thread poisoned the engine meanwhile — or
+        failed in any way once another thread had (its abort() ended a tcp stream this
+        thread was writing, say): a consequence, not a failure of its own."""
+        return self.poisoned is not None and self.poisoned is not e and (
+            isinstance(e, CommunicatorClosed) or
+            isinstance(e, GpurtError) and self.teller != threading.get_ident())
 
     def _fail(self, e: BaseException, req: Request | None) -> None:
         if isinstance(e, Exception):
@@ -704,6 +707,9 @@ class Engine:
         except CollectiveTimeout:
             raise           # (the request stays in flight: wait again, or abort())
         except GpurtError as e:
+            if self._stopped_by_poison(e):      # (another thread's abort() came first)
+                self.wait_told()
+                raise (req.error or self.poisoned) from None
             # a peer's failure from the liveness checks: PeerFailure, or what it published
             # as something else (a CollectiveMismatchError, errors.from_peer; a transport's
             # own TransportError)

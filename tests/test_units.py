@@ -759,3 +759,37 @@ def test_shared_array_shapes_are_checked_like_numpy():
         sharedmem.empty((2**32, 2**32))
     assert sharedmem.empty((3, np.int64(2)), np.int8).shape == (3, 2)
     assert sharedmem.empty((), np.float64).shape == ()
+
+
+def test_an_error_after_another_threads_abort_is_the_abort():
+    """Once another thread's abort() poisoned the engine, whatever this thread's run then
+    raises (tcp: a TransportError, the stream it was writing ended by the abort's telling)
+    is a consequence: the Request ends with the abort's error, as a run's
+    CommunicatorClosed did (the polling caller got 'the write ... was interrupted
+    mid-frame' in one CI run of tests/revoked_cases.py)."""
+    import threading
+
+    from gpurt.errors import CommunicatorClosed, TransportError
+    from gpurt.executor import Engine, Request
+
+    eng = Engine(0, lambda: 10.0, lambda peers, collective=False: None, spin=0.0)
+
+    class Run:
+        done = False
+
+        def advance(self):
+            if eng.poisoned is None:
+                t = threading.Thread(target=eng.poison,
+                                     args=(CommunicatorClosed("rank 0: watchdog"),))
+                t.start()
+                t.join()
+                raise TransportError("the write to rank 1 was interrupted mid-frame")
+            return False
+
+        def waiting_on(self):
+            return [1]
+
+    req = Request(eng, "send", 1, Run, p2p=True)
+    eng.submit(req)
+    with pytest.raises(CommunicatorClosed, match="rank 0: watchdog"):
+        req.wait(5)
