@@ -2025,9 +2025,13 @@ class Communicator:
         nbytes = _nbytes(nbytes)
         text = self.tuner.explain(collective, nbytes)
         if self.direct_choice(collective, nbytes):
-            text += (f"\n{shm_direct.NAME}: tried first (S >= its threshold on this one-node "
-                     f"communicator; GPURT_SHM_DIRECT*), the choice above where a rank's "
-                     f"buffers are out of reach")
+            if self.tuner.profile_winner(collective, nbytes) == shm_direct.NAME:
+                why = "the profile's fastest at this size (measured: GPURT_PROFILE)"
+            else:
+                why = ("S >= its threshold on this one-node communicator; "
+                       "GPURT_SHM_DIRECT*")
+            text += (f"\n{shm_direct.NAME}: tried first ({why}), the choice above where a "
+                     f"rank's buffers are out of reach")
         if self._room:      # decided as a call of float32 elements decides it
             n = int(nbytes) // 4 // (self.size if collective in _BLOCKED else 1)
             try:

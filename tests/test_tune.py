@@ -45,6 +45,22 @@ def test_tune_writes_a_profile_the_tuner_follows(tmp_path):
     assert "2 ranks followed the profile" in res.stdout, res.stdout
 
 
+def test_a_profile_that_picks_shm_direct_is_followed_and_explained(tmp_path):
+    """A profile whose fastest is shm_direct (decided outside the tuner's table) at sizes
+    below its own threshold: the calls take it, and explain() says the profile chose it —
+    it said 'S >= its threshold', with no '(measured: GPURT_PROFILE)', which failed
+    test_tune_writes_a_profile_the_tuner_follows whenever a loaded machine measured
+    shm_direct fastest at some size."""
+    rows = [[S, "shm_direct", {"shm_direct": 1e-6, "ring": 1e-3, "shm_board": 1e-3}]
+            for S in (8, 256, 8192, 262144)]
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps({"version": 1, "nranks": 2, "nnodes": 1,
+                             "entries": {"allreduce": rows}}))
+    (tmp_path / "use.py").write_text(USE_PROFILE)
+    res = run_mpi(2, [str(tmp_path / "use.py"), str(f)], env={"GPURT_PROFILE": str(f)})
+    assert "2 ranks followed the profile" in res.stdout, res.stdout
+
+
 def test_a_handmade_profile_decides_and_a_bad_one_is_an_error(tmp_path):
     prof = {"version": 1, "nranks": 3, "nnodes": 1,
             "entries": {"allreduce": [[8, "ring", {}], [1 << 20, "recursive_doubling", {}]]}}
