@@ -703,17 +703,19 @@ class Communicator:
             except Exception:  # noqa: BLE001 - best effort on the way out
                 pass
 
-    def _check_peers(self, peers: list[int], collective: bool = False) -> None:
+    def _check_peers(self, peers: list[int], at_deadline: bool = False) -> None:
         """The engine's liveness check: the peers waited on (``check``: gone, stopped,
-        failed); with a collective in flight (every rank takes part) also any other peer
-        that published a failure — read where it already is (shm's error records, tcp's
-        error frames and UDP notices), no peer asked — so a rank waiting on a slow one
-        learns of a third one's failure at once, not at its deadline."""
+        failed); at a collective's deadline also any other peer that published a failure
+        — read where it already is (shm's error records, tcp's error frames and UDP
+        notices), no peer asked — so a rank that waited in vain on a slow one names the
+        third one whose failure held it up, not the slow one.  (Not before the deadline:
+        the slow rank may still come and the call complete, if the failed rank had done
+        its part — a peer's failure fails this rank's *next* call.)"""
         for p in peers:
             ep = self.endpoints.get(p)
             if ep is not None:
                 ep.check()
-        if collective and peers:
+        if at_deadline and peers:
             for p, ep in self.endpoints.items():
                 published = getattr(ep, "published", None)
                 if p not in peers and published is not None:
@@ -722,8 +724,8 @@ class Communicator:
                     # most likely for the slow rank this one waits for too, which its
                     # own deadline names — the better blame)
                     if e is not None and not _TIMED_OUT.search(e.args[0]):
-                        e.args = (f"{e.args[0]} (while this rank waited for rank(s) "
-                                  f"{peers})",) + e.args[1:]
+                        e.args = (f"{e.args[0]} (this rank waited for rank(s) {peers} "
+                                  f"until its deadline)",) + e.args[1:]
                         raise e
 
     # -- properties --------------------------------------------------------------

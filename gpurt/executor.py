@@ -476,6 +476,9 @@ class Engine:
                     self.on_poison(exc)
                 except Exception:  # noqa: BLE001 - reporting must not mask the failure
                     self.told.set()
+                except BaseException:   # (a Ctrl-C while telling: nobody waits on it)
+                    self.told.set()
+                    raise
         for r in list(self.colls) + self.p2p:
             if not r.done and r.error is None:
                 r.error = exc
@@ -641,11 +644,11 @@ class Engine:
                collective: Callable[[], bool] = lambda: True) -> None:
         """The one wait loop: ``step`` until ``finished``; spin, yield, then sleep while
         nothing moves (``wait.Backoff``); every 0.2 s ask the endpoints whether the peers
-        still waited on are alive — and, while ``collective()`` (a collective is in
-        flight), whether any peer has published a failure: it takes part too, so the call
-        cannot end well, and waiting on a slow rank would only blame that one at the
-        deadline (``PeerFailure`` propagates) — and raise ``timed_out``'s exception past
-        the deadline."""
+        still waited on are alive (``PeerFailure`` propagates) and raise ``timed_out``'s
+        exception past the deadline — unless, in a collective (``collective()``), another
+        peer has published a failure: it explains the wait better than the slow rank
+        waited on (which may still come, and completes the call if the failed one had done
+        its part: so only at the deadline)."""
         timeout = self._timeout() if timeout is None else float(timeout)
         start = time.monotonic()
         deadline = start + timeout
@@ -668,7 +671,7 @@ class Engine:
             now = time.monotonic()
             if now >= next_check:
                 next_check = min(now + 0.2, deadline)
-                self._check_peers(waiting_on(), collective())
+                self._check_peers(waiting_on(), now >= deadline and collective())
                 if now >= deadline:
                     raise timed_out(timeout, waiting_on())
 

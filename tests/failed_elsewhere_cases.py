@@ -1,12 +1,15 @@
-"""A rank that fails while the others wait in a collective on a slow, healthy rank: they
-learn of the failure at once, not at their deadline blaming the slow one.
-``mpiexec -n 5 python tests/failed_elsewhere_cases.py [ALGO]``; each rank prints one
-``ELSEWHERE {json}`` record.
+"""A rank that fails while the others wait in a collective on a slow, healthy rank.
+``mpiexec -n 5 python tests/failed_elsewhere_cases.py ring`` or ``mpiexec -n 3 python
+tests/failed_elsewhere_cases.py done`` (both under ``GPURT_CHECK=0``: no agreement exchange,
+which waits on every rank); each rank prints one ``ELSEWHERE {json}`` record.
 
-Rank 2 calls ``abort()`` (no call in flight: it publishes the failure); rank 4 sleeps 6 s
-before it calls; ranks 0, 1, 3 call a 1 MiB ring allreduce with ``timeout=4``.  Under
-``GPURT_CHECK=0`` (no agreement exchange, which waits on every rank) rank 0 of the ring
-waits only on rank 4, its left neighbour: it used to time out blaming rank 4.
+- ``ring``: rank 2 calls ``abort()`` (no call in flight: it publishes the failure); rank 4
+  sleeps 6 s before it calls; ranks 0, 1, 3 call a 1 MiB ring allreduce with
+  ``timeout=4``.  A rank of the ring that waits only on the late rank 4 (rank 0 over tcp)
+  used to time out blaming rank 4: at its deadline it names rank 2's failure instead.
+- ``done``: a 1 MiB binomial gather to rank 0, rank 1 1.5 s late; rank 2 delivers its
+  block, returns, and then fails (abort()).  The gather completes on every rank, exact —
+  the failure fails the next call, not one whose part the failed rank had done.
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ def main() -> None:
     r = comm.rank
     comm.allreduce(np.ones(4))
     world.Barrier()
+    if sys.argv[1] == "done":
+        done(world, comm, r)
+        return
     x = np.ones(1 << 18, np.float32)
     if r == 2:
         comm.abort("rank 2 gave up")
@@ -36,12 +42,31 @@ def main() -> None:
             time.sleep(6)
         t0 = time.monotonic()
         try:
-            comm.allreduce(x, algo=sys.argv[1] if len(sys.argv) > 1 else None, timeout=4)
+            comm.allreduce(x, algo="ring", timeout=4)
             out = "done"
         except gpurt.GpurtError as e:
             out = (f"{type(e).__name__}(rank={getattr(e, 'rank', None)}) "
                    f"{time.monotonic() - t0:.1f}s: {e}")
     print("ELSEWHERE " + json.dumps({"rank": r, "out": out}), flush=True)
+    world.Barrier()
+    comm.close()
+
+
+def done(world, comm, r: int) -> None:
+    n = 1 << 17
+    x = np.full(n, float(r + 1))
+    out = np.zeros(n * comm.size) if r == 0 else None
+    if r == 1:
+        time.sleep(1.5)
+    try:
+        comm.gather(x, out, root=0, algo="binomial", timeout=20)
+        want = np.repeat(np.arange(1.0, comm.size + 1), n)
+        res = "exact" if r or np.array_equal(out, want) else "WRONG DATA"
+    except gpurt.GpurtError as e:
+        res = f"{type(e).__name__}: {e}"
+    if r == 2:
+        comm.abort("rank 2 failed after its last call")
+    print("ELSEWHERE " + json.dumps({"rank": r, "out": res}), flush=True)
     world.Barrier()
     comm.close()
 
