@@ -29,6 +29,7 @@ import ctypes
 import errno
 import itertools
 import mmap
+import operator
 import os
 import struct
 import threading
@@ -128,11 +129,13 @@ def empty(shape, dtype=np.float32) -> np.ndarray:
         raise TypeError(f"gpurt.empty: dtype {dt} holds Python objects; shared memory "
                         f"takes plain data only")
     dims = (shape,) if np.ndim(shape) == 0 else tuple(shape)
-    if not all(isinstance(s, (int, np.integer)) and not isinstance(s, (bool, np.bool_))
-               for s in dims):
+    try:
+        if any(isinstance(s, (bool, np.bool_)) for s in dims):
+            raise TypeError
+        shp = tuple(operator.index(s) for s in dims)    # (as numpy.empty: no floats)
+    except TypeError:
         raise TypeError(f"gpurt.empty: shape {shape!r} must be integers (as numpy.empty "
-                        f"takes)")
-    shp = tuple(int(s) for s in dims)
+                        f"takes)") from None
     if any(s < 0 for s in shp):
         raise ValueError(f"gpurt.empty: negative dimension in shape {shp}")
     count = 1

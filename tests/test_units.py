@@ -758,6 +758,8 @@ def test_shared_array_shapes_are_checked_like_numpy():
     with pytest.raises(ValueError, match="more than any machine holds"):
         sharedmem.empty((2**32, 2**32))
     assert sharedmem.empty((3, np.int64(2)), np.int8).shape == (3, 2)
+    assert sharedmem.empty(np.array(5), np.int8).shape == (5,)     # (0-d: as numpy)
+    assert sharedmem.empty(np.array([2, 3]), np.int8).shape == (2, 3)
     assert sharedmem.empty((), np.float64).shape == ()
 
 
