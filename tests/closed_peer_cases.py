@@ -8,8 +8,10 @@ sent.  ``mpiexec -n 3 python tests/closed_peer_cases.py MODE``; each rank prints
   flight and stays alive 6 s; ranks 0 and 1 call a barrier, or an allreduce of 4 MiB of
   NumPy or of shared arrays (shm_direct) (GPURT_TIMEOUT=60): ``PeerFailure`` naming rank 2
   and the close.
-- ``close send``: rank 2 closes; then ranks 0 and 1 send it 40 bytes / 4 MiB (shm):
-  ``PeerFailure`` naming rank 2 (the small one used to complete into the ring, lost).
+- ``close send``: rank 2 aborts (fails); then ranks 0 and 1 send it 40 bytes / 4 MiB
+  (shm): ``PeerFailure`` naming rank 2 (the small one used to complete into the ring,
+  lost).  A peer that only closed is not checked by a send: its rejection of the call's
+  input, say, must come first.
 - ``exit``: rank 2 returns from main without closing (the exit handler closes it); the
   others as above.
 - ``drained``: rank 0 sends rank 1 a small and a 4 MiB message and closes at once; rank 1
@@ -46,9 +48,11 @@ def main() -> int:
         call = sys.argv[2] if len(sys.argv) > 2 else "barrier"
         if r == 2:
             if mode == "close":
-                comm.close()
-                if call == "send":
-                    world.Barrier()     # (closed before the others send)
+                if call == "send":      # (failed, not closed: see the docstring)
+                    comm.abort("rank 2 gave up (and closed its side)")
+                    world.Barrier()     # (before the others send)
+                else:
+                    comm.close()
                 time.sleep(6)
             report(rank=r, outcome="left")
             return 0            # ("exit": the exit handler closes the communicator)

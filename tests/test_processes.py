@@ -427,9 +427,9 @@ def test_a_peer_that_closes_or_exits_is_a_peer_failure_at_once(mode, transport, 
     ranks 0 and 1, in a barrier (or an allreduce: single copy, shm_direct) under
     GPURT_TIMEOUT=60, raise PeerFailure naming rank 2 within 3 s (shm: rank 2's close
     notice; tcp: its connections' end) — not CollectiveTimeout a minute later.  A send to
-    rank 2 once it has closed (shm) is a PeerFailure too: a small one completed into the
-    ring, never to be read ("send"; only after a close(): an exit's close has no moment
-    the others could wait for)."""
+    rank 2 once it has failed (abort(), shm) is a PeerFailure too: a small one completed
+    into the ring, never to be read ("send"; only with a close: an exit's close has no
+    moment the others could wait for)."""
     env = {"GPURT_TIMEOUT": "60", **({"GPURT_TRANSPORTS": "tcp"} if transport == "tcp" else {})}
     recs = rank_records(run_mpi(3, ["tests/closed_peer_cases.py", mode, call],
                                 env=env).stdout, "CLOSED_PEER", 3)

@@ -652,8 +652,12 @@ class ShmEndpoint:
 
     def send(self, src: np.ndarray, lane: int, tag: int, sig: int) -> _Msg:
         seg = self.owner.seg
-        if seg.q[seg.err_off(self.local_peer) // 8]:
-            self._gone()        # (a message into its ring would complete, and be lost)
+        w = seg.q[seg.err_off(self.local_peer) // 8]
+        if w and not w & CLOSED:
+            # failed: a message into its ring would complete, and be lost.  (A peer that
+            # only closed is left to the receives: its rejection of this call's input,
+            # say, then comes first as the error this call raises)
+            self._gone()
         ring = self.tx[lane]
         m = _Msg(ring, self.peer, lane, src.nbytes, tag, sig, data=src)
         ring.queue.append(m)
@@ -672,16 +676,12 @@ class ShmEndpoint:
         return m
 
     def _gone(self) -> None:
-        """A send to a peer that has closed or failed: nobody will read it."""
+        """A send to a peer that has failed: nobody will read it."""
         seg = self.owner.seg
         pid = self._pid or seg.q[seg.pid_i(self.local_peer)]
         err = seg.read_error(self.local_peer)
-        if err:
-            raise from_peer(err, f"rank {self.peer} (pid {pid}, same node) failed: {err}",
-                            relayed_rank(err, self.peer))
-        raise PeerFailure(f"rank {self.peer} (pid {pid}, same node) closed the communicator "
-                          f"(close(), or its process's exit) before this send to it: "
-                          f"nobody would receive it", rank=self.peer)
+        raise from_peer(err, f"rank {self.peer} (pid {pid}, same node) failed before this "
+                             f"send to it: {err}", relayed_rank(err, self.peer))
 
     def published(self) -> Exception | None:
         """The failure the peer published (its error record), if any — no system call
