@@ -646,13 +646,13 @@ class ShmEndpoint:
         self.tx = [_Ring(seg, me, local_peer, lane, True) for lane in range(LANES)]
         self.rx = [_Ring(seg, local_peer, me, lane, False) for lane in range(LANES)]
         self._pid = 0
+        self.err_i = seg.err_off(local_peer) // 8      # the peer's error record's word
         self._stopped_since: float | None = None
         self._closed_seen = False
         self.maps: sharedmem.PeerMaps | None = None     # the peer's shared arrays
 
     def send(self, src: np.ndarray, lane: int, tag: int, sig: int) -> _Msg:
-        seg = self.owner.seg
-        w = seg.q[seg.err_off(self.local_peer) // 8]
+        w = self.owner.seg.q[self.err_i]
         if w and not w & CLOSED:
             # failed: a message into its ring would complete, and be lost.  (A peer that
             # only closed is left to the receives: its rejection of this call's input,
@@ -700,10 +700,9 @@ class ShmEndpoint:
         seg = self.owner.seg
         if not self._pid:
             self._pid = seg.q[seg.pid_i(self.local_peer)]
-        err = seg.read_error(self.local_peer)
-        if err:
-            raise from_peer(err, f"rank {self.peer} (pid {self._pid}, same node) failed: {err}",
-                            relayed_rank(err, self.peer))
+        failed = self.published()
+        if failed is not None:
+            raise failed
         closed = seg.read_error(self.local_peer, closed=True)
         if closed:
             # everything the peer sent before it closed is in the rings already: a wait
@@ -1001,14 +1000,14 @@ class ShmTransport:
         rings = [(ep.peer, ring) for ep in self.endpoints.values() for ring in ep.tx]
         deadline = time.monotonic() + bound
         seg = self.seg
-        mine = seg.q[seg.err_off(self.local_rank) // 8]
+        mine = q[seg.err_off(self.local_rank) // 8]
         if mine and not mine & CLOSED:
             return      # failed here: the peers read no single-copy send of ours (_trust)
         while True:
             late = [(peer, ring) for peer, ring in rings if q[ring.ack_i] < ring.acks]
             # (a peer that has exited, failed or closed reads nothing any more)
             late = [(p, ring) for p, ring in late
-                    if not seg.q[seg.err_off(self.endpoints[p].local_peer) // 8]
+                    if not q[self.endpoints[p].err_i]
                     and _pid_alive(self.endpoints[p]._pid
                                    or q[seg.pid_i(self.endpoints[p].local_peer)])]
             if not late:
