@@ -51,6 +51,7 @@ from .tuner import Native, Tuner, load_profile, oversubscribed, transport_cost
 from .wait import spin_seconds
 
 from gpurt.transports import shm_board, shm_direct  # noqa: E402  (after the core imports)
+from gpurt.transports.base import p2p_sig  # noqa: E402
 from gpurt.transports.tcp import _settings as tcp_settings  # noqa: E402
 
 log = logging.getLogger("gpurt.comm")
@@ -1911,7 +1912,7 @@ class Communicator:
             raise ValueError(f"rank {self.rank}: tag must be an int from 0 to 2**64-1, got "
                              f"{tag!r}")
         dev = b.kind != "host"
-        sig = zlib.crc32(f"p2p|{b.dtype.str}{'@device' if dev else ''}".encode())
+        sig = p2p_sig(b.dtype, dev)
         sl = Slice("in" if kind == "send" else "out", 0, b.count)
         sched = Schedule(((Send(peer, sl) if kind == "send" else Recv(peer, sl),),))
         from gpurt.transports import LANE_P2P

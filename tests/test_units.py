@@ -795,3 +795,30 @@ def test_an_error_after_another_threads_abort_is_the_abort():
     eng.submit(req)
     with pytest.raises(CommunicatorClosed, match="rank 0: watchdog"):
         req.wait(5)
+
+
+def test_a_point_to_point_dtype_mismatch_names_both_dtypes():
+    """A message and its receive that agree on tag and size but not on dtype (or on where
+    the buffer lives): the error says what each is — every dtype a message can carry,
+    read back from its signature; a collective's or an unknown signature stays a
+    signature."""
+    from gpurt.transports.base import LANE_COLL, LANE_P2P, mismatch_detail, p2p_sig
+
+    f4, i4 = p2p_sig(np.dtype(np.float32), False), p2p_sig(np.dtype(np.int32), False)
+    assert mismatch_detail(LANE_P2P, 3, f4, 32, 3, i4, 32) == (
+        "both are tag 3 but the message is float32 x 8 (32 bytes) and the receive int32 x "
+        "8 (32 bytes)")
+    c16 = p2p_sig(np.dtype(np.complex128), True)
+    b1 = p2p_sig(np.dtype(np.bool_), False)
+    assert mismatch_detail(LANE_P2P, 0, c16, 48, 0, b1, 40) == (
+        "both are tag 0 but the message is complex128 x 3 in device memory (48 bytes) and "
+        "the receive bool x 40 (40 bytes)")
+    f2 = p2p_sig(np.dtype(np.float16), False)
+    assert mismatch_detail(LANE_P2P, 1, f2, 6, 1, p2p_sig(np.dtype(BFLOAT16), False), 6) == (
+        "both are tag 1 but the message is float16 x 3 (6 bytes) and the receive bfloat16 "
+        "x 3 (6 bytes)")
+    assert "float64 x 1.5 (12 bytes)" in mismatch_detail(
+        LANE_P2P, 1, p2p_sig(np.dtype(np.float64), False), 12, 1, f4, 12)
+    assert mismatch_detail(LANE_P2P, 1, f4, 32, 1, f4, 32) is None
+    for lane, sig in ((LANE_COLL, f4), (LANE_P2P, 0x1234)):
+        assert "signature" in mismatch_detail(lane, 1, sig, 32, 1, i4, 32)

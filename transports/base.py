@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import zlib
 from typing import Callable, Protocol, runtime_checkable
 
 import numpy as np
@@ -97,6 +98,38 @@ def registered() -> list[tuple[str, Callable[[], type]]]:
     return list(_REGISTRY)
 
 
+def p2p_sig(dtype: np.dtype, device: bool) -> int:
+    """The signature of a point-to-point message: its dtype and where its buffer lives
+    (the receiver checks the size apart)."""
+    return _p2p_sig(dtype.str, device)
+
+
+def _p2p_sig(dtype_str: str, device: bool) -> int:
+    return zlib.crc32(f"p2p|{dtype_str}{'@device' if device else ''}".encode())
+
+
+_P2P_NAMES: dict[int, tuple[str, int, str]] = {}
+
+
+def _p2p_named(sig: int, total: int) -> str | None:
+    """A point-to-point message of signature ``sig`` and ``total`` bytes in words
+    ("float32 x 8 (32 bytes)", "int8 x 3 in device memory (3 bytes)"), for every dtype
+    a message can carry; None for any other signature."""
+    if not _P2P_NAMES:
+        kinds = [(d.str, d.name, d.itemsize) for d in map(np.dtype, "?bBhHiIlLqQefdgFDG")]
+        kinds += [("<V2", "bfloat16", 2), (">V2", "bfloat16", 2)]    # ml_dtypes' to NumPy
+        for text, name, size in kinds:
+            for dev in (False, True):
+                _P2P_NAMES[_p2p_sig(text, dev)] = (name, size,
+                                                   " in device memory" if dev else "")
+    got = _P2P_NAMES.get(sig)
+    if got is None:
+        return None
+    name, size, where = got
+    n = f"{total // size}" if total % size == 0 else f"{total / size:g}"
+    return f"{name} x {n}{where} ({total} bytes)"
+
+
 def mismatch_detail(lane: int, tag: int, sig: int, total: int,
                     want_tag: int, want_sig: int, want_total: int,
                     upto: bool = False) -> str | None:
@@ -107,6 +140,10 @@ def mismatch_detail(lane: int, tag: int, sig: int, total: int,
     if tag != want_tag:
         return f"it carries {what}{tag}, this rank expects {what}{want_tag}"
     if sig != want_sig:
+        got, want = (_p2p_named(sig, total), _p2p_named(want_sig, want_total)) \
+            if lane == LANE_P2P else (None, None)
+        if got and want:    # (what a message is and what its receive is for, by dtype)
+            return f"both are {what}{tag} but the message is {got} and the receive {want}"
         return (f"both are {what}{tag} but the calls differ (dtype, count, op, root or "
                 f"collective; signature {sig:#x} vs {want_sig:#x})")
     if upto and total <= want_total:

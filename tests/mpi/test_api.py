@@ -328,6 +328,14 @@ def test_p2p_mismatch_is_an_error_not_garbage(comm):
                 c.recv(np.empty(4, np.float32), 0, tag=4)
             with pytest.raises(gpurt.CommunicatorClosed):
                 c.recv(np.empty(4, np.float32), 0, tag=4)
+    with scratch(comm) as c:      # the same tag and bytes, another dtype: both named
+        if r == 0:
+            c.send(np.ones(4, np.float32), 1, tag=3)
+        elif r == 1:
+            with pytest.raises(gpurt.CollectiveMismatchError,
+                               match=r"rank 0.*tag 3 but the message is float32 x 4 "
+                                     r"\(16 bytes\) and the receive int32 x 4 \(16 bytes\)"):
+                c.recv(np.empty(4, np.int32), 0, tag=3)
 
 
 def test_collective_size_mismatch_is_detected(comm):
