@@ -18,6 +18,8 @@ import sys
 import time
 from collections import deque
 
+import numpy as np
+
 from . import callsite, config
 
 # record fields (a list, so the hot path only appends and assigns); SITE: the call site's
@@ -77,7 +79,8 @@ class FlightRecorder:
         rec[STATE] = "done"
 
     def records(self) -> list[dict]:
-        return [{"seq": e[SEQ], "kind": e[KIND], "args": _args(e[ARGS]), "algorithm": e[ALGO],
+        return [{"seq": e[SEQ], "kind": e[KIND], "args": "" if e[KIND] == "barrier" else
+                 _args(e[ARGS]), "algorithm": e[ALGO],
                  "t_start": e[T0], "t_end": e[T1] or None, "state": e[STATE],
                  "site": callsite.decode(callsite.words(e[SITE])) if len(e) > SITE else ""}
                 for e in self._all()]
@@ -129,15 +132,31 @@ class FlightRecorder:
 
 
 def _args(a: tuple) -> str:
+    """A call's arguments as the user wrote them: ``float32 x 4 SUM root=1``."""
     if not a:
         return ""
     dtype, n, op, root = a
-    text = f"{dtype} x {n}"
+    text = f"{_dtype_name(dtype)} x {n}"
     if op is not None:
         text += f" {op.name if hasattr(op, 'name') else op}"
     if root is not None:
         text += f" root={root}"
     return text
+
+
+def _dtype_name(text: str) -> str:
+    """NumPy's name of a dtype given as ``dtype.str`` ('<f4': float32; ml_dtypes'
+    bfloat16, '<V2' to NumPy, by its own name)."""
+    if text[1:] == "V2":
+        return "bfloat16"
+    try:
+        return np.dtype(text).name
+    except TypeError:
+        return text
+
+
+def _what(r: dict) -> str:
+    return ", ".join(x for x in (r["args"], r["algorithm"]) if x)
 
 
 def line_up(paths: list[str]) -> str:
@@ -170,13 +189,13 @@ def line_up(paths: list[str]) -> str:
             rec = calls[inside[0]]
             if len(shapes) == 1:
                 out.append(f"  first call not completed everywhere: #{first_open} "
-                           f"{rec['kind']} ({rec['args']}, {rec['algorithm']})")
+                           f"{rec['kind']} ({_what(rec)})")
             else:
                 out.append(f"  first call not completed everywhere: #{first_open}, and the "
                            f"ranks called different collectives there:")
                 for rk in inside:
                     r = calls[rk]
-                    out.append(f"      rank {rk}: {r['kind']} ({r['args']}, {r['algorithm']})")
+                    out.append(f"      rank {rk}: {r['kind']} ({_what(r)})")
             out.append(f"    entered by rank(s) {inside}")
             for rk in inside:
                 site = calls[rk].get("site")
