@@ -50,6 +50,8 @@ OPS = ("sum", "prod", "min", "max", "avg", "band", "bor", "bxor")
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "int16", "int32", "int64",
           "uint8", "uint16", "uint32", "uint64", "complex64", "complex128", "bool")
 BASELINES = ("mpi", "gloo", "nocheck")
+#: dtypes torch.distributed's gloo backend refuses ("Invalid scalar type"; torch 2.x)
+_GLOO_NO_DTYPES = ("int16", "uint16", "uint32", "uint64")
 #: blocks per size when two libraries are timed in the same run (gpurt and nocheck)
 _BLOCKS = 8
 #: ranks `gpurt bench` launches without -n (and outside an MPI launch)
@@ -160,11 +162,11 @@ def busbw_factor(coll: str, nranks: int) -> float:
     n = nranks
     if coll == "allreduce":
         return 2 * (n - 1) / n
-    if coll in ("allgather", "reduce_scatter", "alltoall"):
-        return (n - 1) / n
+    if coll in ("allgather", "reduce_scatter", "alltoall", "gather", "scatter"):
+        return (n - 1) / n   # gather/scatter: nccl-tests' GatherGetBw/ScatterGetBw
     if coll == "barrier":
         return 0.0
-    return 1.0  # broadcast, reduce, gather, scatter, sendrecv
+    return 1.0  # broadcast, reduce, sendrecv
 
 
 def min_traffic(coll: str, nranks: int, nbytes: int) -> tuple[int, int]:
@@ -357,7 +359,11 @@ def check_output(coll: str, nranks: int, rank: int, c: int, dtype: np.dtype, op:
     flat = np.asarray(out).reshape(-1)
     if flat.size < max(o + n for o, n, *_ in segs):
         raise ValueError(f"{coll}: output of {flat.size} elements is too short")
-    return sum(_tiled(flat[off:off + length], kind, q, src, src // c, dtype, op, nranks, True)
+    # the pattern is indexed within each block (src is always a block's start): with the
+    # global index, block b of a rank was block 0 shifted by b·(7c + 3), a whole period
+    # whenever 7c + 3 ≡ 0 (mod M) — every block alike, a wrong block undetectable
+    return sum(_tiled(flat[off:off + length], kind, q, src % c, src // c, dtype, op, nranks,
+                      True)
                for off, length, kind, q, src in segs)
 
 
@@ -371,8 +377,8 @@ def expected_output(coll: str, nranks: int, rank: int, c: int, dtype: np.dtype,
     op = op if coll in REDUCING else None
     out = np.empty(max(o + n for o, n, *_ in segs), dtype)
     for off, length, kind, q, src in segs:
-        out[off:off + length] = _stream(kind, q, src, length, dtype, op, nranks,
-                                        src // c if c else 0)
+        out[off:off + length] = _stream(kind, q, src % c if c else 0, length, dtype, op,
+                                        nranks, src // c if c else 0)
     return out
 
 
@@ -384,7 +390,7 @@ def fill_input(x: np.ndarray, rank: int, dtype: np.dtype, op: str | None, nranks
     if x.size == 0 or c == 0:
         return
     for b, k in enumerate(range(0, x.size, c)):
-        _tiled(x[k:k + c], "copy", rank, k, b, dtype, op, nranks, False)
+        _tiled(x[k:k + c], "copy", rank, 0, b, dtype, op, nranks, False)
 
 
 # ---------------------------------------------------------------------------------------
@@ -516,6 +522,11 @@ class _MpiLib(_Lib):
         MPI, c, r, n = self.MPI, self.comm, self.rank, self.size
         o = {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX,
              "band": MPI.BAND, "bor": MPI.BOR, "bxor": MPI.BXOR, None: None}[op]
+        if x.dtype == np.bool_ and op is not None:
+            # MPI_C_BOOL takes only the logical ops (MPI_MAX, MPI_BAND... are erroneous on
+            # it); on bools they compute what gpurt's max/min/band/bor/bxor do
+            o = {"max": MPI.LOR, "bor": MPI.LOR, "min": MPI.LAND, "band": MPI.LAND,
+                 "bxor": MPI.LXOR}[op]
         name = "MPI_" + {"allreduce": "Allreduce", "reduce": "Reduce", "broadcast": "Bcast",
                          "allgather": "Allgather", "reduce_scatter": "Reduce_scatter_block",
                          "alltoall": "Alltoall", "gather": "Gather", "scatter": "Scatter",
@@ -1586,6 +1597,11 @@ def bench_command(collective, nranks, minbytes, maxbytes, factor, warmup, iters,
     from gpurt.ops import as_op, check_op
     # what the options say on their own is refused here, before any rank is launched
     check_sweep_options(minbytes, maxbytes, factor)
+    for opt, path in (("--json", json_path), ("--plot", plot_path)):
+        if path and not Path(path).absolute().parent.is_dir():
+            # else the whole sweep runs and its JSON/PNG write ends in a traceback
+            raise click.BadParameter(f"{path}: no directory {Path(path).absolute().parent}",
+                                     param_hint=f"'{opt}'")
     try:
         dt = parse_dtype(dtype)
     except ValueError as e:      # bfloat16 without ml_dtypes
@@ -1595,10 +1611,17 @@ def bench_command(collective, nranks, minbytes, maxbytes, factor, warmup, iters,
             check_op(as_op(op), dt)
         except (TypeError, ValueError) as e:
             raise click.UsageError(str(e)) from None
-        if op == "avg" and baselines:
+        if op == "avg" and set(baselines) - {"nocheck"}:
             raise click.UsageError("MPI and gloo have no AVG op: use another -o with "
                                    "--baseline")
-    if dtype == "bfloat16" and baselines:
+    if "gloo" in baselines and dtype in _GLOO_NO_DTYPES:
+        raise click.UsageError(f"gloo has no {dtype} (torch.distributed's gloo backend: "
+                               f"'Invalid scalar type'); use another -d with --baseline gloo")
+    if ("gloo" in baselines and collective in REDUCING and dt.kind == "c"
+            and op != "sum"):
+        raise click.UsageError(f"gloo reduces complex tensors with sum only, not {op}; use "
+                               f"another -o or -d with --baseline gloo")
+    if dtype == "bfloat16" and set(baselines) - {"nocheck"}:
         raise click.UsageError("bfloat16 is gpurt's (via ml_dtypes): MPI has no datatype for "
                                "it and torch.from_numpy cannot view it; use another -d with "
                                "--baseline")

@@ -585,6 +585,9 @@ def test_sizes_and_formulas():
     assert B.busbw_factor("allreduce", 4) == pytest.approx(1.5)
     assert B.busbw_factor("alltoall", 4) == pytest.approx(0.75)
     assert B.busbw_factor("broadcast", 4) == 1.0
+    # nccl-tests' GatherGetBw / ScatterGetBw: (n-1)/n, the root's own block never moves
+    assert B.busbw_factor("gather", 4) == pytest.approx(0.75)
+    assert B.busbw_factor("scatter", 3) == pytest.approx(2 / 3)
     assert B.min_bytes_per_rank("allreduce", 4, 1000) == 2000
     assert B.min_bytes_per_rank("allgather", 4, 1000) == 1250
     assert B.min_bytes_per_rank("gather", 4, 1000) == 500
@@ -643,3 +646,69 @@ def test_direct_ab_script_runs():
     for ln in lines:
         want = "ran shm_direct" if " shm_direct " in ln else "ran "
         assert want in ln and ("shm_direct" in ln.split("ran ")[1]) == (" shm_direct " in ln), ln
+
+
+@pytest.mark.parametrize("coll,op", [("reduce_scatter", "sum"), ("alltoall", None),
+                                     ("scatter", None)])
+@pytest.mark.parametrize("dtype", ["float32", "int8", "uint8", "float16"])
+def test_checker_tells_a_ranks_blocks_apart_at_every_count(coll, op, dtype):
+    """A collective that delivers another block of the right rank is caught whatever the
+    per-rank count: with the pattern indexed over the whole buffer, block b was block 0
+    shifted by b·(7c + 3) — a whole period when 7c + 3 ≡ 0 (mod M), e.g. c = 3 for the
+    reductions' M = 8 (reduce_scatter -n 5 at 60 B, 1020 B, ... 64 MiB), c = 54 for int8."""
+    dt = B.parse_dtype(dtype)
+    for n in (2, 3, 5):
+        for c in list(range(1, 60)) + [1169]:
+            ys = []
+            for q in range(n):
+                y = np.empty(n * c, dt)
+                B.fill_input(y, q, dt, op, n, c)
+                ys.append(y)
+            r, s = 0, 1           # rank 0 gets the block meant for rank 1
+            if coll == "reduce_scatter":
+                got = ys[0][s * c:(s + 1) * c].copy()
+                for q in range(1, n):
+                    got = (got + ys[q][s * c:(s + 1) * c]).astype(dt)
+            elif coll == "alltoall":
+                got = np.concatenate([ys[q][s * c:(s + 1) * c] for q in range(n)])
+            else:
+                got = ys[0][s * c:(s + 1) * c].copy()
+            assert B.check_output(coll, n, r, c, dt, op, 0, got) > 0, (n, c)
+
+
+def test_baseline_mpi_reduces_bools_with_the_logical_ops(tmp_path):
+    """MPI_C_BOOL takes only MPI's logical ops: a bool max/min/bor/band/bxor through
+    MPI_MAX... ended the mpi run with mpi4py's traceback ('MPI_Op operation not defined
+    for this datatype') and the sweep's results lost; the baseline now maps them to
+    LOR/LAND/LXOR, which compute on bools what gpurt's ops do — checked (-c) on 3 ranks."""
+    for op in ("max", "bxor"):
+        out = tmp_path / f"{op}.json"
+        run_bench(["allreduce", "-n", "3", "-d", "bool", "-o", op, "-b", "8", "-e", "1K",
+                   "-f", "16", "-c", "--baseline", "mpi", "--json", str(out)] + QUICK)
+        rows = json.loads(out.read_text())["rows"]
+        assert rows and all(r["mpi"]["wrong"] == 0 and r["gpurt"]["wrong"] == 0
+                            for r in rows), rows
+
+
+def test_baseline_refusals_are_before_the_launch(monkeypatch):
+    """What a baseline cannot run is a usage error before any rank starts (gloo: no
+    int16/uint16/uint32/uint64, complex reductions only with sum; before, a traceback
+    after gpurt's whole sweep, its results lost); nocheck is gpurt itself, so avg and
+    bfloat16 are not refused with it (they were, as 'MPI and gloo have no AVG op');
+    --json/--plot into a missing directory is refused first (it was a FileNotFoundError
+    after the sweep)."""
+    for args, words in ((["alltoall", "-d", "uint32", "--baseline", "gloo"], "gloo has no uint32"),
+                        (["allreduce", "-d", "complex64", "-o", "prod", "--baseline", "gloo"],
+                         "gloo reduces complex tensors with sum only"),
+                        (["allreduce", "-o", "avg", "--baseline", "mpi"], "no AVG op")):
+        res = _invoke(args, monkeypatch)
+        assert res.exit_code == 2 and words in res.output, (args, res.output)
+        assert "Traceback" not in res.output
+    for args in (["allreduce", "-o", "avg", "--baseline", "nocheck"],
+                 ["allreduce", "-d", "bfloat16", "--baseline", "nocheck"],
+                 ["allgather", "-d", "complex64", "--baseline", "gloo"]):
+        res = _invoke(args, monkeypatch)
+        assert isinstance(res.exception, _Launched), (args, res.output, res.exception)
+    for opt in ("--json", "--plot"):
+        _usage_error(_invoke(["allgather", opt, "/nonexistent/dir/x.out"], monkeypatch),
+                     f"'{opt}'", "no directory /nonexistent/dir")
