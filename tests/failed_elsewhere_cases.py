@@ -7,6 +7,9 @@ which waits on every rank); each rank prints one ``ELSEWHERE {json}`` record.
   sleeps 6 s before it calls; ranks 0, 1, 3 call a 1 MiB ring allreduce with
   ``timeout=4``.  A rank of the ring that waits only on the late rank 4 (rank 0 over tcp)
   used to time out blaming rank 4: at its deadline it names rank 2's failure instead.
+  ``ring N``: an allreduce of N float32 instead (over verbs, 1 MiB is sent by rendezvous,
+  which waits for the receiver: rank 0 then waits on rank 1 too, which relays rank 2's
+  failure at once; with N = 5120 every ring message is eager, as on shm and tcp).
 - ``done``: a 1 MiB binomial gather to rank 0, rank 1 1.5 s late; rank 2 delivers its
   block, returns, and then fails (abort()).  The gather completes on every rank, exact —
   the failure fails the next call, not one whose part the failed rank had done.
@@ -33,7 +36,7 @@ def main() -> None:
     if sys.argv[1] == "done":
         done(world, comm, r)
         return
-    x = np.ones(1 << 18, np.float32)
+    x = np.ones(int(sys.argv[2]) if len(sys.argv) > 2 else 1 << 18, np.float32)
     if r == 2:
         comm.abort("rank 2 gave up")
         out = "aborted"

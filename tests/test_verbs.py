@@ -195,6 +195,28 @@ def test_two_guests_verbs_between_shm_inside_every_collective(two_guests):
     assert res["cases"] > 500
 
 
+def test_a_failure_elsewhere_is_named_at_the_deadline_over_verbs(one_guest):
+    """5 ranks over verbs, GPURT_CHECK=0: rank 2 aborts, rank 4 is 6 s late, the others
+    are in a ring allreduce of eager messages (timeout=4).  Rank 0 waits only on rank 4:
+    at its deadline it names rank 2's failure, read from what the peers published (an
+    ERROR message or a UDP notice: ``VerbsEndpoint.published``) — it timed out blaming
+    rank 4 before.  And a gather rank 2 had done its part of completes, exact
+    (tests/failed_elsewhere_cases.py, as on shm and tcp in test_processes.py)."""
+    rc, out = one_guest["elsewhere"]
+    recs, dec = {}, json.JSONDecoder()
+    for m in re.finditer(r"ELSEWHERE (?=\{)", out):    # (a flight dump may precede it)
+        rec = dec.raw_decode(out, m.end())[0]
+        recs.setdefault(rec["rank"], []).append(rec["out"])
+    assert rc == 0 and sorted(recs) == [0, 1, 2, 3, 4], out[-4000:]
+    assert recs[2][0] == "aborted", recs
+    for r in (0, 1, 3, 4):
+        got = recs[r][0]
+        assert got.startswith("PeerFailure(rank=2)") and "rank 2 gave up" in got, recs
+        assert float(got.split()[1][:-2]) < 4 + 2, got      # the deadline (4 s), in TCG
+    assert "until its deadline" in recs[0][0], recs
+    assert all(recs[r][1:] == ["exact"] for r in (0, 1, 2)), recs
+
+
 def test_upto_receives_over_verbs(one_guest):
     """The agreement check's receives (``upto``) over verbs: shorter messages arrive
     exactly (eager and rendezvous), a longer one is a CollectiveMismatchError saying "at

@@ -348,3 +348,37 @@ def test_a_stopped_peer_is_found_by_waits_retried_after_timeouts(monkeypatch):
         a.close()
         silent.close()
         config.reload()
+
+
+def test_published_reads_the_peers_error_message_or_notice_without_asking():
+    """``VerbsEndpoint.published`` (what ``Communicator._check_peers`` reads of every peer
+    at a collective's deadline): nothing while the peer published nothing; its UDP notice;
+    its ERROR message (kept even after the endpoint failed), a relayed failure blaming the
+    rank it names, a mismatch as a mismatch.  The guest test runs the whole case
+    (test_verbs.py::test_a_failure_elsewhere_is_named_at_the_deadline_over_verbs)."""
+    from gpurt.errors import CollectiveMismatchError, PeerFailure
+
+    class Beat:
+        notices: dict = {}
+
+        def notice(self, peer):
+            return self.notices.get(peer)
+
+    class Owner:
+        heartbeat = Beat()
+
+    ep = verbs.VerbsEndpoint(Owner(), 3, 0, None)
+    ep.host = "node7"
+    assert ep.published() is None
+    Owner.heartbeat.notices[3] = "RuntimeError: out of coffee"
+    e = ep.published()
+    assert isinstance(e, PeerFailure) and e.rank == 3, e
+    assert str(e) == "rank 3 (node7) failed: RuntimeError: out of coffee"
+    Owner.heartbeat.notices.clear()
+    ep.peer_error("PeerFailure[rank=1]: rank 3: rank 1 was killed")
+    ep.peer_error("TransportError: a later, different text")    # the first one counts
+    e = ep.published()
+    assert isinstance(e, PeerFailure) and e.rank == 1 and "rank 1 was killed" in str(e), e
+    ep2 = verbs.VerbsEndpoint(Owner(), 4, 1, None)
+    ep2.peer_error("CollectiveMismatchError: rank 4: count 8 here, 9 at rank 0")
+    assert isinstance(ep2.published(), CollectiveMismatchError)

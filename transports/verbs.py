@@ -79,7 +79,7 @@ import numpy as np
 
 from gpurt import config
 from gpurt.errors import (CollectiveMismatchError, PeerFailure, ResourceError, TransportError,
-                          published_class, relayed_rank)
+                          from_peer, published_class, relayed_rank)
 
 from .base import LANE_NAMES, LANES, UPTO_MAX, Sink, mismatch_detail, unpaired
 from .heartbeat import Heartbeat
@@ -492,6 +492,7 @@ class VerbsEndpoint:
         self.host = ""
         self.failure: tuple[type, str] | None = None
         self.blame = peer
+        self.told: str | None = None    # the failure the peer published (peer_error)
         # remote: where my slots and credit word live at the peer
         self.r_ring = self.r_ring_key = self.r_ctrl = self.r_ctrl_key = 0
         # flow control
@@ -574,6 +575,19 @@ class VerbsEndpoint:
             self.fail(PeerFailure, why)
             self.raise_failure()
 
+    def published(self) -> Exception | None:
+        """The failure the peer published (its ERROR message, read by an earlier poll of
+        the shared completion queue, or its UDP notice), if any — no verbs call (asked of
+        every peer at a collective's deadline: ``Communicator._check_peers``)."""
+        text = self.told
+        if text is None:
+            hb = self.owner.heartbeat
+            text = hb.notice(self.peer) if hb is not None else None
+        if text is None:
+            return None
+        return from_peer(text, f"rank {self.peer} ({self.host}) failed: {text}",
+                         relayed_rank(text, self.peer))
+
     # -- failure ------------------------------------------------------------------------
     def fail(self, cls: type, text: str, tell: bool = False) -> None:
         """Record the endpoint's failure (the first reason explains the rest).  ``tell``:
@@ -623,6 +637,8 @@ class VerbsEndpoint:
         raise cls(text)
 
     def peer_error(self, text: str) -> None:
+        if self.told is None:
+            self.told = text
         self.blame = relayed_rank(text, self.peer)
         self.fail(published_class(text), f"rank {self.peer} ({self.host}) failed: {text}")
 

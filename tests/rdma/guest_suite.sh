@@ -69,6 +69,12 @@ one)
     section sweep2 $GUEST_MPIEXEC -n 2 python3 tests/mpi_sweep.py algorithms
     section sweep3 $GUEST_MPIEXEC -n 3 python3 tests/mpi_sweep.py transport
     section qp_error failures qp_error 2
+    # a third rank's failure named at the deadline of a rank that waits on a slow one
+    # (eager ring messages: tests/failed_elsewhere_cases.py), and a gather it had done its
+    # part of completes
+    section elsewhere bash -c "GPURT_CHECK=0 $GUEST_MPIEXEC -n 5 python3 \
+        tests/failed_elsewhere_cases.py ring 5120 && GPURT_CHECK=0 $GUEST_MPIEXEC -n 3 \
+        python3 tests/failed_elsewhere_cases.py done"
     section kill failures kill 3
     # device buffers over verbs on gpurt's host-memory stand-in for a GPU (no GPU here):
     # GPUDirect RDMA (device memory registered with the HCA; the stand-in's is host memory,
