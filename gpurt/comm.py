@@ -862,7 +862,7 @@ class Communicator:
 
         else:
             start = self._schedule_start(sched, xa, oa, dtype, alias, red, seq, sig)
-            if self._check and sched.steps:
+            if self._check:      # (an empty schedule too: its peers may not be empty)
                 # agree first: every rank compares every rank's call before any byte moves
                 data_start = start
                 empty8 = _EMPTY_U8
@@ -871,7 +871,7 @@ class Communicator:
                     check = shm_board.BoardRun(self.board, coll, seq, sig, meta, empty8, empty8,
                                                root, None, n, check=True, site=site)
                     return Chain(check, data_start)
-            elif self._netcheck and sched.steps:
+            elif self._netcheck:      # (an empty schedule too: its peers may not be empty)
                 data_start = start
 
                 def start() -> Chain:  # noqa: F811 - the checked variant, over the network
@@ -1003,9 +1003,9 @@ class Communicator:
             return Chain(run, then)
 
         start = data_start
-        if sched.steps and self._check:
+        if self._check:
             start = board_checked
-        elif sched.steps and self._netcheck:
+        elif self._netcheck:
             start = net_checked
 
         name = alg.name

@@ -213,6 +213,15 @@ def case_errors(comm) -> None:
                       lambda: c.allreduce(host if r == 0 else si.asarray(host), timeout=30),
                       "host on rank 0, device elsewhere", "device")
         c.close()
+        # a rank whose call is empty (0 elements: no schedule) against full ones: it went
+        # without the agreement and the others waited for its header until the deadline
+        c = comm.dup()
+        expect_raises(CollectiveMismatchError,
+                      lambda: c.allreduce(si.asarray(np.ones(0 if r == p - 1 else 3,
+                                                            np.float32)),
+                                          algo="hierarchical", timeout=30),
+                      "an empty device allreduce against full ones", "count=0")
+        c.close()
     # p2p of different sizes on the device: both ends raise
     if p >= 2 and r < 2:
         c = comm.split(0)

@@ -338,6 +338,30 @@ def test_p2p_mismatch_is_an_error_not_garbage(comm):
                 c.recv(np.empty(4, np.int32), 0, tag=3)
 
 
+@pytest.mark.parametrize("algo", [None, "hierarchical"])
+def test_an_empty_call_against_a_full_one_is_a_mismatch_on_every_rank(comm, algo):
+    """A rank whose call moves nothing (0 elements: an empty schedule) skipped the
+    agreement, returned at once, and left the others waiting for its header until their
+    deadline — across nodes, and on one node with algo='hierarchical' (review finding).
+    Every rank now raises CollectiveMismatchError at once, and a 0-element call that every
+    rank makes still completes."""
+    p, r = comm.size, comm.rank
+    if p == 1:
+        pytest.skip("needs 2 ranks")
+    with scratch(comm) as c:
+        x = np.ones(0 if r == p - 1 else 3, np.float32)
+        t0 = time.monotonic()
+        with pytest.raises(gpurt.CollectiveMismatchError, match="count=0"):
+            c.allreduce(x, algo=algo, timeout=20)
+        assert time.monotonic() - t0 < 10
+    with scratch(comm) as c:
+        x = np.ones(0, np.float32)
+        assert c.allreduce(x, algo=algo, timeout=20).size == 0
+        y = np.full(3, r + 1.0)
+        c.allreduce(y, algo=algo, timeout=20)
+        assert (y == p * (p + 1) / 2).all()
+
+
 def test_collective_size_mismatch_is_detected(comm):
     p, r = comm.size, comm.rank
     if p == 1:
