@@ -114,6 +114,10 @@ def _announces_rejection(coll: str):
             self.engine.check_thread()  # (before a rejection could count: see Engine.enter)
             seq = self._seq
             try:
+                algo = kwargs.get("algo")
+                if algo is not None and not isinstance(algo, str):
+                    raise TypeError(f"rank {self.rank}: {coll}: algo= is an algorithm's "
+                                    f"name (a str) or None, got {algo!r}")
                 return fn(self, *args, **kwargs)
             except (ValueError, TypeError):
                 if self._seq == seq and (self.board is not None or self._netcheck) \
@@ -751,11 +755,17 @@ class Communicator:
         costs one memcpy instead of ``process_vm_readv``/``writev`` (about three times
         slower).  Allocate the buffers you reuse with it; any array still works anywhere.
         Local to this rank (not collective); the array outlives the communicator."""
-        return sharedmem.empty(shape, dtype)
+        try:
+            return sharedmem.empty(shape, dtype)
+        except (TypeError, ValueError) as e:
+            raise type(e)(_prefix(self.rank, e)) from None
 
     def zeros(self, shape, dtype=np.float32) -> np.ndarray:
         """``empty``, zero-filled."""
-        return sharedmem.zeros(shape, dtype)
+        try:
+            return sharedmem.zeros(shape, dtype)
+        except (TypeError, ValueError) as e:
+            raise type(e)(_prefix(self.rank, e)) from None
 
     # -- the funnel ----------------------------------------------------------------
     def _check_open(self) -> None:
@@ -806,6 +816,11 @@ class Communicator:
                 direct = 2 if direct == 2 else 0
         if self.size == 1 and coll == "barrier":
             alg, sched = None, Schedule()
+            if algo is not None:        # (nothing to run: the name is checked all the same)
+                try:
+                    self.tuner.choose(coll, 0, 1, algo)
+                except ValueError as e:
+                    raise ValueError(_prefix(self.rank, e)) from None
         else:
             try:
                 alg, sched = self.tuner.plan(coll, n, isz, root, algo)
@@ -1899,7 +1914,8 @@ class Communicator:
 
     # -- point to point -------------------------------------------------------------
     def _peer(self, peer: Any, what: str) -> int:
-        if not isinstance(peer, (int, np.integer)) or not 0 <= peer < self.size:
+        if not isinstance(peer, (int, np.integer)) or isinstance(peer, (bool, np.bool_)) or \
+                not 0 <= peer < self.size:
             raise ValueError(f"rank {self.rank}: {what} peer {peer!r} is not a rank of this "
                              f"communicator (size {self.size})")
         if peer == self.rank:
@@ -2026,7 +2042,10 @@ class Communicator:
         reachable; the table's choice is then the fallback); across nodes, whether it is
         folded into the agreement's exchange."""
         nbytes = _nbytes(nbytes)
-        text = self.tuner.explain(collective, nbytes)
+        try:
+            text = self.tuner.explain(collective, nbytes)
+        except ValueError as e:
+            raise ValueError(_prefix(self.rank, e)) from None
         if self.direct_choice(collective, nbytes):
             if self.tuner.profile_winner(collective, nbytes) == shm_direct.NAME:
                 why = "the profile's fastest at this size (measured: GPURT_PROFILE)"
@@ -2054,7 +2073,10 @@ class Communicator:
     def candidates(self, collective: str, nbytes: int) -> list[dict]:
         """The same as ``explain`` as data: ``[{"algorithm", "predicted_s", "chosen"}]``,
         cheapest first (a forced choice — ``GPURT_ALGO`` — is marked chosen)."""
-        return self.tuner.table(collective, _nbytes(nbytes))
+        try:
+            return self.tuner.table(collective, _nbytes(nbytes))
+        except ValueError as e:
+            raise ValueError(_prefix(self.rank, e)) from None
 
     def abort(self, reason: str = "aborted by the application") -> None:
         """Fail every request in flight and poison the communicator (local, immediate)."""

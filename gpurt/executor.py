@@ -270,7 +270,11 @@ class Request:
         return self.done
 
     def wait(self, timeout: float | None = None):
-        self.engine.wait(self, check_timeout(timeout))
+        try:
+            t = check_timeout(timeout)
+        except ValueError as e:
+            raise ValueError(f"rank {self.engine.rank}: {e}") from None
+        self.engine.wait(self, t)
         return self.result
 
     def __repr__(self) -> str:

@@ -124,7 +124,10 @@ def _free(start: int, serial: int, fd: int, size: int, owner: int) -> None:
 def empty(shape, dtype=np.float32) -> np.ndarray:
     """A new uninitialised C-contiguous array in node-shared memory (see the module
     docstring).  Its memory is freed when the array and every view of it are."""
-    dt = np.dtype(dtype)
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as e:
+        raise TypeError(f"gpurt.empty: {e}") from None
     if dt.hasobject:
         raise TypeError(f"gpurt.empty: dtype {dt} holds Python objects; shared memory "
                         f"takes plain data only")

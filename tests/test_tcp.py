@@ -598,3 +598,31 @@ def test_low_open_file_limit_is_raised_or_refused_on_every_rank(limits, outcome)
             assert "tcp to 2 ranks: needs 130 more open files" in text
             assert "hard limit 120" in text and "GPURT_TCP_STRIPES=64" in text
     assert gpurt_shm_files() == before
+
+
+def test_a_reset_connection_is_explained_by_the_peers_notice():
+    """A peer that raised CollectiveMismatchError on a message and closed its communicator
+    with bytes of ours unread resets the connection: the sender raised 'reset the tcp
+    connection (it exited or was killed)' about one run in eight instead of the peer's
+    mismatch, which its UDP notice says (review finding).  A reset is now read like an
+    end of stream: the notice names it; without one the reset stays the reason."""
+    notes: dict[int, str] = {}
+    hb = SimpleNamespace(notice=notes.get, notice_now=notes.get, stopped=lambda *a: None)
+    for told in (True, False):
+        a, b = _pair()
+        b.owner = SimpleNamespace(stripes=1, smin=1 << 62, heartbeat=hb)
+        notes.clear()
+        try:
+            _drive(b.send(np.ones(64, np.uint8), 1, 1, 1))   # a never reads it
+            _close(a)
+            if told:
+                notes[0] = ("CollectiveMismatchError: rank 0: in recv from rank 1 (tag 1): "
+                            "the message is int32 x 16 and the receive float32 x 16")
+            s = b.send(np.ones(1 << 20, np.uint8), 1, 1, 1)
+            want = (CollectiveMismatchError, r"rank 0 \(hosta\) failed: CollectiveMismatch"
+                    r"Error: rank 0: in recv") if told else \
+                (PeerFailure, "reset the tcp connection")
+            with pytest.raises(want[0], match=want[1]):
+                _drive(s)
+        finally:
+            _close(a, b)

@@ -670,6 +670,7 @@ class TcpEndpoint:
         self.conns = [_Conn(s, self, i) for i, s in enumerate(socks)]
         self.failure: tuple[type, str] | None = None
         self.closed = ""            # why a connection is closed (a failure once all are)
+        self.reset: str | None = None   # why the peer reset a connection, if it did
         self.told: str | None = None    # the failure the peer published (peer_error)
         self.stripes, self.smin = owner.stripes, owner.smin
 
@@ -754,9 +755,11 @@ class TcpEndpoint:
             log.debug("tcp: %s", text)
 
     def raise_failure(self) -> None:
-        if self.failure is None or self.failure == (PeerFailure, self.closed):
-            # a peer's stream that just ended: its datagram may say why (it failed), and
-            # may have come after the end of the stream (another path through the net)
+        if self.failure is None or self.failure in ((PeerFailure, self.closed),
+                                                    (PeerFailure, self.reset)):
+            # a peer's stream that just ended (closed, or reset where it closed with bytes
+            # of ours unread): its datagram may say why (it failed), and may have come
+            # after the end of the stream (another path through the net)
             hb = getattr(self.owner, "heartbeat", None)
             note = hb.notice_now(self.peer) if hb is not None else None
             if note:
@@ -788,6 +791,8 @@ class TcpEndpoint:
                    f"host down or network cut)")
         elif e.errno in (errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED):
             why = f"reset the tcp connection (it exited or was killed): {e.strerror}"
+            if self.failure is None:    # (raise_failure: its datagram may say why)
+                self.reset = f"{self._who()} {why}"
         else:
             why = f"tcp connection failed: {e}"
         self.fail(PeerFailure, f"{self._who()} {why}")

@@ -627,6 +627,45 @@ def test_bad_timeout_and_dtype_are_rejected_before_the_call_counts(comm):
     assert (x == p).all() and comm._seq == seq + 1
 
 
+def test_argument_errors_name_the_rank_and_the_argument(comm):
+    """Bad arguments found by a review: algo= of the wrong type was a bare 'unhashable
+    type: list' from the tuner's cache; barrier(algo='nope') passed on one rank;
+    send(peer=True) went to rank 1; Request.wait's timeout, explain()/candidates() and
+    comm.empty/zeros errors did not name the rank.  Every rank makes the same bad calls:
+    the communicator stays in step and usable."""
+    p, r = comm.size, comm.rank
+    x = np.ones(4, np.float32)
+    for call in (lambda: comm.allreduce(x, algo=["ring"]),
+                 lambda: comm.iallgather(x, algo=3),
+                 lambda: comm.barrier(algo=b"ring")):
+        with pytest.raises(TypeError, match=rf"rank {r}: \w+: algo= is an algorithm's "
+                                            r"name \(a str\) or None, got"):
+            call()
+    with pytest.raises(ValueError, match=rf"rank {r}: unknown algorithm 'nope'"):
+        comm.barrier(algo="nope")                   # on 1 rank too
+    with pytest.raises(ValueError, match=rf"rank {r}: send peer True is not a rank"):
+        comm.send(x, True)
+    with pytest.raises(ValueError, match=rf"rank {r}: recv peer np.True_|rank {r}: recv "
+                                         rf"peer True is not a rank"):
+        comm.recv(x, np.True_)
+    req = comm.iallreduce(x)
+    with pytest.raises(ValueError, match=rf"rank {r}: timeout must be >= 0"):
+        req.wait(timeout=-1)
+    req.wait(timeout=30)                            # the request is still good
+    assert (x == p).all()
+    for call in (lambda: comm.explain("bogus", 1), lambda: comm.candidates("bogus", 1)):
+        with pytest.raises(ValueError, match=rf"rank {r}: unknown collective 'bogus'"):
+            call()
+    with pytest.raises(ValueError, match=rf"rank {r}: gpurt.empty: negative dimension"):
+        comm.empty(-1)
+    with pytest.raises(TypeError, match=rf"rank {r}: gpurt.empty: data type 'nope' not "
+                                        r"understood"):
+        comm.zeros(4, "nope")
+    y = np.full(3, r + 1.0)
+    comm.allreduce(y, timeout=30)                   # in step
+    assert (y == p * (p + 1) / 2).all()
+
+
 @pytest.mark.parametrize("coll", ["broadcast", "scatter", "reduce", "gather"])
 def test_root_disagreement_is_an_error_on_every_rank(comm, coll):
     """Ranks that disagree on the root (small calls: the board on one node, the agreement
