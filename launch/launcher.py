@@ -634,10 +634,19 @@ def run_job(launcher: Launcher, nranks: int, program: Sequence[str], *,
                           env=ranks_env)
         penv = dict(os.environ)
         penv.update(ranks_env)   # also in the launcher's own environment (srun's ALL, ...)
+        me = os.getpid()
+
+        def orphan_guard() -> None:
+            # (in the child) the launcher killed (SIGKILL: nothing of it runs) leaves the
+            # launch in its own session: SIGTERM it then, and hydra ends the ranks
+            _set_pdeathsig(signal.SIGTERM)
+            if os.getppid() != me:          # (already gone before the prctl)
+                os._exit(1)
+
         try:
             proc = subprocess.Popen(cmd, env=penv, stdin=subprocess.DEVNULL,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    start_new_session=True)
+                                    start_new_session=True, preexec_fn=orphan_guard)
         except OSError as e:
             raise LaunchError(f"cannot start {quote(cmd)}: {e}") from None
         pgid = proc.pid

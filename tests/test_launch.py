@@ -416,6 +416,32 @@ def test_sigint_stops_everything(tmp_path):
     assert_nothing_left(str(tmp_path))
 
 
+def test_a_killed_launcher_takes_its_ranks_along(tmp_path):
+    """SIGKILL of `gpurt launch` itself (an OOM killer, a batch system's hard kill): the
+    launch runs in a session of its own, so nothing reached it, and mpiexec, the rank
+    wrappers and the programs ran on, orphaned (review finding). The launch now gets
+    SIGTERM when the launcher dies (PR_SET_PDEATHSIG), and hydra ends the ranks."""
+    s = script(tmp_path, "ready.py", "print('ready', flush=True); time.sleep(60)\n")
+    proc = subprocess.Popen(gpurt_cmd("launch", "-n", "2", s), cwd=ROOT, env=env_for_tests(),
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.extend(iter(proc.stdout.readline, b"")),
+                              daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 30
+        while b"".join(got).count(b"ready") < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert b"".join(got).count(b"ready") == 2, got
+        assert left_running(str(tmp_path))          # the job runs
+        proc.kill()
+        proc.wait(timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert_nothing_left(str(tmp_path), within=15)
+
+
 # -- gpurt topo ---------------------------------------------------------------------------
 
 def test_topo_three_ranks():
