@@ -162,7 +162,7 @@ VARIABLES: tuple[Var, ...] = (
         "declares any process of its user a permitted ptracer (prctl PR_SET_PTRACER_ANY, as "
         "Open MPI does) before the start-up probe, so that single copies (CMA) work; 0 "
         "leaves Yama's rule alone (CMA is then off: two copies through shared memory)."),
-    Var("GPURT_SHM_DIR", "/dev/shm", str, "shm: where segments are created (then unlinked)."),
+    Var("GPURT_SHM_DIR", "/dev/shm", str, "shm: where segments are created (nameless: O_TMPFILE)."),
     Var("GPURT_SOCKET_IFNAME", "", str,
         "tcp: the interface whose IPv4 address a rank advertises, as NCCL_SOCKET_IFNAME: "
         "name prefixes 'eth,ib', '^docker,lo' excludes, '=eth0' exact names. Empty: the first "

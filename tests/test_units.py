@@ -130,16 +130,22 @@ def test_tuner_plans_are_cached_and_relabelled():
 def test_stale_segment_cleanup(tmp_path):
     from gpurt.transports.shm import clean_stale
 
+    from gpurt.transports.shm import _fresh_name
+
     dead = tmp_path / "gpurt-999999999-0"
+    dead2 = tmp_path / "gpurt-999999997-3-0a1b2c3d"     # today's names: a random part
     alive = tmp_path / f"gpurt-{os.getpid()}-0"
     young = tmp_path / "gpurt-999999998-1"
-    for f in (dead, alive, young):
+    for f in (dead, dead2, alive, young):
         f.write_bytes(b"x")
     old = time.time() - 120
-    os.utime(dead, (old, old))
-    os.utime(alive, (old, old))
-    assert clean_stale(str(tmp_path)) == [dead.name]
-    assert alive.exists() and young.exists() and not dead.exists()
+    for f in (dead, dead2, alive):
+        os.utime(f, (old, old))
+    assert sorted(clean_stale(str(tmp_path))) == sorted([dead.name, dead2.name])
+    assert alive.exists() and young.exists() and not dead.exists() and not dead2.exists()
+    # a name this process makes never equals a stale one of a crashed job with its pid
+    a, b = _fresh_name(), _fresh_name()
+    assert a != b and a.startswith(f"gpurt-{os.getpid()}-") and a != alive.name
 
 
 def test_a_peers_published_mismatch_is_a_mismatch_here_and_other_failures_blame_the_rank():

@@ -42,6 +42,7 @@ import logging
 import mmap
 import os
 import re
+import secrets
 import struct
 import time
 from collections import deque
@@ -135,6 +136,72 @@ def _pid_alive(pid: int) -> bool:
     return _pid_state(pid) not in ("gone", "Z", "X")
 
 
+def _fresh_name() -> str:
+    """A segment name no other process makes: this pid, a counter and a random part (a
+    stale file of a crashed job whose pid this process now has never collides)."""
+    return f"{PREFIX}{os.getpid()}-{next(_names)}-{secrets.token_hex(4)}"
+
+
+def _segment_name(how: tuple) -> str:
+    return f"/proc/{how[1]}/fd/{how[2]}" if how[0] == "fd" else how[1]
+
+
+def _create_segment(directory: str, size: int, rank: int, nlocal: int) -> tuple[int, tuple]:
+    """Local rank 0's segment of ``size`` bytes in ``directory``, reserved (so a full
+    /dev/shm is a ResourceError now, not a SIGBUS later): (fd, where the others open it)
+    — ``("fd", pid, fd, st_dev, st_ino)`` for a nameless file (O_TMPFILE: nothing is
+    left in the directory whatever ends the job), else ``("path", path)`` where the
+    directory's file system has no O_TMPFILE (named, unlinked once all have mapped it)."""
+    fd, path = -1, ""
+    try:
+        try:
+            fd = os.open(directory, os.O_TMPFILE | os.O_RDWR, 0o600)
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                raise
+            path = os.path.join(directory, _fresh_name())
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.ftruncate(fd, size)
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.ENOMEM):
+                st = os.statvfs(directory)
+                raise ResourceError(
+                    f"rank {rank}: cannot reserve {size / 2**20:.1f} MiB in {directory} for "
+                    f"{nlocal} local ranks ({st.f_bavail * st.f_frsize / 2**20:.1f} MiB "
+                    f"free); make it larger (docker --shm-size) or lower GPURT_SHM_SLOT / "
+                    f"GPURT_SHM_SLOTS / GPURT_SHM_STAGE") from None
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+            if path:                # (ours: another's name is never removed)
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+        raise
+    if path:
+        return fd, ("path", path)
+    st = os.fstat(fd)
+    return fd, ("fd", os.getpid(), fd, st.st_dev, st.st_ino)
+
+
+def _open_segment(how: tuple) -> int:
+    """Open local rank 0's segment: through its descriptor (the same file: device and
+    inode checked) or by name."""
+    if how[0] == "path":
+        return os.open(how[1], os.O_RDWR)
+    f = os.open(_segment_name(how), os.O_RDWR)
+    st = os.fstat(f)
+    if (st.st_dev, st.st_ino) != (how[3], how[4]):
+        os.close(f)
+        raise OSError(errno.ESTALE, "not the segment local rank 0 made (descriptor reused)")
+    return f
+
+
 def clean_stale(directory: str, min_age: float = 30.0) -> list[str]:
     """Remove segments whose creating process is gone (left by a crash between create
     and unlink).  Returns the names removed."""
@@ -145,7 +212,7 @@ def clean_stale(directory: str, min_age: float = 30.0) -> list[str]:
         return removed
     now = time.time()
     for name in names:
-        m = re.match(rf"{PREFIX}(\d+)-\d+$", name)
+        m = re.match(rf"{PREFIX}(\d+)-\d+(-[0-9a-f]+)?$", name)
         if not m:
             continue
         path = os.path.join(directory, name)
@@ -803,57 +870,85 @@ class ShmTransport:
         board_off = header_bytes(nlocal) + nlocal * (nlocal - 1) * ring_bytes
         size = board_off + (shm_board.region_bytes(nlocal, bslot) if board else 0)
         directory = str(config.get("GPURT_SHM_DIR"))
-        path, err, fd = "", "", -1
+        err, fd, where = "", -1, None
         if self.local_rank == 0:
             clean_stale(directory)
-            path = os.path.join(directory, f"{PREFIX}{os.getpid()}-{next(_names)}")
             try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-                os.ftruncate(fd, size)
-                try:
-                    os.posix_fallocate(fd, 0, size)
-                except OSError as e:
-                    if e.errno in (errno.ENOSPC, errno.ENOMEM):
-                        st = os.statvfs(directory)
-                        raise ResourceError(
-                            f"rank {comm.rank}: cannot reserve {size / 2**20:.1f} MiB in "
-                            f"{directory} for {nlocal} local ranks ({st.f_bavail * st.f_frsize / 2**20:.1f}"
-                            f" MiB free); make it larger (docker --shm-size) or lower "
-                            f"GPURT_SHM_SLOT / GPURT_SHM_SLOTS / GPURT_SHM_STAGE") from None
-                    if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                        raise
+                fd, where = _create_segment(directory, size, comm.rank, nlocal)
             except (OSError, ResourceError) as e:
                 err = str(e)
-                if fd >= 0:
-                    os.close(fd)
-                    fd = -1
-                try:
-                    os.unlink(path)
-                except OSError:
-                    pass
         if size >= _SLEEPY_SETUP:
             # the others sleep while local rank 0 reserves a large segment (~2 GB/s here):
             # with more ranks than cores, naps of up to 10 ms, else 1 ms
             mpi_barrier(node, 1e-2 if oversubscribed(nlocal) else 1e-3)
-        path, err = node.bcast((path, err), 0)
+        where, err = node.bcast((where, err), 0)
         if err:
             raise ResourceError(f"rank {comm.rank}: shm segment not created by local rank 0: {err}")
-        try:
-            if self.local_rank != 0:
-                fd = os.open(path, os.O_RDWR)
-            self.seg = _Segment(fd, size, nlocal, slot, (k_coll, k_p2p))
-            os.close(fd)
-            fd = -1
-            self.seg.q[self.seg.pid_i(self.local_rank)] = os.getpid()
-            ok = ""
-        except OSError as e:
-            ok = f"local rank {self.local_rank} (rank {comm.rank}) cannot map {path}: {e}"
-        errs = [e for e in node.allgather(ok) if e]
-        if self.local_rank == 0:  # everyone has mapped it (or failed): the name can go
+        who = f"local rank {self.local_rank} (rank {comm.rank})"
+
+        def attach(how: tuple) -> str:
+            """Open (local rank 0 has it) and map the segment; '' or why not."""
+            nonlocal fd
             try:
-                os.unlink(path)
-            except OSError:
-                pass
+                if self.local_rank != 0:
+                    fd = _open_segment(how)
+                self.seg = _Segment(fd, size, nlocal, slot, (k_coll, k_p2p))
+                if self.local_rank != 0:
+                    os.close(fd)
+                    fd = -1
+                self.seg.q[self.seg.pid_i(self.local_rank)] = os.getpid()
+                return ""
+            except OSError as e:
+                if fd >= 0 and self.local_rank != 0:
+                    os.close(fd)
+                    fd = -1
+                return f"{who} cannot map {_segment_name(how)}: {e}"
+
+        # a nameless segment (O_TMPFILE) is opened through local rank 0's descriptor: no
+        # name in the directory at any time, so no exit, SIGKILL included, leaves one
+        need = False
+        if where[0] == "fd" and self.local_rank != 0 and \
+                os.environ.get("GPURT_TEST_SHM_NO_PROC") == "1":
+            need, ok = True, ""              # (tests: /proc/PID/fd out of reach)
+        else:
+            ok = attach(where)
+            if ok and where[0] == "fd" and self.local_rank != 0:
+                need, ok = True, ""          # (hidepid, another owner...): by name, below
+        got = node.allgather((ok, need))
+        errs = [e for e, _ in got if e]
+        if any(n for _, n in got) and not errs:
+            # a name after all, for the ranks that cannot open the descriptor: linked
+            # only now, unlinked once they have mapped it
+            path, why = "", ""
+            if self.local_rank == 0:
+                path = os.path.join(directory, _fresh_name())
+                root = -1
+                try:    # (linkat with AT_SYMLINK_FOLLOW: os.link uses it only given a dir fd)
+                    root = os.open("/", os.O_RDONLY | os.O_DIRECTORY)
+                    os.link(f"/proc/self/fd/{fd}", path, src_dir_fd=root,
+                            follow_symlinks=True)
+                except OSError as e:
+                    path, why = "", f"local rank 0 (rank {comm.rank}) cannot name the " \
+                                    f"segment in {directory}: {e}"
+                finally:
+                    if root >= 0:
+                        os.close(root)
+            path, why = node.bcast((path, why), 0)
+            ok = why if why and need else attach(("path", path)) if need else ""
+            errs = list(dict.fromkeys(e for e in node.allgather(ok) if e))
+            if self.local_rank == 0 and path:
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+        if self.local_rank == 0:
+            os.close(fd)            # (mapped: the mapping keeps the memory)
+            fd = -1
+            if where[0] == "path":  # everyone has mapped it (or failed): the name can go
+                try:
+                    os.unlink(where[1])
+                except OSError:
+                    pass
         if errs:
             self.close()
             raise TransportError("shm: " + "; ".join(errs))
