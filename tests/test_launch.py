@@ -392,7 +392,9 @@ def test_timeout_stops_everything(tmp_path):
     assert_nothing_left(str(tmp_path))
 
 
-def test_sigint_stops_everything(tmp_path):
+def _launch_two_ready(tmp_path) -> subprocess.Popen:
+    """`gpurt launch -n 2` of a program that prints 'ready' and sleeps, once both ranks
+    are ready (stderr kept in a pipe)."""
     s = script(tmp_path, "ready.py", "print('ready', flush=True); time.sleep(60)\n")
     proc = subprocess.Popen(gpurt_cmd("launch", "-n", "2", s), cwd=ROOT, env=env_for_tests(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -400,11 +402,18 @@ def test_sigint_stops_everything(tmp_path):
     reader = threading.Thread(target=lambda: got.extend(iter(proc.stdout.readline, b"")),
                               daemon=True)
     reader.start()
+    deadline = time.monotonic() + 30
+    while b"".join(got).count(b"ready") < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if b"".join(got).count(b"ready") != 2:
+        proc.kill()
+        pytest.fail(f"the ranks did not both start: {got}")
+    return proc
+
+
+def test_sigint_stops_everything(tmp_path):
+    proc = _launch_two_ready(tmp_path)
     try:
-        deadline = time.monotonic() + 30
-        while b"".join(got).count(b"ready") < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert b"".join(got).count(b"ready") == 2, got
         proc.send_signal(signal.SIGINT)
         rc = proc.wait(timeout=15)
     finally:
@@ -421,18 +430,8 @@ def test_a_killed_launcher_takes_its_ranks_along(tmp_path):
     launch runs in a session of its own, so nothing reached it, and mpiexec, the rank
     wrappers and the programs ran on, orphaned (review finding). The launch now gets
     SIGTERM when the launcher dies (PR_SET_PDEATHSIG), and hydra ends the ranks."""
-    s = script(tmp_path, "ready.py", "print('ready', flush=True); time.sleep(60)\n")
-    proc = subprocess.Popen(gpurt_cmd("launch", "-n", "2", s), cwd=ROOT, env=env_for_tests(),
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    got: list[bytes] = []
-    reader = threading.Thread(target=lambda: got.extend(iter(proc.stdout.readline, b"")),
-                              daemon=True)
-    reader.start()
+    proc = _launch_two_ready(tmp_path)
     try:
-        deadline = time.monotonic() + 30
-        while b"".join(got).count(b"ready") < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert b"".join(got).count(b"ready") == 2, got
         assert left_running(str(tmp_path))          # the job runs
         proc.kill()
         proc.wait(timeout=15)
