@@ -257,7 +257,15 @@ class Request:
         # two threads using one communicator, and may meet that error between calls)
         if not self.done and not self.engine.other_thread():
             eng = self.engine
-            if not eng.progress() and not self.done and _LIVE_ENGINES > 1:
+            try:
+                moved = eng.progress()
+            except Exception:
+                if not self.done or self.error is not None:
+                    raise
+                # this request completed in the pass and the next call then failed (its
+                # header compared, its start): that call's error, the engine poisoned
+                moved = True
+            if not moved and not self.done and _LIVE_ENGINES > 1:
                 # polled in a loop, test() also advances this thread's other
                 # communicators (as a held-up wait does: Engine.lend), at most every 50 us
                 now = time.perf_counter()
@@ -720,6 +728,12 @@ class Engine:
             # a peer's failure from the liveness checks: PeerFailure, or what it published
             # as something else (a CollectiveMismatchError, errors.from_peer; a transport's
             # own TransportError)
+            if req.done and req.error is None:
+                # this request completed, then the pass began the next call, which failed:
+                # its error (the engine is poisoned; that call's Request and the next call
+                # raise it), not this one's — which has its result
+                self.poison(e)
+                return
             self._annotate(e, "" if req.p2p else f"in {req.name} (call #{req.seq}): ")
             self.poison(e)
             raise

@@ -362,6 +362,34 @@ def test_an_empty_call_against_a_full_one_is_a_mismatch_on_every_rank(comm, algo
         assert (y == p * (p + 1) / 2).all()
 
 
+@pytest.mark.parametrize("how", ["wait", "test"])
+@pytest.mark.parametrize("n", [10, 300000])
+def test_a_completed_request_is_not_failed_by_the_next_calls_mismatch(comm, how, n):
+    """q0 completes; q1's counts differ on the last rank.  Waiting on q0 (or polling its
+    test()) began q1 in the same pass, and q1's mismatch came out of q0's wait on some
+    rank, although q0 had its exact result (a second wait returned it: one request, two
+    answers; review finding).  q0 now gives its result on every rank, q1 raises the
+    mismatch, the next call finds the communicator closed."""
+    p, r = comm.size, comm.rank
+    if p == 1:
+        pytest.skip("needs 2 ranks")
+    with scratch(comm) as c:
+        x = np.full(n, r + 1, np.int64)
+        q0 = c.iallreduce(x)
+        q1 = c.iallreduce(np.zeros(n + (r == p - 1), np.int64))
+        if how == "wait":
+            q0.wait(timeout=30)
+        else:
+            deadline = time.monotonic() + 30
+            while not q0.test():
+                assert time.monotonic() < deadline
+        assert (x == p * (p + 1) // 2).all()
+        with pytest.raises(gpurt.CollectiveMismatchError):
+            q1.wait(timeout=30)
+        with pytest.raises(gpurt.CommunicatorClosed):
+            c.barrier()
+
+
 def test_collective_size_mismatch_is_detected(comm):
     p, r = comm.size, comm.rank
     if p == 1:
