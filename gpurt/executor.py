@@ -257,15 +257,7 @@ class Request:
         # two threads using one communicator, and may meet that error between calls)
         if not self.done and not self.engine.other_thread():
             eng = self.engine
-            try:
-                moved = eng.progress()
-            except Exception:
-                if not self.done or self.error is not None:
-                    raise
-                # this request completed in the pass and the next call then failed (its
-                # header compared, its start): that call's error, the engine poisoned
-                moved = True
-            if not moved and not self.done and _LIVE_ENGINES > 1:
+            if not eng.progress() and not self.done and _LIVE_ENGINES > 1:
                 # polled in a loop, test() also advances this thread's other
                 # communicators (as a held-up wait does: Engine.lend), at most every 50 us
                 now = time.perf_counter()
@@ -498,9 +490,21 @@ class Engine:
         self.p2p = []
 
     def progress(self) -> bool:
-        """Advance every outstanding request; True if anything moved."""
+        """Advance every outstanding request; True if anything moved.  A request that
+        fails in the pass poisons the engine (``_step``, ``_step_begin``), and every
+        Request still pending carries the error: a wait or test() raises it for its own
+        request — never for one that completed earlier in the same pass, whose caller has
+        its result."""
         if self.poisoned is not None:
             return False
+        try:
+            return self._progress()
+        except Exception:
+            if self.poisoned is None:       # (not a request's failure: raised as it is)
+                raise
+            return True
+
+    def _progress(self) -> bool:
         moved = False
         while self.colls:
             try:
@@ -728,12 +732,6 @@ class Engine:
             # a peer's failure from the liveness checks: PeerFailure, or what it published
             # as something else (a CollectiveMismatchError, errors.from_peer; a transport's
             # own TransportError)
-            if req.done and req.error is None:
-                # this request completed, then the pass began the next call, which failed:
-                # its error (the engine is poisoned; that call's Request and the next call
-                # raise it), not this one's — which has its result
-                self.poison(e)
-                return
             self._annotate(e, "" if req.p2p else f"in {req.name} (call #{req.seq}): ")
             self.poison(e)
             raise
@@ -744,5 +742,6 @@ class Engine:
             if not self._stopped_by_poison(e):
                 self.poison(e)
             raise
-        if req.error is not None:
+        if req.error is not None:   # (a failure in a progress pass: see progress)
+            self.wait_told()
             raise req.error
