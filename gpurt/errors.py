@@ -38,6 +38,22 @@ def relay_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def fit_text(text: str, limit: int) -> bytes:
+    """``text`` as UTF-8 in at most ``limit`` bytes, for a failure published in a bounded
+    record: where too long, its head (the class, and the ``PeerFailure[rank=N]`` that
+    ``relayed_rank`` reads) and its tail (a relayed chain ends with the reason the failed
+    rank gave) around " ... " — cutting only the tail off lost that reason after a few
+    relays."""
+    data = text.encode("utf-8", "replace")
+    if len(data) <= limit:
+        return data
+    gap = " ... ".encode()
+    head = limit // 3
+    tail = limit - head - len(gap)
+    return (data[:head].decode("utf-8", "ignore").encode() + gap +
+            data[len(data) - tail:].decode("utf-8", "ignore").encode())
+
+
 def relayed_rank(text: str, sender: int) -> int:
     """The rank a published error text blames: the one in ``PeerFailure[rank=N]`` when the
     sender relays a failure it saw, else the sender itself."""

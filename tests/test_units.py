@@ -828,3 +828,21 @@ def test_a_point_to_point_dtype_mismatch_names_both_dtypes():
     assert mismatch_detail(LANE_P2P, 1, f4, 32, 1, f4, 32) is None
     for lane, sig in ((LANE_COLL, f4), (LANE_P2P, 0x1234)):
         assert "signature" in mismatch_detail(lane, 1, sig, 32, 1, i4, 32)
+
+
+def test_a_long_published_failure_keeps_who_and_why():
+    """A failure relayed through several ranks grows past the bounded records it is
+    published in (shm's 248 bytes): cutting its end off lost the reason the failed rank
+    gave ('rank 2 gave up'), which a CI run of the 5-rank elsewhere test showed on rank 4.
+    The head (the relayed rank) and the tail (the reason) are kept."""
+    from gpurt.errors import fit_text, relayed_rank
+
+    chain = "CommunicatorClosed: rank 2: rank 2 gave up"
+    for r in (1, 0, 4):
+        chain = (f"PeerFailure[rank=2]: rank {r}: in allreduce (call #2): rank {r - 1} "
+                 f"(pid 8945, same node) failed before this send to it: {chain}")
+    short = fit_text(chain, 248)
+    assert len(short) <= 248 and short.decode().endswith("rank 2 gave up")
+    assert relayed_rank(short.decode(), 9) == 2 and " ... " in short.decode()
+    assert fit_text("é" * 200, 101).decode()        # cut at characters, never in one
+    assert fit_text("fits", 248) == b"fits"

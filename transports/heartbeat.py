@@ -53,6 +53,8 @@ import threading
 import time
 import weakref
 
+from gpurt.errors import fit_text
+
 log = logging.getLogger("gpurt.tcp")
 
 _HB = struct.Struct("<8sII")
@@ -185,7 +187,7 @@ class Heartbeat:
     def notify(self, text: str, only: tuple[int, ...] | None = None) -> None:
         """Tell every peer (or those in ``only``) ``text`` (best effort: three datagrams
         each, no waiting)."""
-        body = text.encode("utf-8", "replace")[:_NOTE_MAX]
+        body = fit_text(text, _NOTE_MAX)
         for q, addr in self.peers.items():
             if only is not None and q not in only:
                 continue

@@ -52,7 +52,7 @@ import numpy as np
 from gpurt import config, memcopy, sharedmem
 from gpurt.wait import mpi_barrier, oversubscribed
 from gpurt.errors import (CollectiveMismatchError, PeerFailure, ResourceError, TransportError,
-                          from_peer, relayed_rank)
+                          fit_text, from_peer, relayed_rank)
 
 from . import cma, shm_board
 from .fence import ORDERED, WHY_NOT
@@ -316,7 +316,7 @@ class _Segment:
         not a failure — which marks the length word with CLOSED).  The first word stays
         (an error is not a close), except that ``replace_close`` turns a close notice
         into this error."""
-        data = text.encode("utf-8", "replace")[:_ERR - 8]
+        data = fit_text(text, _ERR - 8)
         off = self.err_off(k)
         w = self.q[off // 8]
         if w and not (replace_close and w & CLOSED and not closed):

@@ -113,7 +113,7 @@ import numpy as np
 
 from gpurt import config
 from gpurt.errors import (CollectiveMismatchError, CommunicatorClosed, PeerFailure,
-                          ResourceError, TransportError, from_peer, published_class,
+                          ResourceError, TransportError, fit_text, from_peer, published_class,
                           relayed_rank)
 
 from .base import LANE_NAMES, LANES, UPTO_MAX, Sink, ensure_fds, mismatch_detail, unpaired
@@ -1011,7 +1011,7 @@ class TcpTransport:
     def publish_error(self, text: str) -> None:
         """Tell every peer why this rank is going down (best effort, at most half a
         second): they raise ``PeerFailure`` with ``text``."""
-        data = text.encode("utf-8", "replace")[:_ERR_MAX]
+        data = fit_text(text, _ERR_MAX)
         if self.heartbeat is not None:
             # (also by datagram: it reaches a peer whose stream this rank had to end —
             # see TcpEndpoint.publish — and is read by its check())

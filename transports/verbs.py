@@ -79,7 +79,7 @@ import numpy as np
 
 from gpurt import config
 from gpurt.errors import (CollectiveMismatchError, PeerFailure, ResourceError, TransportError,
-                          from_peer, published_class, relayed_rank)
+                          fit_text, from_peer, published_class, relayed_rank)
 
 from .base import LANE_NAMES, LANES, UPTO_MAX, Sink, mismatch_detail, unpaired
 from .heartbeat import Heartbeat
@@ -1222,7 +1222,7 @@ class VerbsTransport:
         """Tell every peer why this rank is going down: an ERROR message over each healthy
         queue pair and an authenticated UDP notice (which also reaches a peer whose queue
         pair is in error).  Best effort, at most half a second."""
-        data = np.frombuffer(text.encode("utf-8", "replace")[:self.eager], np.uint8)
+        data = np.frombuffer(fit_text(text, self.eager), np.uint8)
         if self.heartbeat is not None:
             self.heartbeat.notify(text)
         self.stopping = True
