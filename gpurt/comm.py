@@ -18,6 +18,7 @@ Semantics shared by every collective
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import itertools
 import logging
@@ -755,17 +756,13 @@ class Communicator:
         costs one memcpy instead of ``process_vm_readv``/``writev`` (about three times
         slower).  Allocate the buffers you reuse with it; any array still works anywhere.
         Local to this rank (not collective); the array outlives the communicator."""
-        try:
+        with _ranked(self.rank):
             return sharedmem.empty(shape, dtype)
-        except (TypeError, ValueError) as e:
-            raise type(e)(_prefix(self.rank, e)) from None
 
     def zeros(self, shape, dtype=np.float32) -> np.ndarray:
         """``empty``, zero-filled."""
-        try:
+        with _ranked(self.rank):
             return sharedmem.zeros(shape, dtype)
-        except (TypeError, ValueError) as e:
-            raise type(e)(_prefix(self.rank, e)) from None
 
     # -- the funnel ----------------------------------------------------------------
     def _check_open(self) -> None:
@@ -817,18 +814,14 @@ class Communicator:
         if self.size == 1 and coll == "barrier":
             alg, sched = None, Schedule()
             if algo is not None:        # (nothing to run: the name is checked all the same)
-                try:
+                with _ranked(self.rank, ValueError):
                     self.tuner.choose(coll, 0, 1, algo)
-                except ValueError as e:
-                    raise ValueError(_prefix(self.rank, e)) from None
         else:
-            try:
+            with _ranked(self.rank, ValueError):   # a bad algo=: nothing has happened yet
                 alg, sched = self.tuner.plan(coll, n, isz, root, algo)
                 if direct == 1 and sched is not None and sched.steps and \
                         alg.name != fallback:
                     alg, sched = self.tuner.plan(coll, n, isz, root, fallback)
-            except ValueError as e:   # a bad algo=: nothing has happened yet
-                raise ValueError(_prefix(self.rank, e)) from None
         direct = direct if sched is not None and sched.steps else 0
         return direct, alg, sched, algo
 
@@ -975,14 +968,10 @@ class Communicator:
         else the buffer's ``__cuda_array_interface__`` stream, else the current one."""
         be = self.dev
         b = xb if xb is not None else ob
-        try:
+        with _ranked(self.rank):
             st = devpath.stream_of(be, stream, b)
-        except (TypeError, ValueError) as e:
-            raise type(e)(_prefix(self.rank, e)) from None
-        try:
+        with _ranked(self.rank, ValueError):
             alg, sched = self._dev_tuner().plan(coll, n, dtype.itemsize, root, algo)
-        except ValueError as e:
-            raise ValueError(_prefix(self.rank, e)) from None
         self._seq += 1
         seq = self._seq
         sig = _signature(coll, dtype.str + "@device", n, op, root, alg.name)
@@ -1129,18 +1118,14 @@ class Communicator:
         return b
 
     def _in(self, x: Any, what: str = "x") -> Buf:
-        try:
+        with _ranked(self.rank):
             return self._host(as_buf(x, what), what)
-        except (ValueError, TypeError) as e:
-            raise type(e)(_prefix(self.rank, e)) from None
 
     def _out(self, out: Any, x: Buf, count: int, what: str = "out", dtype_from: Buf | None = None
              ) -> Buf:
-        try:
+        with _ranked(self.rank):
             ob = self._host(as_buf(out, what), what)
             check_writable(ob, what)
-        except (ValueError, TypeError) as e:
-            raise type(e)(_prefix(self.rank, e)) from None
         if ob.kind != x.kind:
             raise TypeError(f"rank {self.rank}: {what} is {ob.kind} memory and x is {x.kind} "
                             f"memory; pass both on the host or both on the device")
@@ -1152,11 +1137,9 @@ class Communicator:
         return ob
 
     def _op(self, op: Any, dtype: np.dtype) -> Op:
-        try:
+        with _ranked(self.rank):
             o = as_op(op)
             check_op(o, dtype)
-        except (ValueError, TypeError) as e:
-            raise type(e)(_prefix(self.rank, e)) from None
         return o
 
     def _distinct(self, xb: Buf, ob: Buf, coll: str) -> None:
@@ -1683,10 +1666,8 @@ class Communicator:
                 self.board.fast_plan(coll, sig, meta, dtype, n, o, root))
 
     def _in_place(self, xb: Buf, x: Any) -> Buf:
-        try:
+        with _ranked(self.rank, ValueError, " (out=None means in place)"):
             check_writable(xb, "x")
-        except ValueError as e:
-            raise ValueError(_prefix(self.rank, e) + " (out=None means in place)") from None
         return xb
 
     @_announces_rejection("broadcast")
@@ -1872,11 +1853,9 @@ class Communicator:
             n = self._blocks(xb, "scatter")
             out, ob = empty_like(xb, n, self._blocked_shape(xb, self.size))
         else:
-            try:
+            with _ranked(self.rank):
                 ob = self._host(as_buf(out, "out"), "out")
                 check_writable(ob, "out")
-            except (ValueError, TypeError) as e:
-                raise type(e)(_prefix(self.rank, e)) from None
             n = ob.count
             if xb is not None:
                 if xb.dtype != ob.dtype:
@@ -1935,10 +1914,8 @@ class Communicator:
 
         if dev:
             be = self.dev
-            try:
+            with _ranked(self.rank):
                 st = devpath.stream_of(be, stream, b)
-            except (TypeError, ValueError) as e:
-                raise type(e)(_prefix(self.rank, e)) from None
             if peer not in self.dev_endpoints:
                 raise TypeError(f"rank {self.rank}: {kind} of a device buffer to rank {peer}, "
                                 f"which has no device backend")
@@ -1989,11 +1966,9 @@ class Communicator:
     def irecv(self, out: Any, peer: int, tag: int = 0, *, stream: Any = None) -> Request:
         """Receive the next message from ``peer`` into ``out`` (same size and dtype)."""
         self._check_open()
-        try:
+        with _ranked(self.rank):
             ob = self._host(as_buf(out, "out"), "out")
             check_writable(ob, "out")
-        except (ValueError, TypeError) as e:
-            raise type(e)(_prefix(self.rank, e)) from None
         return self._p2p("recv", ob, self._peer(peer, "recv"), tag, stream)
 
     def recv(self, out: Any, peer: int, tag: int = 0, *, timeout: float | None = None,
@@ -2042,10 +2017,8 @@ class Communicator:
         reachable; the table's choice is then the fallback); across nodes, whether it is
         folded into the agreement's exchange."""
         nbytes = _nbytes(nbytes)
-        try:
+        with _ranked(self.rank, ValueError):
             text = self.tuner.explain(collective, nbytes)
-        except ValueError as e:
-            raise ValueError(_prefix(self.rank, e)) from None
         if self.direct_choice(collective, nbytes):
             if self.tuner.profile_winner(collective, nbytes) == shm_direct.NAME:
                 why = "the profile's fastest at this size (measured: GPURT_PROFILE)"
@@ -2073,10 +2046,8 @@ class Communicator:
     def candidates(self, collective: str, nbytes: int) -> list[dict]:
         """The same as ``explain`` as data: ``[{"algorithm", "predicted_s", "chosen"}]``,
         cheapest first (a forced choice — ``GPURT_ALGO`` — is marked chosen)."""
-        try:
+        with _ranked(self.rank, ValueError):
             return self.tuner.table(collective, _nbytes(nbytes))
-        except ValueError as e:
-            raise ValueError(_prefix(self.rank, e)) from None
 
     def abort(self, reason: str = "aborted by the application") -> None:
         """Fail every request in flight and poison the communicator (local, immediate)."""
@@ -2391,6 +2362,22 @@ def _signature(coll: str, dtype: str, n: int, op: Op | None, root: int, alg: str
 def _prefix(rank: int, e: BaseException) -> str:
     msg = str(e)
     return msg if msg.startswith("rank ") else f"rank {rank}: {msg}"
+
+
+@contextlib.contextmanager
+def _ranked(rank: int, kinds: Any = (ValueError, TypeError), suffix: str = ""):
+    """Argument checks inside this block raise with the rank in front of their text
+    (``rank 3: ...``), the same class where it can be built from one string, else the
+    plain ``ValueError``/``TypeError`` it derives from; the caller's traceback only."""
+    try:
+        yield
+    except kinds as e:
+        text = _prefix(rank, e) + suffix
+        try:
+            again = type(e)(text)
+        except Exception:       # a class that wants more than a message (UnicodeError ...)
+            again = (TypeError if isinstance(e, TypeError) else ValueError)(text)
+        raise again from None
 
 
 def init() -> Communicator:

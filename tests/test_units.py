@@ -846,3 +846,28 @@ def test_a_long_published_failure_keeps_who_and_why():
     assert relayed_rank(short.decode(), 9) == 2 and " ... " in short.decode()
     assert fit_text("é" * 200, 101).decode()        # cut at characters, never in one
     assert fit_text("fits", 248) == b"fits"
+
+
+def test_ranked_puts_the_rank_in_front_and_keeps_the_class():
+    """The argument checks of the communicator raise through one helper: the rank goes in
+    front once, the class stays (a subclass too), a class that cannot be built from one
+    string (UnicodeDecodeError wants five arguments) becomes its plain base instead of a
+    TypeError about the constructor, and other exceptions pass untouched."""
+    from gpurt.comm import _ranked
+
+    class Narrow(ValueError):
+        pass
+
+    with pytest.raises(Narrow, match=r"^rank 3: bad size$"):
+        with _ranked(3):
+            raise Narrow("bad size")
+    with pytest.raises(TypeError, match=r"^rank 1: no$"):
+        with _ranked(1):
+            raise TypeError("rank 1: no")
+    with pytest.raises(ValueError, match=r"^rank 2: .*invalid start byte \(in place\)$") as ei:
+        with _ranked(2, ValueError, " (in place)"):
+            b"\xff".decode()
+    assert type(ei.value) is ValueError
+    with pytest.raises(TypeError, match="untouched"):
+        with _ranked(0, ValueError):
+            raise TypeError("untouched")
