@@ -1126,15 +1126,18 @@ class Communicator:
         with _ranked(self.rank):
             ob = self._host(as_buf(out, what), what)
             check_writable(ob, what)
-        if ob.kind != x.kind:
-            raise TypeError(f"rank {self.rank}: {what} is {ob.kind} memory and x is {x.kind} "
-                            f"memory; pass both on the host or both on the device")
+        self._same_kind(x, ob, what)
         if ob.dtype != x.dtype:
             raise TypeError(f"rank {self.rank}: {what} has dtype {ob.dtype}, x has {x.dtype}")
         if ob.count != count:
             raise ValueError(f"rank {self.rank}: {what} has {ob.count} elements, "
                              f"{count} expected")
         return ob
+
+    def _same_kind(self, x: Buf, ob: Buf, what: str = "out") -> None:
+        if ob.kind != x.kind:
+            raise TypeError(f"rank {self.rank}: {what} is {ob.kind} memory and x is {x.kind} "
+                            f"memory; pass both on the host or both on the device")
 
     def _op(self, op: Any, dtype: np.dtype) -> Op:
         with _ranked(self.rank):
@@ -1863,6 +1866,8 @@ class Communicator:
                 if self.rank == root and xb.count != self.size * n:
                     raise ValueError(f"rank {self.rank}: scatter: x has {xb.count} elements, "
                                      f"size * out.size = {self.size * n} expected")
+                if self.rank == root:     # (elsewhere x only gives the shape)
+                    self._same_kind(xb, ob)
                 self._distinct(xb, ob, "scatter")
         if self.rank != root:
             xb = None

@@ -222,6 +222,21 @@ def case_errors(comm) -> None:
                                           algo="hierarchical", timeout=30),
                       "an empty device allreduce against full ones", "count=0")
         c.close()
+    # scatter: the root's x and out of different kinds, either way round, are refused
+    # there (a host out was written by the device stream after the call returned; a host
+    # x died inside the device path), and the other ranks are told
+    for x_root, out_root in ((si.asarray(np.full(4 * p, 9, np.float32)), np.zeros(4, np.float32)),
+                             (np.full(4 * p, 9, np.float32), si.zeros(4, np.float32))):
+        c = comm.dup()
+        if r == 0:
+            expect_raises(TypeError, lambda: c.scatter(x_root, out_root, timeout=30),
+                          f"scatter of {type(x_root).__name__} into "
+                          f"{type(out_root).__name__} on the root", "memory")
+        else:
+            expect_raises(GpurtError, lambda: c.scatter(None, si.zeros(4, np.float32),
+                                                        timeout=30),
+                          "a scatter whose root refused its call", "rank 0")
+        c.close()
     # p2p of different sizes on the device: both ends raise
     if p >= 2 and r < 2:
         c = comm.split(0)
