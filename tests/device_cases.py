@@ -5,8 +5,8 @@ after a call returns, allocation, p2p with many messages in flight, and the erro
 
     mpiexec -n 3 python tests/device_cases.py CASE [CASE ...]
 
-Cases: endpoints=KIND[,KIND..] | streams | reuse | alloc | inflight | order | errors |
-otherdevice | nobackend
+Cases: endpoints=KIND[,KIND..] | streams | reuse | alloc | inflight | burst | order | errors |
+otherdevice | nobackend | abandoned (slow stand-in)
 Prints "CASE ok" on rank 0 when every rank passed; failures are gathered to rank 0.
 """
 
@@ -155,6 +155,63 @@ def case_inflight(comm) -> None:
         q.wait(timeout=60)
     for i in range(k):
         assert (outs[i].get() == src * 1000 + i).all(), i
+
+
+def case_burst(comm) -> None:
+    """More messages from distinct allocations in flight than the receiver keeps peer
+    allocations open (64): once they are read the cache is back at its bound (it grew to
+    146 of 200 and stayed there, holding memory the sender had freed)."""
+    r, p = comm.rank, comm.size
+    if p < 2:
+        return
+    from gpurt.transports import cuda_ipc
+    peer, src = (r + 1) % p, (r - 1) % p
+    k = 100
+    xs = [si.asarray(np.full(1 << 16, r * 1000 + i, np.float32)) for i in range(k)]
+    outs = [si.zeros(1 << 16, np.float32) for _ in range(k)]
+    sends = [comm.isend(xs[i], peer, tag=i) for i in range(k)]
+    recvs = [comm.irecv(outs[i], src, tag=i) for i in range(k)]
+    for q in recvs + sends:
+        q.wait(timeout=120)
+    for i in range(k):
+        assert (outs[i].get() == src * 1000 + i).all(), i
+    if comm.dev_ipc is not None and comm.dev_endpoints[src].transport == "cuda_ipc":
+        assert len(comm.dev_ipc.opened) <= cuda_ipc._OPEN_MAX, len(comm.dev_ipc.opened)
+
+
+def case_abandoned(comm) -> None:
+    """A receive abandoned after its timeout, its copy queued behind the sender's busy
+    stream, then the communicator closed: the peer's allocation stays mapped until the
+    copy has run (closing it under the copy was a segmentation fault once the sender's
+    event fired), the copy lands, and the mapping is closed after it.  Needs a slow
+    stand-in (GPURT_STANDIN_DELAY_US=200000: the sender's ten fills take ~2 s)."""
+    r, p = comm.rank, comm.size
+    from gpurt.transports import cuda_ipc
+    c = comm.dup()
+    if r == 1:
+        s = si.Stream()
+        a = si.zeros(1 << 18, np.float32, stream=s.ptr)
+        for i in range(10):
+            si.fill(a, float(i + 1))
+        expect_raises(GpurtError, lambda: c.send(a, 0, tag=1, timeout=60),
+                      "a send whose receiver closed", "rank 0")
+        s.synchronize()
+    elif r == 0 and p > 1:
+        s = si.Stream()
+        out = si.zeros(1 << 18, np.float32, stream=s.ptr)
+        q = c.irecv(out, 1, tag=1)
+        expect_raises(GpurtError, lambda: q.wait(timeout=0.5), "a receive behind a busy "
+                      "sender", "0.5 s")
+        c.close()
+        assert cuda_ipc._LINGER, "the mapping a queued copy reads was closed at once"
+        s.synchronize()          # the copy ran, from a mapping still there
+        assert (out.get() == 10).all(), out.get()[:4]
+    if not c.closed:
+        c.close()
+    c2 = comm.dup()              # (a communicator's close or open reaps)
+    c2.close()
+    assert not cuda_ipc._LINGER, cuda_ipc._LINGER
+    comm.barrier()
 
 
 def case_order(comm) -> None:

@@ -15,7 +15,7 @@ import pytest
 from conftest import is_hydra, run_mpi
 
 STANDIN = {"GPURT_DEVICE_BACKEND": "standin"}
-CASES = ["streams", "reuse", "alloc", "inflight", "order", "errors"]
+CASES = ["streams", "reuse", "alloc", "inflight", "burst", "order", "errors"]
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
@@ -64,6 +64,15 @@ def test_device_cases_standin(n):
     out = run_mpi(n, ["tests/device_cases.py", "endpoints=cuda_ipc"] + CASES,
                   env={**STANDIN, "GPURT_STANDIN_DELAY_US": "50"}).stdout
     assert f"ok on {n} ranks" in out, out
+
+
+def test_close_with_a_copy_still_reading_a_peer_allocation_standin():
+    """A receive abandoned after its timeout while the sender's stream is busy, then
+    close(): the mapping its queued copy reads is closed only after the copy (it was
+    unmapped under it: a segmentation fault)."""
+    out = run_mpi(2, ["tests/device_cases.py", "abandoned"],
+                  env={**STANDIN, "GPURT_STANDIN_DELAY_US": "200000"}).stdout
+    assert "ok on 2 ranks" in out, out
 
 
 def test_device_cases_without_p2p_standin():

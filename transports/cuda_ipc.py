@@ -48,8 +48,8 @@ _DESC = struct.Struct("<8sQQQqQ64s64s")  # magic, nbytes, offset, seq, device, a
                                          # mem handle, event handle
 _MAGIC = b"gpurtDV1"
 _NAK = 1 << 63
-_OPEN_MAX = 64         # opened peer allocations kept (LRU; an opened one stays mapped, so
-                       # memory its owner freed is held until it is closed)
+_OPEN_MAX = 64         # idle opened peer allocations kept (LRU; an opened one stays mapped,
+                       # so memory its owner freed is held until it is closed)
 _U8 = np.dtype(np.uint8)
 
 
@@ -73,7 +73,8 @@ class CudaIpcTransport:
 
     def __init__(self, be, shm, rank: int):
         self.be, self.shm, self.rank = be, shm, rank
-        self.opened: OrderedDict[bytes, list] = OrderedDict()   # handle -> [base, in flight]
+        # handle + allocation id -> [base, the local events of the receives reading it]
+        self.opened: OrderedDict[bytes, list] = OrderedDict()
         self.peer_events: dict[bytes, object] = {}
         self.events = _Events(be)
         self.endpoints: dict[int, IpcEndpoint] = {}
@@ -86,22 +87,39 @@ class CudaIpcTransport:
     def open(self, handle: bytes, aid: int) -> list:
         """The peer allocation of ``handle`` mapped here, cached by (handle, allocation id):
         a new allocation at a freed one's address is a new entry, never the stale one."""
+        _reap()
         key = handle + aid.to_bytes(8, "little")
         ent = self.opened.get(key)
         if ent is not None:
             self.opened.move_to_end(key)
             return ent
-        stale = [k for k, e in self.opened.items() if k[:-8] == handle and e[1] == 0]
+        stale = [k for k, e in self.opened.items() if k[:-8] == handle and not e[1]]
         for k in stale:          # the same handle for an allocation since freed: close it
             self.be.ipc_close(self.opened.pop(k)[0])
-        if len(self.opened) >= _OPEN_MAX:
-            for h, e in list(self.opened.items()):
-                if e[1] == 0:
-                    del self.opened[h]
-                    self.be.ipc_close(e[0])
-                    break
-        ent = self.opened[key] = [self.be.ipc_open(handle), 0]
+        self._trim(_OPEN_MAX - 1)
+        ent = self.opened[key] = [self.be.ipc_open(handle), set()]
         return ent
+
+    def _trim(self, keep: int) -> None:
+        """Close idle mappings, least recently used first, until at most ``keep`` stay
+        (one a queued copy still reads stays, whatever the count)."""
+        if len(self.opened) <= keep:
+            return
+        for k, e in list(self.opened.items()):
+            if len(self.opened) <= keep:
+                break
+            if not e[1]:
+                del self.opened[k]
+                self.be.ipc_close(e[0])
+
+    def read(self, ent: list, ev) -> None:
+        """A receive's copy, complete at its local event ``ev``, reads ``ent``."""
+        ent[1].add(ev)
+
+    def done_reading(self, ent: list, ev) -> None:
+        ent[1].discard(ev)
+        if not ent[1] and len(self.opened) > _OPEN_MAX:   # after a burst: back to the bound
+            self._trim(_OPEN_MAX)
 
     def peer_event(self, handle: bytes):
         ev = self.peer_events.get(handle)
@@ -110,7 +128,13 @@ class CudaIpcTransport:
         return ev
 
     def close(self) -> None:
-        for base, _ in self.opened.values():
+        """Close every mapping; one that a queued copy still reads (a receive that timed
+        out or was abandoned, its peer's event not fired yet) is closed only once that
+        copy's event has fired — unmapping it under the copy crashed the process."""
+        for base, reading in self.opened.values():
+            if reading:
+                _LINGER.append((self.be, base, list(reading)))
+                continue
             try:
                 self.be.ipc_close(base)
             except Exception:  # noqa: BLE001 - closing on an error path
@@ -118,6 +142,31 @@ class CudaIpcTransport:
         self.opened.clear()
         self.peer_events.clear()
         self.endpoints.clear()
+        _reap()
+
+
+# mappings closed by a communicator while copies still read them: (backend, base, the
+# copies' events); closed by the next open or close of any communicator once all have fired
+_LINGER: list = []
+
+
+def _reap() -> None:
+    if not _LINGER:
+        return
+    keep = []
+    for be, base, evs in _LINGER:
+        try:
+            fired = all(be.query(ev) for ev in evs)
+        except Exception:  # noqa: BLE001 - a failed context: the copies will never run
+            fired = True
+        if not fired:
+            keep.append((be, base, evs))
+            continue
+        try:
+            be.ipc_close(base)
+        except Exception:  # noqa: BLE001
+            pass
+    _LINGER[:] = keep
 
 
 class IpcEndpoint:
@@ -252,13 +301,14 @@ class _IpcRecv:
             raise CollectiveMismatchError(
                 f"rank {ep.owner.rank}: device message from rank {self.peer} does not match "
                 f"the receive posted for it: {detail} (cuda_ipc)")
+        ev = ep.owner.events.get()
         if nbytes:
             self.ent = ent = ep.owner.open(mem, aid)
-            ent[1] += 1
+            ep.owner.read(ent, ev)
             be.wait_event(self.stream, ep.owner.peer_event(evh))
             self.sink(0, be.view(ent[0] + off, nbytes, ep.owner))
-        self.ev = ep.owner.events.get()
-        be.record(self.ev, self.stream)
+        be.record(ev, self.stream)
+        self.ev = ev
 
     def test(self) -> bool:
         if self.done:
@@ -269,9 +319,9 @@ class _IpcRecv:
             self._post()
         if not self.ep.be.query(self.ev):
             return False
-        self.ep.owner.events.put(self.ev)
         if self.ent is not None:
-            self.ent[1] -= 1
+            self.ep.owner.done_reading(self.ent, self.ev)
+        self.ep.owner.events.put(self.ev)
         self.ep.finish(self.lane, self.seq)
         self.done, self.sink = True, None
         return True
