@@ -188,10 +188,11 @@ class _EventTable:
 
 
 class Event:
-    __slots__ = ("table", "slot", "handle", "owned", "__weakref__")
+    __slots__ = ("table", "slot", "handle", "owned", "queue", "stream", "__weakref__")
 
     def __init__(self, table: _EventTable, slot: int, handle: bytes | None, owned: bool):
         self.table, self.slot, self.handle, self.owned = table, slot, handle, owned
+        self.queue = self.stream = None     # where it was last recorded (in this process)
 
     @property
     def issued(self) -> int:
@@ -576,10 +577,20 @@ class StandinBackend:
             if w[i] < gen:
                 w[i] = gen
 
-        _worker().put(_norm(stream), ("mark", done))
+        st = _norm(stream)
+        ev.queue, ev.stream = _worker().queue(st), st
+        _worker().put(st, ("mark", done))
 
     def query(self, ev: Event) -> bool:
-        return ev.completed >= ev.issued
+        """As cudaEventQuery: True once fired; a stream that failed before the event's
+        mark ran (its queue cleared: the mark never runs) raises, like CUDA's sticky
+        error, instead of leaving the event pending until every rank's deadline."""
+        if ev.completed >= ev.issued:
+            return True
+        q = ev.queue
+        if q is not None and q.error is not None and ev.completed < ev.issued:
+            raise TransportError(f"stand-in device: stream {ev.stream} failed: {q.error}")
+        return False
 
     def wait_event(self, stream, ev: Event) -> None:
         target = ev.issued

@@ -6,7 +6,7 @@ after a call returns, allocation, p2p with many messages in flight, and the erro
     mpiexec -n 3 python tests/device_cases.py CASE [CASE ...]
 
 Cases: endpoints=KIND[,KIND..] | streams | reuse | alloc | inflight | burst | order | errors |
-otherdevice | nobackend | abandoned (slow stand-in)
+otherdevice | nobackend | abandoned | sticky (these two: a slow stand-in)
 Prints "CASE ok" on rank 0 when every rank passed; failures are gathered to rank 0.
 """
 
@@ -211,6 +211,37 @@ def case_abandoned(comm) -> None:
     c2 = comm.dup()              # (a communicator's close or open reaps)
     c2.close()
     assert not cuda_ipc._LINGER, cuda_ipc._LINGER
+    comm.barrier()
+
+
+def case_sticky(comm) -> None:
+    """A kernel that fails on one rank's stream after its collective was queued: that rank
+    raises the stream's error as soon as it looks (the stand-in's event query ignored the
+    failed stream and every rank waited until its deadline), its peers PeerFailure naming
+    it.  Needs a slow stand-in (GPURT_STANDIN_DELAY_US=200000) so that the kernel fails
+    after the call began."""
+    import time
+
+    from gpurt.errors import PeerFailure, TransportError
+    r, p = comm.rank, comm.size
+    if p < 2:          # (one rank's in-place allreduce queues nothing to wait for)
+        return
+    c = comm.dup()
+    s = si.Stream()
+    x = si.asarray(np.ones(1000, np.float32), stream=s.ptr)
+    if r == p - 1:
+        si.fill(x, "not a number")     # fails on the stand-in's 'GPU', after the delay
+    t0 = time.monotonic()
+    if r == p - 1:
+        expect_raises(TransportError, lambda: c.allreduce(x, timeout=60),
+                      "a collective behind a failing kernel", "stream")
+    else:
+        e = expect_raises(PeerFailure, lambda: c.allreduce(x, timeout=60),
+                          "a collective with a peer whose kernel failed", "stream")
+        assert e.rank == p - 1, e
+    took = time.monotonic() - t0
+    assert took < 20, f"the failure took {took:.1f} s to show"
+    c.close()
     comm.barrier()
 
 

@@ -75,6 +75,15 @@ def test_close_with_a_copy_still_reading_a_peer_allocation_standin():
     assert "ok on 2 ranks" in out, out
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_kernel_failing_after_the_call_began_fails_it_at_once_standin(n):
+    """The stand-in's event query raises for a stream that failed (as CUDA's sticky
+    error does): the rank raises its stream's error, the others PeerFailure, in seconds."""
+    out = run_mpi(n, ["tests/device_cases.py", "sticky"],
+                  env={**STANDIN, "GPURT_STANDIN_DELAY_US": "200000"}).stdout
+    assert f"ok on {n} ranks" in out, out
+
+
 def test_device_cases_without_p2p_standin():
     env = {**STANDIN, "GPURT_STANDIN_DEVICES": "2", "GPURT_STANDIN_P2P": "0",
            "GPURT_STANDIN_DELAY_US": "100"}
