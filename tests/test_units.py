@@ -817,8 +817,8 @@ def test_a_point_to_point_dtype_mismatch_names_both_dtypes():
     c16 = p2p_sig(np.dtype(np.complex128), True)
     b1 = p2p_sig(np.dtype(np.bool_), False)
     assert mismatch_detail(LANE_P2P, 0, c16, 48, 0, b1, 40) == (
-        "both are tag 0 but the message is complex128 x 3 in device memory (48 bytes) and "
-        "the receive bool x 40 (40 bytes)")
+        "both are tag 0 but the message is complex128 in device memory and the receive "
+        "bool x 40 (40 bytes)")     # (48: a descriptor's or a chunk's bytes, not the message)
     f2 = p2p_sig(np.dtype(np.float16), False)
     assert mismatch_detail(LANE_P2P, 1, f2, 6, 1, p2p_sig(np.dtype(BFLOAT16), False), 6) == (
         "both are tag 1 but the message is float16 x 3 (6 bytes) and the receive bfloat16 "

@@ -113,7 +113,8 @@ _P2P_NAMES: dict[int, tuple[str, int, str]] = {}
 
 def _p2p_named(sig: int, total: int) -> str | None:
     """A point-to-point message of signature ``sig`` and ``total`` bytes in words
-    ("float32 x 8 (32 bytes)", "int8 x 3 in device memory (3 bytes)"), for every dtype
+    ("float32 x 8 (32 bytes)", "int8 in device memory": what a host transport carries of
+    a device message is not its size), for every dtype
     a message can carry; None for any other signature."""
     if not _P2P_NAMES:
         kinds = [(d.str, d.name, d.itemsize) for d in map(np.dtype, "?bBhHiIlLqQefdgFDG")]
@@ -126,8 +127,10 @@ def _p2p_named(sig: int, total: int) -> str | None:
     if got is None:
         return None
     name, size, where = got
+    if where:   # a device message's bytes on a host transport are a cuda_ipc descriptor or
+        return f"{name}{where}"    # one staged chunk, not the message: no count to tell
     n = f"{total // size}" if total % size == 0 else f"{total / size:g}"
-    return f"{name} x {n}{where} ({total} bytes)"
+    return f"{name} x {n} ({total} bytes)"
 
 
 def mismatch_detail(lane: int, tag: int, sig: int, total: int,
