@@ -26,4 +26,8 @@ __all__ = [
     "TransportError", "ResourceError", "CommunicatorClosed",
 ]
 
-_logging.getLogger("gpurt").setLevel(config.get("GPURT_LOG"))
+try:
+    _logging.getLogger("gpurt").setLevel(config.get("GPURT_LOG"))
+except ValueError as _e:   # (import works; creating a communicator raises it on every rank)
+    import warnings as _warnings
+    _warnings.warn(str(_e), stacklevel=2)

@@ -189,7 +189,7 @@ class Communicator:
         self.size: int = self.mpi.Get_size()
         leader = self.node_comm.bcast(self.rank, 0)
         info = self.mpi.allgather((leader, socket.gethostname(), os.getpid(), next(_COMM_IDS),
-                                   config.problems()))
+                                   config.problems(), config.must_agree()))
         self.cid = f"{info[0][2]}-{info[0][3]}"   # the same on every rank: rank 0's pid, count
         self.topo = Topology.from_ids([i[0] for i in info], [i[1] for i in info])
         self.pids = tuple(i[2] for i in info)
@@ -218,6 +218,7 @@ class Communicator:
                 raise ValueError(f"rank {self.rank}: gpurt settings not valid on rank(s) "
                                  f"{where}: " + "; ".join(texts[:3]) +
                                  (f" (and {len(texts) - 3} more)" if len(texts) > 3 else ""))
+            _check_alike(self.rank, [i[5] for i in info])
             self._connect()
             self.engine = Engine(self.rank, lambda: float(config.get("GPURT_TIMEOUT")),
                                  self._check_peers, spin_seconds(self.local_size))
@@ -479,8 +480,8 @@ class Communicator:
                                          f"{', '.join(shm_direct.COLLS)}")
                 inputs = (cost, levels, forced, profile,
                           bool(config.get("GPURT_CHECK")), (fold, pair))
-            except ValueError as e:
-                err = str(e)
+            except Exception as e:  # noqa: BLE001 - told to every rank, never only here
+                err = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
         inputs, err = self.mpi.bcast((inputs, err), 0)
         if err:
             raise ValueError(f"rank {self.rank}: (decided on rank 0) {err}")
@@ -2362,6 +2363,33 @@ def _signature(coll: str, dtype: str, n: int, op: Op | None, root: int, alg: str
     """A hash of what every rank must agree on — the call and the algorithm or protocol
     that runs it — the same in every process (crc32, not Python's salted ``hash``)."""
     return zlib.crc32(f"{coll}|{dtype}|{n}|{op.name if op else ''}|{root}|{alg}".encode())
+
+
+def _check_alike(rank: int, values: list[tuple]) -> None:
+    """Every rank's ``config.must_agree()`` (gathered): a variable whose value differs
+    between ranks is a ValueError on every rank that shows each value and its ranks."""
+    for k, name in enumerate(config.SAME_EVERYWHERE):
+        by_value: dict = {}
+        for r, vals in enumerate(values):
+            by_value.setdefault(vals[k], []).append(r)
+        if len(by_value) > 1:
+            def show(v):
+                return ",".join(v) if isinstance(v, tuple) and v else \
+                    ("unset" if v == () else repr(v))
+            seen = "; ".join(f"{show(v)} on rank(s) {_ranges(rs)}" for v, rs in by_value.items())
+            raise ValueError(f"rank {rank}: {name} must be the same on every rank "
+                             f"(each rank's set-up is collective): {seen}")
+
+
+def _ranges(rs: list[int]) -> str:
+    out, i = [], 0
+    while i < len(rs):
+        j = i
+        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
+            j += 1
+        out.append(f"{rs[i]}" if i == j else f"{rs[i]}-{rs[j]}")
+        i = j + 1
+    return ",".join(out)
 
 
 def _prefix(rank: int, e: BaseException) -> str:

@@ -6,6 +6,7 @@ Each variable is read once per process, on first use; ``reload()`` forgets the v
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from functools import lru_cache
@@ -24,8 +25,32 @@ def _bytes(s: str) -> int:
     s = s.strip().upper()
     mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     if s and s[-1] in mult:
-        return int(float(s[:-1]) * mult[s[-1]])
-    return int(s)
+        v = float(s[:-1]) * mult[s[-1]]
+        if not math.isfinite(v):
+            raise ValueError(f"{s!r} is not a finite size")
+        n = int(v)
+    else:
+        n = int(s)
+    if n < 0:
+        raise ValueError("a size cannot be negative")
+    return n
+
+
+def _number(lo: float = 0.0, hi: float = math.inf, integer: bool = False,
+            above: bool = False, finite: bool = True) -> Callable[[str], float | int]:
+    """A parser of a number in [lo, hi] (or (lo, hi] with ``above``), NaN never;
+    infinity only where ``finite`` is False."""
+    def parse(s: str):
+        v = int(s) if integer else float(s)
+        if v != v or (finite and not integer and not math.isfinite(v)):
+            raise ValueError(f"{s.strip()!r} is not a finite number")
+        if (v <= lo if above else v < lo) or v > hi:
+            def g(x: float) -> str:
+                return str(int(x)) if float(x).is_integer() else f"{x:g}"
+            raise ValueError(f"must be {'above' if above else 'at least'} {g(lo)}" +
+                             (f" and at most {g(hi)}" if hi != math.inf else ""))
+        return v
+    return parse
 
 
 parse_bytes = _bytes     # "256K", "1M", "32768K" -> bytes (also for sysfs cache sizes)
@@ -55,18 +80,44 @@ def _algo(s: str) -> dict[str, str]:
     return out
 
 
+COST_NAMES = ("shm", "tcp", "verbs", "self", "cuda_ipc")   # the tuner's DEFAULT_COSTS
+
+
 def _cost(s: str) -> dict[str, tuple[float, float, float]]:
     """``shm=2e-6/3e9/2e9`` -> α seconds, then bandwidths in bytes/s for β and γ."""
     out = {}
     for item in _list(s):
-        name, vals = item.split("=", 1)
-        a, b, g = (float(v) for v in vals.split("/"))
-        out[name.strip()] = (a, 1.0 / b, 1.0 / g)
+        name, eq, vals = item.partition("=")
+        name = name.strip()
+        if not eq or name not in COST_NAMES:
+            raise ValueError(f"entry {item!r} is not TRANSPORT=ALPHA_S/BW_Bps/REDUCE_Bps "
+                             f"with a transport among {', '.join(COST_NAMES)}")
+        parts = vals.split("/")
+        if len(parts) != 3:
+            raise ValueError(f"entry {item!r} needs three numbers separated by '/'")
+        a, b, g = (float(v) for v in parts)
+        if not (math.isfinite(a) and a >= 0):
+            raise ValueError(f"entry {item!r}: ALPHA must be a finite number of seconds >= 0")
+        if not (math.isfinite(b) and b > 0 and math.isfinite(g) and g > 0):
+            raise ValueError(f"entry {item!r}: the bandwidths must be finite and above 0")
+        out[name] = (a, 1.0 / b, 1.0 / g)
     return out
 
 
+def _choice(*names: str) -> Callable[[str], str]:
+    def parse(s: str) -> str:
+        v = s.strip().lower()
+        if v not in names:
+            raise ValueError(f"use one of {', '.join(names)}")
+        return v
+    return parse
+
+
+# (Ranges: checked here where every rank reads the value; a transport's own settings —
+# GPURT_TCP_*, GPURT_IB_* — where that transport is set up, so that a bad one matters only
+# where it is used.)
 VARIABLES: tuple[Var, ...] = (
-    Var("GPURT_TIMEOUT", "300", float,
+    Var("GPURT_TIMEOUT", "300", _number(finite=False),
         "Default deadline in seconds for every blocking call and wait (per call: timeout=)."),
     Var("GPURT_CHECK", "1", _flag,
         "Before a collective moves data by a schedule, every rank checks that every rank "
@@ -84,7 +135,7 @@ VARIABLES: tuple[Var, ...] = (
         "ring in one round; its larger reduction outweighs the saved round beyond a few "
         "MiB). 0: only GPURT_NET_FOLD; at most 4M; with tcp striping, below "
         "GPURT_TCP_STRIPE_MIN; decided on rank 0."),
-    Var("GPURT_PEER_STOPPED", "5", float,
+    Var("GPURT_PEER_STOPPED", "5", _number(above=True),
         "Seconds a peer may stay stopped (SIGSTOP, a debugger) while others wait for it "
         "before they raise PeerFailure: a local peer's process state, a remote peer's "
         "silence after the first unanswered heartbeat ping."),
@@ -99,7 +150,8 @@ VARIABLES: tuple[Var, ...] = (
         "without it, they are staged through pinned host memory everywhere."),
     Var("GPURT_SHM_SLOT", "256K", _bytes,
         "shm: bytes per ring slot (a message larger than a slot streams through the ring)."),
-    Var("GPURT_SHM_SLOTS", "8", int, "shm: slots per ring (per ordered pair of ranks and lane)."),
+    Var("GPURT_SHM_SLOTS", "8", _number(2, 1 << 16, integer=True),
+        "shm: slots per ring (per ordered pair of ranks and lane)."),
     Var("GPURT_SHM_RING_MEM", "32M", _bytes,
         "shm: the most bytes of ring slots one rank has towards all its local peers "
         "together (the slots shrink, size first down to 16K, then count down to 2, until "
@@ -167,7 +219,7 @@ VARIABLES: tuple[Var, ...] = (
         "tcp: the interface whose IPv4 address a rank advertises, as NCCL_SOCKET_IFNAME: "
         "name prefixes 'eth,ib', '^docker,lo' excludes, '=eth0' exact names. Empty: the first "
         "up interface that is not loopback, docker* or virbr* (loopback if there is no other)."),
-    Var("GPURT_TCP_STRIPES", "1", int,
+    Var("GPURT_TCP_STRIPES", "1", int,     # (its range: checked where tcp is set up)
         "tcp: connections per pair of ranks; messages of at least GPURT_TCP_STRIPE_MIN bytes "
         "are split over all of them (rank 0's value is used everywhere)."),
     Var("GPURT_TCP_STRIPE_MIN", "1M", _bytes,
@@ -205,20 +257,20 @@ VARIABLES: tuple[Var, ...] = (
     Var("GPURT_DEVICE", "", str,
         "GPU path: the device index this rank binds to (default: local rank modulo the visible "
         "devices; several ranks may share one GPU). CUDA_VISIBLE_DEVICES is respected."),
-    Var("GPURT_DEVICE_BACKEND", "auto", str,
-        "GPU path: 'auto'/'cuda' (CuPy) or 'standin' (a host-memory stand-in for testing the "
-        "device protocol without a GPU; not a GPU)."),
+    Var("GPURT_DEVICE_BACKEND", "auto", _choice("auto", "cuda", "standin", "none"),
+        "GPU path: 'auto'/'cuda' (CuPy), 'standin' (a host-memory stand-in for testing the "
+        "device protocol without a GPU; not a GPU) or 'none' (device buffers refused)."),
     Var("GPURT_DEVICE_STAGE", "4M", _bytes,
         "GPU path: chunk size of pinned host staging for device buffers sent over host "
         "transports (shm across GPUs without P2P, tcp, verbs without GPUDirect)."),
-    Var("GPURT_STANDIN_DELAY_US", "0", float,
+    Var("GPURT_STANDIN_DELAY_US", "0", _number(hi=60e6),
         "Stand-in device only: each queued device operation waits this long first (widens "
         "race windows in tests)."),
-    Var("GPURT_STANDIN_DEVICES", "1", int,
+    Var("GPURT_STANDIN_DEVICES", "1", _number(1, 64, integer=True),
         "Stand-in device only: how many devices it pretends to have."),
     Var("GPURT_STANDIN_P2P", "1", _flag,
         "Stand-in device only: 0 declares that distinct devices cannot reach each other."),
-    Var("GPURT_SPIN_US", "50", float,
+    Var("GPURT_SPIN_US", "50", _number(hi=1e6),
         "Waits poll this many microseconds before yielding the CPU, then back off to sleeps."),
     Var("GPURT_COST", "", _cost,
         "Override the tuner's cost constants: 'shm=ALPHA_S/BW_Bps/REDUCE_Bps', e.g. "
@@ -226,13 +278,14 @@ VARIABLES: tuple[Var, ...] = (
     Var("GPURT_EXCEPTHOOK", "1", _flag,
         "Publish an unhandled exception to the peers (they raise PeerFailure naming this "
         "rank and the exception) before the usual traceback; 0 leaves sys.excepthook alone."),
-    Var("GPURT_FLIGHT", "64", int,
+    Var("GPURT_FLIGHT", "64", _number(0, 1 << 20, integer=True),
         "Calls each communicator remembers for the flight recorder (0: off); on a failure "
         "the last ones go to stderr."),
     Var("GPURT_FLIGHT_DIR", "", str,
         "Also write every rank's flight records there as JSON on a failure; "
         "`gpurt flight DIR` lines the ranks up."),
-    Var("GPURT_LOG", "warning", lambda s: s.strip().upper(),
+    Var("GPURT_LOG", "warning",
+        lambda s: _choice("debug", "info", "warning", "error", "critical")(s).upper(),
         "Level of the 'gpurt' logger: debug, info, warning, error."),
 )
 
@@ -254,7 +307,7 @@ def _read(name: str, raw: str | None) -> object:
     text = raw if raw else var.default
     try:
         return var.parse(text)
-    except (ValueError, TypeError) as e:
+    except Exception as e:  # noqa: BLE001 - (OverflowError, ZeroDivisionError ... too)
         raise ValueError(f"{name}={raw!r} is not valid: {e}. {var.doc}") from None
 
 
@@ -282,6 +335,23 @@ def problems() -> list[str]:
         except ValueError as e:
             out.append(str(e))
     return out
+
+
+# read by every rank's own set-up in collective steps (the transports each rank connects):
+# a value that differs between ranks must be one error on every rank, not a hang there
+SAME_EVERYWHERE = ("GPURT_TRANSPORTS",)
+
+
+def must_agree() -> tuple:
+    """This rank's values of ``SAME_EVERYWHERE`` (None for one not valid: ``problems``
+    reports it), compared across the ranks when a communicator is created."""
+    out = []
+    for name in SAME_EVERYWHERE:
+        try:
+            out.append(get(name))
+        except ValueError:
+            out.append(None)
+    return tuple(out)
 
 
 def table() -> list[tuple[str, str, str, str]]:

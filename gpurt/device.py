@@ -87,7 +87,9 @@ def _load(name: str):
     if name == "cuda":
         from .device_cuda import CudaBackend
         return CudaBackend
-    raise ValueError(f"GPURT_DEVICE_BACKEND={name!r}: use auto, cuda or standin")
+    if name == "none":
+        raise ValueError("GPURT_DEVICE_BACKEND=none: device buffers are switched off")
+    raise ValueError(f"GPURT_DEVICE_BACKEND={name!r}: use auto, cuda, standin or none")
 
 
 def probe() -> tuple[bool, str]:

@@ -17,7 +17,7 @@ from functools import lru_cache
 from typing import Callable
 
 from . import config, hier
-from .algorithms import REGISTRY, Algorithm, Cost, lookup
+from .algorithms import ALIASES, REGISTRY, Algorithm, Cost, lookup
 from .schedule import SPECS, Schedule
 
 # defaults per transport, fitted roughly to `gpurt tune` runs on 2-vCPU VMs (noisy; a
@@ -91,9 +91,45 @@ def load_profile(path: str, p: int, nnodes: int) -> dict:
             prof = json.load(f)
     except (OSError, ValueError) as e:
         raise ValueError(f"GPURT_PROFILE={path!r} cannot be read: {e}") from None
+    if not isinstance(prof, dict):
+        raise ValueError(f"GPURT_PROFILE={path!r} is not a gpurt profile (a JSON object "
+                         f"written by `gpurt tune`; this one is a {type(prof).__name__})")
+    entries = prof.get("entries") or {}
+    _check_entries(path, entries)
     if prof.get("version") != 1 or prof.get("nranks") != p or prof.get("nnodes") != nnodes:
         return {}
-    return prof.get("entries", {})
+    return entries
+
+
+def _check_entries(path: str, entries) -> None:
+    """A profile's entries are ``{collective: [[bytes, algorithm, ...], ...]}`` with names
+    gpurt knows: anything else is an error naming the file and the entry (a malformed
+    row failed inside the first collective; an unknown name turned shm_direct off while
+    the tuner ignored it)."""
+    from gpurt.transports import shm_board, shm_direct
+
+    def bad(what: str) -> ValueError:
+        return ValueError(f"GPURT_PROFILE={path!r}: {what} (write it with `gpurt tune`)")
+
+    if not isinstance(entries, dict):
+        raise bad(f"'entries' is a {type(entries).__name__}, not an object")
+    for coll, rows in entries.items():
+        if coll not in REGISTRY:
+            raise bad(f"entry {coll!r} is not a collective ({', '.join(REGISTRY)})")
+        if not isinstance(rows, list):
+            raise bad(f"entry {coll!r} is a {type(rows).__name__}, not a list of rows")
+        known = set(REGISTRY[coll]) | {a for a, t in ALIASES.items() if t in REGISTRY[coll]}
+        known |= {"shm_board"} if coll in shm_board.COLLS else set()
+        known |= {shm_direct.NAME} if coll in shm_direct.COLLS else set()
+        known |= {hier.HIER, "hier"} if coll in hier.COLLS else set()
+        for row in rows:
+            if not (isinstance(row, list) and len(row) >= 2 and
+                    isinstance(row[0], (int, float)) and not isinstance(row[0], bool) and
+                    math.isfinite(row[0]) and row[0] >= 0 and isinstance(row[1], str)):
+                raise bad(f"{coll} row {row!r} is not [bytes, algorithm, ...]")
+            if row[1] not in known:
+                raise bad(f"{coll} row {row!r} names {row[1]!r}, which {coll} does not "
+                          f"have (known: {', '.join(sorted(known))})")
 
 
 def oversubscribed(cost: Cost, ranks_on_node: int, cpus: int) -> Cost:

@@ -271,7 +271,38 @@ def info(as_json: bool, show_env: bool) -> None:
     """
     from gpurt import config
 
-    data = {
+    # a variable that is not valid is reported (and makes the exit status 1); the rest of
+    # the report shows what gpurt does with it at its default, which is what it would be
+    # told to do once the value is fixed — computing it with the bad value was a traceback
+    problems = config.problems()
+    bad = {v.name for v in config.VARIABLES if any(t.startswith(v.name + "=")
+                                                   for t in problems)}
+    saved = {n: os.environ.pop(n) for n in bad if n in os.environ}
+    config.reload()
+    try:
+        data = _info_data()
+    finally:
+        os.environ.update(saved)
+        config.reload()
+    data["problems"] = problems
+    if show_env:
+        data["env"] = [{"name": n, "default": d, "value": v, "doc": doc,
+                        "valid": n not in bad}
+                       for n, d, v, doc in config.table()]
+    if as_json:
+        click.echo(json.dumps(data, indent=2))
+        raise SystemExit(1 if problems else 0)
+    _info_text(data, show_env)
+    if problems:
+        click.echo("settings not valid (the report above shows them at their defaults):",
+                   err=True)
+        for t in problems:
+            click.echo(f"  {t}", err=True)
+        raise SystemExit(1)
+
+
+def _info_data() -> dict:
+    return {
         "versions": _versions(),
         "mpi": _mpi_library(),
         "platform": {"machine": platform.machine(), "system": platform.system(),
@@ -285,12 +316,9 @@ def info(as_json: bool, show_env: bool) -> None:
         "host_memory": _host_memory(),
         "algorithms": _algorithms(),
     }
-    if show_env:
-        data["env"] = [{"name": n, "default": d, "value": v, "doc": doc}
-                       for n, d, v, doc in config.table()]
-    if as_json:
-        click.echo(json.dumps(data, indent=2))
-        return
+
+
+def _info_text(data: dict, show_env: bool) -> None:
     v = data["versions"]
     click.echo(f"gpurt {v['gpurt']}  (python {v['python']}, numpy {v['numpy']}, "
                f"mpi4py {v['mpi4py']}, ml_dtypes {v['ml_dtypes']})")
@@ -341,6 +369,8 @@ def info(as_json: bool, show_env: bool) -> None:
         click.echo("environment:")
         for e in data["env"]:
             val = e["value"] or f"(default {e['default']!r})"
+            if not e["valid"]:
+                val += "   <- NOT VALID (see below)"
             click.echo(f"  {e['name']:<17} {val}\n      {e['doc']}")
 
 

@@ -138,6 +138,52 @@ def test_a_bad_setting_on_one_rank_only_is_an_error_on_every_rank():
             f"rank {r}: unknown algorithm 'bogus' for allreduce"), rec
 
 
+@pytest.mark.parametrize("var,value,words", [
+    # raised in the parser by something else than ValueError: the rank never joined the
+    # creation's exchange and the others waited in it for good
+    ("GPURT_COST", "shm=1e-6/0/1e9", "gpurt settings not valid on rank(s) 1: GPURT_COST="),
+    ("GPURT_SHM_SLOT", "infK", "gpurt settings not valid on rank(s) 1: GPURT_SHM_SLOT="),
+    ("GPURT_SPIN_US", "nan", "gpurt settings not valid on rank(s) 1: GPURT_SPIN_US="),
+    # valid, but different from the others': each rank connected its own transport list
+    ("GPURT_TRANSPORTS", "tcp", "GPURT_TRANSPORTS must be the same on every rank"),
+    ("GPURT_TRANSPORTS", "shmm", "GPURT_TRANSPORTS must be the same on every rank"),
+])
+def test_a_setting_on_one_rank_only_is_an_error_on_every_rank_not_a_hang(var, value, words):
+    """Found by a review of the settings: each of these on rank 1 alone left ranks 0 and
+    2 waiting at creation until killed."""
+    if not is_hydra():
+        pytest.skip("per-rank environments through MPICH hydra's -env")
+    cmd = [mpiexec(), "-n", "1", sys.executable, "-c", _BAD_ENV, ":", "-env", var, value,
+           "-n", "1", sys.executable, "-c", _BAD_ENV, ":", "-n", "1", sys.executable,
+           "-c", _BAD_ENV]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, GPURT_TIMEOUT="60"))
+    for r, rec in rank_records(proc.stdout, "BADENV", 3).items():
+        kind, text = rec["error"]
+        assert kind == "ValueError" and text.startswith(f"rank {r}: ") and words in text, rec
+
+
+def test_shared_arrays_off_on_one_rank_only_turns_them_off_everywhere():
+    """GPURT_SHM_SHARED=0 on one rank: that rank skipped the start-up probe's exchanges
+    and the others waited in them for good. Now it takes part, and the reading of peers'
+    shared arrays is off on every rank (exact results through the other paths)."""
+    if not is_hydra():
+        pytest.skip("per-rank environments through MPICH hydra's -env")
+    code = ("import json, numpy as np, gpurt\n"
+            "c = gpurt.init()\n"
+            "x = c.empty(1 << 20, np.float32); x[:] = c.rank + 1\n"
+            "c.allreduce(x)\n"
+            "print('SHARED ' + json.dumps({'rank': c.rank, 'why': c._shm().map_why, "
+            "'ok': bool((x == c.size * (c.size + 1) / 2).all())}), flush=True)\n")
+    cmd = [mpiexec(), "-n", "1", sys.executable, "-c", code, ":", "-env", "GPURT_SHM_SHARED",
+           "0", "-n", "1", sys.executable, "-c", code, ":", "-n", "1", sys.executable, "-c",
+           code]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, GPURT_TIMEOUT="60"))
+    for r, rec in rank_records(proc.stdout, "SHARED", 3).items():
+        assert rec["ok"] and rec["why"] == "off (GPURT_SHM_SHARED=0 on rank 1)", rec
+
+
 _HEARD_MISMATCH = """
 import json, time, numpy as np, gpurt
 c = gpurt.init(); r = c.rank

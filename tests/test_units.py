@@ -248,6 +248,31 @@ def test_cli_version_and_info():
         assert what in r.output
 
 
+def test_cli_info_reports_a_setting_that_is_not_valid(monkeypatch):
+    """`GPURT_SHM_DIRECT=abc gpurt info` ended in a traceback, while `--env` showed other
+    bad values as if they were fine: now the report runs (that variable at its default),
+    lists the problems, marks them in --env, and exits 1."""
+    monkeypatch.setenv("GPURT_SHM_DIRECT", "abc")
+    monkeypatch.setenv("GPURT_FLIGHT", "-5")
+    config.reload()
+    try:
+        r = CliRunner().invoke(cli, ["info", "--json", "--env"])
+        assert r.exit_code == 1, r.output
+        data = json.loads(r.output)
+        assert [t.split("=")[0] for t in data["problems"]] == ["GPURT_SHM_DIRECT",
+                                                               "GPURT_FLIGHT"]
+        bad = {e["name"] for e in data["env"] if not e["valid"]}
+        assert bad == {"GPURT_SHM_DIRECT", "GPURT_FLIGHT"}
+        assert data["host_memory"]["direct"] is not None
+        r = CliRunner().invoke(cli, ["info", "--env"])
+        assert r.exit_code == 1 and "GPURT_SHM_DIRECT='abc' is not valid" in r.output
+        assert "<- NOT VALID" in r.output and "transports:" in r.output
+        assert os.environ["GPURT_SHM_DIRECT"] == "abc"     # (restored after the report)
+    finally:
+        monkeypatch.undo()
+        config.reload()
+
+
 def test_cma_reads_this_process_and_explains_failures():
     from gpurt.transports import cma
 
@@ -871,3 +896,78 @@ def test_ranked_puts_the_rank_in_front_and_keeps_the_class():
     with pytest.raises(TypeError, match="untouched"):
         with _ranked(0, ValueError):
             raise TypeError("untouched")
+
+
+@pytest.mark.parametrize("var,value,words", [
+    ("GPURT_TIMEOUT", "-1", "at least 0"), ("GPURT_TIMEOUT", "nan", "not a finite number"),
+    ("GPURT_SHM_SLOT", "infK", "not a finite size"), ("GPURT_SHM_SLOT", "-1", "negative"),
+    ("GPURT_SHM_SLOTS", "0", "at least 2"), ("GPURT_FLIGHT", "-5", "at least 0"),
+    ("GPURT_SPIN_US", "1e300", "at most 1000000"), ("GPURT_PEER_STOPPED", "0", "above 0"),
+    ("GPURT_COST", "shm=1e-6/0/1e9", "above 0"), ("GPURT_COST", "shm=-1/1e9/1e9", ">= 0"),
+    ("GPURT_COST", "shmm=1e-6/1e9/1e9", "with a transport among"),
+    ("GPURT_COST", "shm=1e-6/1e9", "three numbers"),
+    ("GPURT_LOG", "verbose", "use one of debug"),
+    ("GPURT_DEVICE_BACKEND", "gpu", "use one of auto"),
+])
+def test_a_setting_out_of_range_is_refused_naming_it(monkeypatch, var, value, words):
+    """Values that parsed but meant nothing (a negative deadline failed every wait at
+    once, NaN waited forever, a zero bandwidth divided by zero, a transport typo in
+    GPURT_COST was ignored) or that raised something else than ValueError (overflow,
+    division): one ValueError naming the variable and its value."""
+    monkeypatch.setenv(var, value)
+    config.reload()
+    try:
+        with pytest.raises(ValueError, match=f"^{var}='{re_escape(value)}' is not valid: "
+                                             f".*{re_escape(words)}"):
+            config.get(var)
+        assert any(t.startswith(f"{var}=") for t in config.problems())
+    finally:
+        monkeypatch.undo()
+        config.reload()
+
+
+def re_escape(s: str) -> str:
+    import re
+    return re.escape(s)
+
+
+def test_settings_in_range_still_parse(monkeypatch):
+    for var, value, want in (("GPURT_TIMEOUT", "inf", float("inf")), ("GPURT_TIMEOUT", "0", 0.0),
+                             ("GPURT_SHM_SLOT", "64K", 65536), ("GPURT_LOG", "Debug", "DEBUG"),
+                             ("GPURT_COST", "shm=3e-6/4e9/2e9", {"shm": (3e-6, 1 / 4e9, 1 / 2e9)}),
+                             ("GPURT_DEVICE_BACKEND", "none", "none")):
+        monkeypatch.setenv(var, value)
+        config.reload()
+        assert config.get(var) == want, var
+    monkeypatch.undo()
+    config.reload()
+
+
+@pytest.mark.parametrize("text,words", [
+    ("[]", "not a gpurt profile"), ("5", "not a gpurt profile"),
+    ('{"version":1,"nranks":2,"nnodes":1,"entries":[1,2]}', "'entries' is a list"),
+    ('{"version":1,"nranks":2,"nnodes":1,"entries":{"allreduce":"ring"}}', "not a list of rows"),
+    ('{"version":1,"nranks":2,"nnodes":1,"entries":{"allreduce":[[4000]]}}', "is not [bytes"),
+    ('{"version":1,"nranks":2,"nnodes":1,"entries":{"allreduce":[["x","ring"]]}}', "is not [bytes"),
+    ('{"version":1,"nranks":2,"nnodes":1,"entries":{"allreduce":[[1048576,"nonexistent"]]}}',
+     "names 'nonexistent', which allreduce does not have"),
+    ('{"version":1,"nranks":2,"nnodes":1,"entries":{"bogus":[[1,"ring"]]}}', "not a collective"),
+    ('{"version":1,"nranks":2,"nnodes":1,"entries":{"gather":[[1,"shm_direct"]]}}',
+     "names 'shm_direct'"),
+])
+def test_a_malformed_profile_is_an_error_naming_the_file(tmp_path, text, words):
+    """A profile that is not an object failed on rank 0 alone (AttributeError: the other
+    ranks waited for its broadcast for good); malformed rows failed inside the first
+    collective; an unknown algorithm name turned shm_direct off while the tuner ignored
+    it. Each is now a ValueError naming the file, when the communicator is created."""
+    from gpurt.tuner import load_profile
+
+    f = tmp_path / "p.json"
+    f.write_text(text)
+    with pytest.raises(ValueError, match=re_escape(f"GPURT_PROFILE={str(f)!r}") + ".*" +
+                       re_escape(words)):
+        load_profile(str(f), 2, 1)
+    f.write_text('{"version":1,"nranks":2,"nnodes":1,"entries":{"allreduce":[[8,"rd",{}],'
+                 '[65536,"shm_board",{}],[1048576,"shm_direct",{}],[9,"hierarchical"]]}}')
+    assert len(load_profile(str(f), 2, 1)["allreduce"]) == 4
+    assert load_profile(str(f), 3, 1) == {}       # (another shape: not this one's)

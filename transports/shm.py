@@ -956,8 +956,7 @@ class ShmTransport:
             self.seg.q[0] = _MAGIC
         self.cma_why = self._probe_cma(node, comm.rank,
                                        topo.local_ranks[topo.node_of[comm.rank]])
-        self.map_why = self._probe_map(node, comm.rank) if config.get("GPURT_SHM_SHARED") \
-            else "off (GPURT_SHM_SHARED=0)"
+        self.map_why = self._probe_map(node, comm.rank, bool(config.get("GPURT_SHM_SHARED")))
         if board:
             self.board = shm_board.Board(self.seg.q, self.seg.u8, board_off, nlocal,
                                          self.local_rank, bslot, board)
@@ -988,25 +987,31 @@ class ShmTransport:
                 ring.help_min = helpmin if help_on and (use_cma or use_map) else 0
         return dict(self.endpoints)
 
-    def _probe_map(self, node, rank: int) -> str:
+    def _probe_map(self, node, rank: int, enabled: bool = True) -> str:
         """Can every local rank map every other's shared arrays (``gpurt.sharedmem``,
         through /proc/<pid>/fd)?  '' if so (agreed by all), else the first reason it
-        cannot.  Collective on ``node``."""
+        cannot.  Collective on ``node``: a rank with GPURT_SHM_SHARED=0 (``enabled``
+        False) takes part too, and its 'off' turns it off on every rank (it skipped the
+        exchanges once, and the others waited in them for good)."""
         me = self.local_rank
         token = struct.pack("<QQ", os.getpid(), _MAGIC)
-        try:
-            mine = sharedmem.empty(len(token), np.uint8)
-            mine[:] = np.frombuffer(token, np.uint8)
-            loc = sharedmem.lookup(cma.address(mine), len(token))
-            why = ""
-        except (ResourceError, OSError) as e:
-            mine, loc, why = None, None, f"local rank {me} (rank {rank}): {e}"
-        infos = node.allgather((os.getpid(), loc, rank))
-        for k, (pid, ploc, prank) in enumerate(infos):
+        mine = loc = None
+        if not enabled:
+            why = f"off (GPURT_SHM_SHARED=0 on rank {rank})"
+        else:
+            try:
+                mine = sharedmem.empty(len(token), np.uint8)
+                mine[:] = np.frombuffer(token, np.uint8)
+                loc = sharedmem.lookup(cma.address(mine), len(token))
+                why = ""
+            except (ResourceError, OSError) as e:
+                mine, loc, why = None, None, f"local rank {me} (rank {rank}): {e}"
+        infos = node.allgather((os.getpid(), loc, rank, why))
+        for k, (pid, ploc, prank, pwhy) in enumerate(infos):
             if k == me or why:
                 continue
             if ploc is None:
-                why = f"rank {prank} could not allocate a shared array"
+                why = pwhy or f"rank {prank} could not allocate a shared array"
                 continue
             maps = sharedmem.PeerMaps(pid, prank, rank)
             try:

@@ -883,6 +883,9 @@ class TcpTransport:
         try:
             opts = (float(config.get("GPURT_TCP_USER_TIMEOUT")),
                     int(config.get("GPURT_TCP_BUFFER")), float(config.get("GPURT_TIMEOUT")))
+            if not 0 < opts[0] <= 86400:      # (NaN too)
+                raise ValueError(f"GPURT_TCP_USER_TIMEOUT={opts[0]} must be above 0 and at "
+                                 f"most 86400 seconds")
             if me == 0:
                 params = (secrets.token_bytes(32), str(comm.cid)) + _settings()
         except ValueError as e:

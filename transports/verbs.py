@@ -246,6 +246,12 @@ def _settings() -> tuple[int, int, int, int]:
         raise ValueError(f"GPURT_IB_EAGER={eager} must be a multiple of 64 between 64 and 1M")
     if not 2 <= slots <= 1024:
         raise ValueError(f"GPURT_IB_SLOTS={slots} must be between 2 and 1024")
+    if gid < -1:
+        raise ValueError(f"GPURT_IB_GID_INDEX={gid} must be -1 (automatic) or an index")
+    for name, hi in (("GPURT_IB_TIMEOUT", 31), ("GPURT_IB_RETRY_CNT", 7)):
+        v = int(config.get(name))     # (a QP attribute: out of range, modify_qp failed)
+        if not 0 <= v <= hi:
+            raise ValueError(f"{name}={v} must be between 0 and {hi}")
     return eager, slots, cache, gid
 
 

@@ -487,9 +487,11 @@ def test_tcp_settings_do_not_matter_without_tcp(comm):
 def test_net_fold_out_of_range_is_an_error_at_creation(comm, var, value):
     """GPURT_NET_FOLD outside 0..64K or GPURT_NET_FOLD_PAIR outside 0..4M (they size the
     agreement's messages) fail communicator creation on every rank with a ValueError
-    naming the variable (decided on rank 0), not the first call."""
+    naming the variable (a negative size when it is read, a large one decided on rank
+    0), not the first call."""
     with _env({var: value}), \
-            pytest.raises(ValueError, match=var + r"=-?\d+ must be between 0 and"):
+            pytest.raises(ValueError, match=var + r"(='-8' is not valid: a size cannot be "
+                                                  r"negative|=\d+ must be between 0 and)"):
         comm.dup()
     comm.barrier()
 
@@ -1303,3 +1305,36 @@ def test_split_and_explain_refuse_bad_arguments_on_every_rank(comm):
         comm.candidates("allreduce", 1.5)
     assert comm.explain("allreduce", 1e6) == comm.explain("allreduce", 1000000)
     assert "chosen" in comm.explain("allreduce", np.int64(4096))
+
+
+def test_direct_choice_says_what_a_call_does(comm):
+    """``direct_choice`` (what `gpurt tune` and ``explain`` report) against what calls on
+    NumPy arrays (those `gpurt tune` times with) then run: below the board's limit the board keeps a call whatever
+    shm_direct's thresholds say — it said shm_direct there from 64 KiB, so `gpurt tune`
+    compared the best with an algorithm never run (review of the tuner)."""
+    if comm.board is None or comm._direct is None or comm._shm().cma_why:
+        pytest.skip("shm_direct on NumPy arrays needs one node and process_vm_readv")
+    p = comm.size
+    wrong = []
+    for coll in ("allreduce", "allgather", "alltoall", "reduce_scatter", "broadcast"):
+        for S in (64 << 10, 128 << 10, 256 << 10, 1 << 20, 4 << 20):
+            n = S // 4 // p if coll in ("allgather", "alltoall", "reduce_scatter") else S // 4
+            S = n * 4 * (p if coll in ("allgather", "alltoall", "reduce_scatter") else 1)
+            if coll == "allgather":
+                x, out = np.zeros(n, np.float32), np.zeros(p * n, np.float32)
+                comm.allgather(x, out)
+            elif coll == "alltoall":
+                x, out = np.zeros(p * n, np.float32), np.zeros(p * n, np.float32)
+                comm.alltoall(x, out)
+            elif coll == "reduce_scatter":
+                x, out = np.zeros(p * n, np.float32), np.zeros(n, np.float32)
+                comm.reduce_scatter(x, out)
+            elif coll == "broadcast":
+                comm.broadcast(np.zeros(n, np.float32))
+            else:
+                x, out = np.zeros(n, np.float32), np.zeros(n, np.float32)
+                comm.allreduce(x, out)
+            said = comm.direct_choice(coll, S)
+            if said != (comm.last_algorithm == "shm_direct"):
+                wrong.append((coll, S, said, comm.last_algorithm))
+    assert not wrong, wrong
