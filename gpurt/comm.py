@@ -418,7 +418,9 @@ class Communicator:
         isz = 4
         n = nbytes // isz // (self.size if coll in ("allgather", "reduce_scatter",
                                                      "alltoall") else 1)
-        return self._direct_wanted(coll, n, isz, None) in (1, 2)
+        # as a call decides it (_host_plan): where the tuner gives the call to the board,
+        # the board keeps it, whatever the thresholds say
+        return self._host_plan(coll, n, isz, 0, None)[0] in (1, 2)
 
     def _inlines(self, algo: str | None) -> bool:
         """May a blocking call naming ``algo`` try an inline path (``_inline``,

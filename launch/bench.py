@@ -1503,6 +1503,18 @@ def check_sweep_options(minbytes: int, maxbytes: int, factor: int) -> None:
                                  param_hint="'-f' / '--stepfactor'")
 
 
+def check_writable_path(path: str, hint: str) -> None:
+    """An output file the run will write at its end (bench's --json/--plot, tune's -o):
+    refused before the launch when it cannot be written — else the whole sweep ran and
+    its write ended in a traceback, the measurements lost."""
+    p = Path(path).absolute()
+    if not p.parent.is_dir():
+        raise click.BadParameter(f"{path}: no directory {p.parent}", param_hint=hint)
+    if p.exists() and not os.access(p, os.W_OK) or \
+            not p.exists() and not os.access(p.parent, os.W_OK | os.X_OK):
+        raise click.BadParameter(f"{path}: not writable here", param_hint=hint)
+
+
 def algo_names(coll: str) -> list[str]:
     """Every name ``--algo`` may give for ``coll`` on some communicator: the registered
     schedules (gpurt/algorithms REGISTRY) and their aliases, and where the collective has
@@ -1598,10 +1610,8 @@ def bench_command(collective, nranks, minbytes, maxbytes, factor, warmup, iters,
     # what the options say on their own is refused here, before any rank is launched
     check_sweep_options(minbytes, maxbytes, factor)
     for opt, path in (("--json", json_path), ("--plot", plot_path)):
-        if path and not Path(path).absolute().parent.is_dir():
-            # else the whole sweep runs and its JSON/PNG write ends in a traceback
-            raise click.BadParameter(f"{path}: no directory {Path(path).absolute().parent}",
-                                     param_hint=f"'{opt}'")
+        if path:
+            check_writable_path(path, f"'{opt}'")
     try:
         dt = parse_dtype(dtype)
     except ValueError as e:      # bfloat16 without ml_dtypes

@@ -81,7 +81,7 @@ def worker(cfg: dict) -> dict | None:
     import gpurt
     from mpi4py import MPI
 
-    from gpurt.launch.bench import parse_dtype   # bfloat16 through ml_dtypes, as bench
+    from gpurt.launch.bench import parse_dtype, size_unit   # (bfloat16 through ml_dtypes)
 
     comm = gpurt.init()
     ctl = comm.mpi
@@ -91,7 +91,12 @@ def worker(cfg: dict) -> dict | None:
     report = []
     for coll in cfg["collectives"]:
         rows = []
-        for S in cfg["sizes"] if coll != "barrier" else [0]:
+        # each size a whole number of elements (per rank, for the blocked kinds), as in
+        # `gpurt bench`: below one it was measured, and written, as 0 bytes
+        unit = size_unit(coll, p, dtype.itemsize)
+        sizes = [0] if coll == "barrier" else \
+            list(dict.fromkeys(max(unit, S // unit * unit) for S in cfg["sizes"]))
+        for S in sizes:
             n, nin, nout = _layout(coll, p, S, dtype.itemsize)
             x = np.zeros(nin, dtype)
             y = np.zeros(nout, dtype)
@@ -191,7 +196,8 @@ def _sizes(lo: int, hi: int, factor: int) -> list[int]:
 def tune_command():
     import click
 
-    from gpurt.launch.bench import _SizeType, check_sweep_options, parse_dtype
+    from gpurt.launch.bench import (_SizeType, check_sweep_options, check_writable_path,
+                                    parse_dtype)
 
     @click.command("tune", context_settings={"help_option_names": ["-h", "--help"]})
     @click.option("-n", "--nranks", type=click.IntRange(1), default=2, show_default=True,
@@ -202,8 +208,8 @@ def tune_command():
                   help="Smallest size (K/M/G suffixes; at least 1 byte).")
     @click.option("-e", "--maxbytes", type=_SizeType(1), default="16M", show_default=True,
                   help="Largest size (at least -b).")
-    @click.option("-f", "--stepfactor", "factor", type=click.IntRange(2), default=8,
-                  show_default=True)
+    @click.option("-f", "--stepfactor", "factor", type=click.IntRange(1), default=8,
+                  show_default=True, help="Size factor (2 or more unless -b equals -e).")
     @click.option("-w", "--warmup", type=click.IntRange(0), default=3, show_default=True)
     @click.option("-i", "--iters", type=click.IntRange(1), default=10, show_default=True)
     @click.option("-d", "--datatype", "dtype", type=click.Choice(DTYPES), default="float32",
@@ -223,6 +229,7 @@ def tune_command():
         # refused here, before the launch: -b above -e measured nothing and wrote an empty
         # profile; a dtype the ranks cannot make failed on every rank with a traceback
         check_sweep_options(minbytes, maxbytes, factor)
+        check_writable_path(out, "'-o' / '--out'")
         try:
             parse_dtype(dtype)
         except ValueError as e:      # bfloat16 without ml_dtypes

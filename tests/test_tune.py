@@ -122,6 +122,41 @@ def test_tune_refuses_bad_sizes_and_dtypes_before_the_launch(monkeypatch, tmp_pa
     assert launched == [([1024], "bfloat16")]
 
 
+def test_tune_refuses_an_output_it_cannot_write_and_takes_f_1_for_one_size(monkeypatch,
+                                                                          tmp_path):
+    """-o into a missing directory ran the whole sweep, then lost it in a traceback: a
+    usage error now, before the launch. -f 1 with -b equal to -e is one size, as in
+    `gpurt bench` (it was refused)."""
+    from click.testing import CliRunner
+
+    from gpurt.launch import tune as T
+
+    launched = []
+    monkeypatch.setattr(T, "run", lambda *a: launched.append(a) or {"model_vs_best": []})
+    res = CliRunner().invoke(T.tune_command(), ["-o", str(tmp_path / "no" / "p.json")])
+    assert res.exit_code == 2 and "Invalid value for '-o' / '--out'" in res.output and \
+        "no directory" in res.output, res.output
+    assert not launched
+    res, launched = _invoke_tune(["-b", "8", "-e", "8", "-f", "1"], monkeypatch, tmp_path)
+    assert res.exit_code == 0, (res.output, res.exception)
+    assert launched == [([8], "float32")]
+
+
+def test_tune_measures_whole_elements(tmp_path):
+    """-b below one element (8 bytes of complex128) was measured and written as 0 bytes;
+    each size is now a whole number of elements (per rank for the blocked kinds), as in
+    `gpurt bench`."""
+    out = tmp_path / "c16.json"
+    proc = subprocess.run([sys.executable, "-m", "gpurt.launch.cli", "tune", "-n", "2", "-c",
+                           "allreduce", "-c", "allgather", "-b", "8", "-e", "8", "-f", "1",
+                           "-w", "0", "-i", "1", "-d", "complex128", "-o", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    prof = json.loads(out.read_text())
+    assert [r[0] for r in prof["entries"]["allreduce"]] == [16]
+    assert [r[0] for r in prof["entries"]["allgather"]] == [32]
+
+
 def test_tune_bfloat16_runs(tmp_path):
     """A dtype of -d's choice really runs on the ranks: bfloat16 (NumPy has no such name;
     the worker makes it as bench does, through ml_dtypes)."""
