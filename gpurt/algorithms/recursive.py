@@ -105,7 +105,8 @@ def allreduce_recursive_doubling(p: int, r: int, n: int, root: int = 0) -> Sched
         # both partners compute (lower's partial) op (higher's partial): the same bits on
         # both, as on every rank in the end — NumPy's complex multiply (SIMD, FMA) and the
         # MIN/MAX of +0.0 and -0.0 depend on the operands' order, and "mine op yours" left
-        # the ranks holding different results
+        # the ranks holding different results (NaN payloads excepted: NumPy's in-place and
+        # out-of-place loops may keep different ones of two NaNs — architecture.md)
         if (j ^ mask) < j:
             pending = [Reduce(Slice(have, 0, n), vout, acc=vtmp)]
         else:
