@@ -41,7 +41,7 @@ from .buffers import Buf, as_buf, check_writable, empty_like, overlaps, same
 from .errors import (CollectiveMismatchError, CollectiveTimeout, CommunicatorClosed,
                      GpurtError, ResourceError, relay_text,
                      TransportError)
-from .executor import Chain, Engine, Request, _Run, check_timeout
+from .executor import Chain, Engine, Request, _Run, check_timeout, wait_mpi
 from .flight import FlightRecorder
 from .ops import FAST_OPS as _FAST_OPS, Op, as_op, check_op, host_finalize, reducer, supported
 from .schedule import Copy, Recv, Schedule, Send, Slice
@@ -179,6 +179,8 @@ class Communicator:
         self._agree_hdrs: dict = {}               # (sig, meta, site) -> header words
         self._fold_views: dict = {}               # (offset, bytes, dtype) -> rows' blocks
         self._devretired: list = []     # outgrown device scratch, until its event fires
+        if not _owned:      # (split's new communicator: split waited so already)
+            _gather_progressing(mpi_comm)
         self.mpi, self.node_comm = _mpi_comms(mpi_comm, _owned)
         # (MPI's handles of a communicator collected without close() are freed at the
         # next creation or close() here: see _MPI_GARBAGE)
@@ -2002,6 +2004,7 @@ class Communicator:
         except TypeError:
             why = f"color and key must be integers, got color={color!r}, key={key!r}"
         # (one rank's bad argument would leave the others in MPI_Comm_split for ever)
+        _gather_progressing(self.mpi)
         whys = self.mpi.allgather(why)
         if any(whys):
             raise ValueError(f"rank {self.rank}: split: " + "; ".join(
@@ -2185,6 +2188,16 @@ def _mpi_make(make: Callable[[], Any], rank: int) -> Any:
         raise ResourceError(
             f"rank {rank}: MPI could not make a communicator ({why}) with {len(_LIVE)} gpurt "
             f"communicators open in this process: close() the ones no longer needed") from None
+
+
+def _gather_progressing(mpi_comm: Any) -> None:
+    """Until every rank of ``mpi_comm`` has come to this communicator creation (or split,
+    dup), keep this thread's requests on the other communicators moving: the blocking MPI
+    exchanges that follow advance nothing of gpurt's, and a peer may still wait on one of
+    them before it comes (an isend, then split, against recv, then split: the receiver
+    timed out and the sender stayed in MPI_Comm_split for ever).  Once all are here, no
+    rank waits on a gpurt request until the creation is over."""
+    wait_mpi(mpi_comm.Ibarrier())
 
 
 def _mpi_comms(mpi_comm: Any, owned: bool) -> tuple[Any, Any]:

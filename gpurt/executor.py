@@ -288,6 +288,62 @@ _ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
 _LIVE_ENGINES = 0
 
 
+def _why(exc: BaseException | None) -> str:
+    """A poisoning exception in words: its text, or its class where it has none (a
+    KeyboardInterrupt left 'unusable after an earlier failure: ' with nothing after)."""
+    text = str(exc)
+    return text if text else type(exc).__name__
+
+
+def progress_elsewhere(exclude: "Engine | None" = None) -> bool:
+    """Advance every engine of this process (but ``exclude``) that this thread last used,
+    that no thread is in now and that has requests in flight: ``Engine.lend``'s pass, and
+    the one a blocking control-plane exchange (a communicator's creation, split, dup)
+    makes while it waits, so that requests its peers wait on still move.  A failure there
+    is that engine's: its requests carry it.  True if anything moved."""
+    me, moved = threading.get_ident(), False
+    try:
+        engines = list(_ENGINES)
+    except RuntimeError:    # (another thread made a communicator meanwhile: next time)
+        return False
+    for eng in engines:
+        if eng is exclude or eng.user != me or eng.poisoned is not None or \
+                not (eng.colls or eng.p2p):
+            continue
+        # (test and set, as in enter)
+        if eng.busy or eng.owner:
+            continue
+        eng.busy, eng.lent = me, True
+        try:
+            if eng.progress():
+                moved = True
+        except Exception:  # noqa: BLE001 - poisoned that engine; its requests say why
+            pass
+        finally:
+            try:
+                eng.leave(0)    # (busy cleared first: a thread that came in meanwhile
+            finally:            # waited for this, and finds the engine free; lent is
+                eng.lent = False    # cleared even if on_stopped is interrupted)
+    return moved
+
+
+def wait_mpi(req, spin: float | None = None) -> None:
+    """Wait for the MPI request ``req`` (a control-plane exchange) while advancing this
+    thread's gpurt requests on every communicator (``progress_elsewhere``): a rank that
+    enters ``split`` with an ``isend`` in flight still delivers it to a peer that
+    receives it before its own ``split`` (MPI's progress rule; the blocking exchange
+    left the receiver waiting until its deadline and the sender in MPI for ever)."""
+    backoff = None
+    while not req.Test():
+        if _LIVE_ENGINES and progress_elsewhere():
+            if backoff is not None:
+                backoff.reset()
+            continue
+        if backoff is None:
+            backoff = Backoff(spin)
+        backoff.pause()
+
+
 def _count_engine(k: int) -> None:
     global _LIVE_ENGINES
     _LIVE_ENGINES += k
@@ -466,7 +522,7 @@ class Engine:
         if self.poisoned is not None:
             self.wait_told()
             raise CommunicatorClosed(f"rank {self.rank}: communicator unusable after an earlier "
-                                     f"failure: {self.poisoned}") from self.poisoned
+                                     f"failure: {_why(self.poisoned)}") from self.poisoned
 
     def poison(self, exc: BaseException) -> None:
         if self.poisoned is None:
@@ -536,30 +592,7 @@ class Engine:
         qb = c2.iallreduce()`` waited in opposite orders on two ranks completes).  A
         failure there is that engine's: its requests carry it, this wait goes on.  True
         if anything moved."""
-        me, moved = threading.get_ident(), False
-        try:
-            engines = list(_ENGINES)
-        except RuntimeError:    # (another thread made a communicator meanwhile: next time)
-            return False
-        for eng in engines:
-            if eng is self or eng.user != me or eng.poisoned is not None or \
-                    not (eng.colls or eng.p2p):
-                continue
-            # (test and set, as in enter)
-            if eng.busy or eng.owner:
-                continue
-            eng.busy, eng.lent = me, True
-            try:
-                if eng.progress():
-                    moved = True
-            except Exception:  # noqa: BLE001 - poisoned that engine; its requests say why
-                pass
-            finally:
-                try:
-                    eng.leave(0)    # (busy cleared first: a thread that came in meanwhile
-                finally:            # waited for this, and finds the engine free; lent is
-                    eng.lent = False    # cleared even if on_stopped is interrupted)
-        return moved
+        return progress_elsewhere(self)
 
     def _step_begin(self) -> None:
         prev = self.enter()
@@ -652,7 +685,7 @@ class Engine:
 
     def _interrupted(self, name: str, seq: int) -> CommunicatorClosed:
         return CommunicatorClosed(f"rank {self.rank}: {name} (call #{seq}) interrupted: "
-                                  f"{self.poisoned}")
+                                  f"{_why(self.poisoned)}")
 
     def _drive(self, step: Callable[[], bool], finished: Callable[[], bool],
                waiting_on: Callable[[], list[int]], timeout: float | None,

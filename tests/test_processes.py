@@ -184,6 +184,53 @@ def test_shared_arrays_off_on_one_rank_only_turns_them_off_everywhere():
         assert rec["ok"] and rec["why"] == "off (GPURT_SHM_SHARED=0 on rank 1)", rec
 
 
+_CREATE_WITH_SEND_IN_FLIGHT = """
+import json, sys, numpy as np, gpurt
+from mpi4py import MPI
+c = gpurt.init(); r = c.rank
+n = 4_000_000                   # (more than the socket buffers hold)
+rec = {"rank": r}
+for what in ("split", "dup", "wrap"):
+    make = {"split": lambda: c.split(0), "dup": c.dup,
+            "wrap": lambda: gpurt.Communicator(MPI.COMM_WORLD)}[what]
+    try:
+        if r == 0:
+            q = c.isend(np.arange(n, dtype=np.float64), 1, tag=4)
+            new = make()
+            q.wait(timeout=30)
+        elif r == 1:
+            got = np.empty(n)
+            c.recv(got, 0, tag=4, timeout=30)
+            assert np.array_equal(got, np.arange(n, dtype=np.float64))
+            new = make()
+        else:
+            new = make()
+        x = np.full(3, r + 1.0)
+        new.allreduce(x)
+        assert (x == c.size * (c.size + 1) / 2).all(), x
+        new.close()
+        rec[what] = "ok"
+    except Exception as e:
+        rec[what] = f"{type(e).__name__}: {e}"
+print("CREATE " + json.dumps(rec), flush=True)
+"""
+
+
+@pytest.mark.parametrize("env", [{"GPURT_TRANSPORTS": "tcp"}, {"MPIR_CVAR_NUM_CLIQUES": "3"}],
+                         ids=["tcp", "3 nodes"])
+def test_split_dup_and_wrap_move_requests_in_flight(env):
+    """Rank 0 isends 32 MB to rank 1 and then splits (dups, wraps MPI_COMM_WORLD); rank 1
+    receives it, then does the same. The creation's blocking MPI exchanges advanced no
+    gpurt request: the send stalled once the socket buffers were full, rank 1 timed out
+    and rank 0 stayed in MPI_Comm_split for good (review of the lifecycle). As in MPI,
+    the creation now moves this thread's requests while it waits for the other ranks."""
+    if "MPIR_CVAR_NUM_CLIQUES" in env and not is_hydra():
+        pytest.skip("MPICH cliques need the MPICH hydra mpiexec")
+    out = run_mpi(3, ["-c", _CREATE_WITH_SEND_IN_FLIGHT], env=env, timeout=180).stdout
+    for r, rec in rank_records(out, "CREATE", 3).items():
+        assert (rec["split"], rec["dup"], rec["wrap"]) == ("ok", "ok", "ok"), rec
+
+
 _HEARD_MISMATCH = """
 import json, time, numpy as np, gpurt
 c = gpurt.init(); r = c.rank

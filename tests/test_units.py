@@ -971,3 +971,20 @@ def test_a_malformed_profile_is_an_error_naming_the_file(tmp_path, text, words):
                  '[65536,"shm_board",{}],[1048576,"shm_direct",{}],[9,"hierarchical"]]}}')
     assert len(load_profile(str(f), 2, 1)["allreduce"]) == 4
     assert load_profile(str(f), 3, 1) == {}       # (another shape: not this one's)
+
+
+def test_a_communicator_poisoned_by_ctrl_c_says_so():
+    """After a KeyboardInterrupt in a call, the next call said 'communicator unusable
+    after an earlier failure: ' with nothing after the colon (str(KeyboardInterrupt())
+    is empty; review of the lifecycle): an exception without text is named by its
+    class."""
+    from gpurt.errors import CommunicatorClosed
+    from gpurt.executor import Engine
+
+    eng = Engine(0, lambda: 10.0, lambda peers, collective=False: None, spin=0.0)
+    eng.poison(KeyboardInterrupt())
+    with pytest.raises(CommunicatorClosed,
+                       match=r"^rank 0: communicator unusable after an earlier failure: "
+                             r"KeyboardInterrupt$"):
+        eng.raise_if_poisoned()
+    assert str(eng._interrupted("allreduce", 3)).endswith("interrupted: KeyboardInterrupt")
