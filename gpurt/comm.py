@@ -2515,7 +2515,74 @@ os.register_at_fork(after_in_child=_after_fork)
 def _close_all() -> None:  # runs before mpi4py's own finalisation (registered earlier)
     for c in list(_LIVE):
         c.close()
-    if _MPI_OURS == os.getpid():     # (not in a forked child: the parent's MPI)
-        MPI = _mpi()
-        if MPI.Is_initialized() and not MPI.Is_finalized():
+    MPI = sys.modules.get("mpi4py.MPI")
+    if MPI is None or _FORKED or not MPI.Is_initialized() or MPI.Is_finalized():
+        return
+    import mpi4py
+    ours = _MPI_OURS == os.getpid()     # (not in a forked child: the parent's MPI)
+    mpi4pys = getattr(mpi4py.rc, "initialize", True) and \
+        getattr(mpi4py.rc, "finalize", None) is not False
+    dying = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    if dying is not None and (ours or mpi4pys):
+        _finalize_bounded(MPI, 130 if isinstance(dying, KeyboardInterrupt) else 1)
+    elif ours:
+        MPI.Finalize()
+
+
+def _finalize_bounded(MPI, code: int) -> None:
+    """MPI_Finalize for a process that dies of an unhandled exception, at most
+    max(2 s, GPURT_PEER_STOPPED) long: MPICH's waits for every rank, and a rank that
+    never comes to it (asleep, computing, stuck outside gpurt) kept this one — whose
+    collective timed out or whose peer failed — alive with it, and the job with them
+    (``gpurt launch`` stops a job once a rank has exited).  Past that bound the process
+    leaves without it, with the status Python gives an unhandled exception, and the
+    process manager ends the job."""
+    grace = max(2.0, float(config.get("GPURT_PEER_STOPPED")))
+    done = threading.Event()
+    try:
+        who = f"rank {MPI.COMM_WORLD.Get_rank()} of MPI_COMM_WORLD (pid {os.getpid()})"
+    except Exception:  # noqa: BLE001
+        who = f"pid {os.getpid()}"
+
+    def watchdog() -> None:
+        if done.wait(grace):
+            return
+        try:
+            sys.stderr.write(f"gpurt: {who}: MPI_Finalize still waits {grace:g} s "
+                             f"after this process's unhandled exception (some rank has not "
+                             f"come to it): leaving without it, so that the job ends\n")
+            sys.stderr.flush()
+            sys.stdout.flush()
+        finally:
+            os._exit(code)
+
+    threading.Thread(target=watchdog, name="gpurt-finalize-watchdog", daemon=True).start()
+    try:
+        # through ctypes, which lets go of the GIL (mpi4py's Finalize holds it: the
+        # watchdog could not run until the late rank came), on the library mpi4py loaded
+        fin = _libmpi_finalize()
+        if fin is not None:
+            fin()
+        else:
             MPI.Finalize()
+    finally:
+        done.set()
+
+
+def _libmpi_finalize():
+    """``MPI_Finalize`` of the MPI library already loaded in this process (as a ctypes
+    function: called without the GIL), or None where it cannot be found."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "/libmpi" in line}
+        for path in sorted(paths):
+            if os.path.basename(path).startswith(("libmpi.so", "libmpi_")):
+                lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+                fn = lib.MPI_Finalize
+                fn.restype, fn.argtypes = ctypes.c_int, []
+                return fn
+    except (OSError, AttributeError):
+        pass
+    return None
