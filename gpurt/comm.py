@@ -191,8 +191,12 @@ class Communicator:
         self.size: int = self.mpi.Get_size()
         leader = self.node_comm.bcast(self.rank, 0)
         info = self.mpi.allgather((leader, socket.gethostname(), os.getpid(), next(_COMM_IDS),
-                                   config.problems(), config.must_agree()))
-        self.cid = f"{info[0][2]}-{info[0][3]}"   # the same on every rank: rank 0's pid, count
+                                   config.problems(), config.must_agree(),
+                                   os.urandom(3).hex()))
+        # the same on every rank: rank 0's pid, count and a random part (pids repeat
+        # across hosts and in pid namespaces: two communicators of a job shared '11-1',
+        # and one's flight records overwrote the other's)
+        self.cid = f"{info[0][2]}-{info[0][3]}-{info[0][6]}"
         self.topo = Topology.from_ids([i[0] for i in info], [i[1] for i in info])
         self.pids = tuple(i[2] for i in info)
         self.node: int = self.topo.node_of[self.rank]

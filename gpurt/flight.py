@@ -119,12 +119,14 @@ class FlightRecorder:
         try:
             os.makedirs(d, exist_ok=True)
             path = os.path.join(d, f"flight-{self.cid}-rank{self.rank}.json")
-            with open(path, "w") as f:
+            tmp = f"{path}.{os.getpid()}.tmp"     # (whole or not at all: a rank killed
+            with open(tmp, "w") as f:             # while writing left half a file)
                 json.dump({"rank": self.rank, "size": self.size, "communicator": self.cid,
                            "pid": os.getpid(), "host": os.uname().nodename,
                            "lost": self.lost,
                            "reason": f"{type(reason).__name__}: {reason}", "records": recs},
                           f, indent=1)
+            os.replace(tmp, path)
             return path
         except OSError as e:
             print(f"gpurt flight recorder: cannot write {d}: {e}", file=sys.stderr)
@@ -165,19 +167,25 @@ def line_up(paths: list[str]) -> str:
     who entered it and who did not, point-to-point calls that did not complete, and the
     ranks that wrote nothing."""
     by_comm: dict[str, list[dict]] = {}
-    for p in paths:
-        with open(p) as f:
-            d = json.load(f)
-        by_comm.setdefault(d["communicator"], []).append(d)
     out = []
+    for p in paths:
+        try:
+            with open(p) as f:
+                d = json.load(f)
+            for key in ("communicator", "rank", "size", "records"):
+                d[key]          # noqa: B018 - (a file without them is not a dump)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            out.append(f"skipped {p}: not a flight record ({type(e).__name__}: {e})")
+            continue
+        by_comm.setdefault(d["communicator"], []).append(d)
     for cid, dumps in sorted(by_comm.items()):
         size = dumps[0]["size"]
         have = sorted(d["rank"] for d in dumps)
         out.append(f"communicator {cid}: {size} ranks, dumps from {len(have)}: {have}")
         state = {d["rank"]: {r["seq"]: r for r in d["records"] if r["kind"] != "p2p"}
                  for d in dumps}
-        last_done = {rk: max([s for s, r in recs.items() if r["state"] == "done"], default=0)
-                     for rk, recs in state.items()}
+        last_done = {rk: max([s for s, r in recs.items() if r["state"] == "done"],
+                             default=None) for rk, recs in state.items()}
         first_open = min((s for recs in state.values() for s, r in recs.items()
                           if r["state"] != "done"), default=None)
         if first_open is None:
@@ -202,8 +210,10 @@ def line_up(paths: list[str]) -> str:
                 if site:
                     out.append(f"      rank {rk} from {site}")
             for rk in sorted(set(state) - set(inside)):
-                out.append(f"    rank {rk} never entered it; its last completed call: "
-                           f"#{last_done[rk]}")
+                last = last_done[rk]
+                out.append(f"    rank {rk} never entered it; its last completed call: " +
+                           (f"#{last}" if last is not None else
+                            "not among its records (none, or older than they reach)"))
         for d in sorted(dumps, key=lambda d: d["rank"]):
             for r in d["records"]:
                 if r["kind"] == "p2p" and r["state"] != "done":
@@ -233,8 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     if not paths:
         print(f"no flight records in {argv[0]}", file=sys.stderr)
         return 1
-    print(line_up(paths))
-    return 0
+    text = line_up(paths)
+    print(text)
+    return 0 if "\ncommunicator " in "\n" + text else 1
 
 
 if __name__ == "__main__":

@@ -445,7 +445,7 @@ def rank_wrapper(cmd: list[str]) -> int:
     sig = -rc if rc < 0 else None
     _write_record({"rank": rank, "host": socket.gethostname(), "pid": child.pid,
                    "exit_code": rc if rc >= 0 else None,
-                   "signal": signal.Signals(sig).name if sig else None,
+                   "signal": _signame(sig) if sig else None, "signal_number": sig,
                    "time": ended, "started": started,
                    "stderr_tail": words if words is not None else list(last)})
     if sig:   # end as the child ended: the launcher sees the same signal
@@ -555,14 +555,30 @@ def _blamed(rec: dict) -> int | None:
 
 def _how(rec: dict) -> str:
     if rec.get("signal"):
-        num = getattr(signal, rec["signal"], None)
-        return f"signal {rec['signal']}" + (f" ({int(num)})" if num is not None else "")
+        num = _signum(rec)
+        return f"signal {rec['signal']}" + (f" ({num})" if num is not None else "")
     return f"exit code {rec.get('exit_code')}"
+
+
+def _signame(num: int) -> str:
+    """SIGTERM, ..., or SIG36 for a realtime signal without a name of its own (Signals()
+    refused it, and the rank's wrapper died writing its record)."""
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return f"SIG{num}"
+
+
+def _signum(rec: dict) -> int | None:
+    if rec.get("signal_number"):
+        return int(rec["signal_number"])
+    num = getattr(signal, rec.get("signal") or "", None)
+    return int(num) if num is not None else None
 
 
 def _rc_of(rec: dict) -> int:
     if rec.get("signal"):
-        return 128 + int(getattr(signal, rec["signal"], 0))
+        return 128 + (_signum(rec) or 0)
     return int(rec.get("exit_code") or 1)
 
 
@@ -721,7 +737,7 @@ def run_job(launcher: Launcher, nranks: int, program: Sequence[str], *,
     elif reason == "interrupted":
         sig = got_signal[0]
         res.returncode = 128 + sig
-        report(f"gpurt launch: {signal.Signals(sig).name}: stopped every rank")
+        report(f"gpurt launch: {_signame(sig)}: stopped every rank")
     elif first is not None:
         res.returncode = _rc_of(first) or 1
         if reason == "done":
@@ -730,7 +746,7 @@ def run_job(launcher: Launcher, nranks: int, program: Sequence[str], *,
         res.returncode = launcher_rc if launcher_rc > 0 else 128 - launcher_rc
         res.reason = "failed"
         report(f"gpurt launch: the launcher ({launcher.kind}) exited "
-               f"{'with signal ' + signal.Signals(-launcher_rc).name if launcher_rc < 0 else launcher_rc}"
+               f"{'with signal ' + _signame(-launcher_rc) if launcher_rc < 0 else launcher_rc}"
                f" and no rank reported a failure")
     if first is not None and reason in ("done", "failed"):
         report(failure_report(first, res.records, nranks))
@@ -840,8 +856,9 @@ def simulate_plan(ranks: list[int], launcher: Launcher, root: bool | None = None
                           f"(this one is {launcher.kind})")
     k = len(ranks)
     n = sum(ranks)
-    block = -(-n // k)
-    want = [min(block, n - i * block) for i in range(k)]
+    # MPICH's block cliques (measured: 4 ranks on 3 -> 2+1+1, 7 on 3 -> 3+2+2): n // k
+    # each, one more for the first n % k (ceil(n/k) per clique said 2+2+0 and 3+3+1)
+    want = [n // k + (1 if i < n % k else 0) for i in range(k)]
     if ranks != want:
         raise LaunchError(f"--simulate: {reason}, and MPICH's cliques can only make nodes of "
                           f"{'+'.join(map(str, want))} ranks for {n} ranks on {k} nodes")

@@ -298,6 +298,25 @@ def test_rank_killed_by_sigkill(tmp_path):
     assert_nothing_left(str(tmp_path))
 
 
+def test_rank_killed_by_a_realtime_signal(tmp_path):
+    """A rank ended by signal 36 (a realtime signal, no name in signal.Signals): the
+    rank's wrapper died on ValueError writing its record, so the launch said no rank
+    reported a failure, exited 1 and let the other rank sleep on (review of the
+    launcher). Now: rank 1, 'SIG36', status 128 + 36, the others stopped."""
+    s = script(tmp_path, "rt.py", """
+        from mpi4py import MPI
+        if MPI.COMM_WORLD.rank == 1:
+            os.kill(os.getpid(), 36)
+        time.sleep(60)
+        """)
+    t0 = time.monotonic()
+    p = run(["launch", "-n", "2", s], timeout=40)
+    assert p.returncode == 128 + 36, both(p)
+    assert "rank 1 " in p.stderr and "signal SIG36 (36)" in p.stderr, p.stderr
+    assert time.monotonic() - t0 < 20
+    assert_nothing_left(str(tmp_path))
+
+
 def test_the_raising_rank_is_named_first_though_its_victims_end_before_it(tmp_path):
     """Rank 1 raises ValueError (gpurt tells ranks 0 and 2 at once: PeerFailure) and then
     takes 1.5 s to exit (an exit handler): the report still names rank 1 first."""
@@ -492,6 +511,11 @@ def test_simulate_shapes_and_plans():
     assert L.simulate_plan([3, 2], mpich, root=False)[0] == "cliques"
     with pytest.raises(L.LaunchError, match="only make nodes of 3\\+2"):  # block-wise
         L.simulate_plan([2, 3], mpich, root=False)
+    # as MPICH lays out blocks (n // k each, the first n % k one more): 2+1+1 is one of
+    # them (it was refused as '2+2+0'), 3+3+1 is not (MPICH makes 3+2+2)
+    assert L.simulate_plan([2, 1, 1], mpich, root=False)[0] == "cliques"
+    with pytest.raises(L.LaunchError, match="only make nodes of 3\\+2\\+2"):
+        L.simulate_plan([3, 3, 1], mpich, root=False)
     with pytest.raises(L.LaunchError, match="need root|needs root|not root"):
         L.simulate_plan([2, 2], mpich, root=False, want="netns")
     with pytest.raises(L.LaunchError, match="MPICH"):

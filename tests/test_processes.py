@@ -793,6 +793,18 @@ def test_flight_recorder_shows_who_is_missing(tmp_path):
     assert "rank 0 from <string>:11 in <module>" in out, out
     assert "rank 1 from <string>:11 in <module>" in out, out
     assert "CollectiveTimeout" in out
+    assert not list(tmp_path.glob("*.tmp"))     # (written whole, then renamed)
+    # a half-written, an empty and a foreign file beside them: skipped with a word, the
+    # others still lined up (a JSONDecodeError or KeyError traceback hid them all)
+    good = sorted(tmp_path.iterdir())
+    (tmp_path / "flight-x-1-ab-rank7.json").write_text(good[0].read_text()[:300])
+    (tmp_path / "flight-x-2-ab-rank8.json").write_text("")
+    (tmp_path / "flight-x-3-ab-rank9.json").write_text("{}")
+    res = subprocess.run([sys.executable, "-m", "gpurt.flight", str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.count("skipped ") == 3 and "entered by rank(s) [0, 1]" in res.stdout, \
+        res.stdout
 
 
 @pytest.mark.parametrize("n,env", [(2, {}), (3, {}), (5, {}),

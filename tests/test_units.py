@@ -988,3 +988,22 @@ def test_a_communicator_poisoned_by_ctrl_c_says_so():
                              r"KeyboardInterrupt$"):
         eng.raise_if_poisoned()
     assert str(eng._interrupted("allreduce", 3)).endswith("interrupted: KeyboardInterrupt")
+
+
+def test_flight_line_up_without_a_completed_call_on_record(tmp_path):
+    """A rank whose records hold no completed collective (GPURT_FLIGHT=1, its one record
+    a p2p) was said to have completed call '#0'; it is now 'not among its records'."""
+    from gpurt.flight import line_up
+
+    def rec(seq, kind, state):
+        return {"seq": seq, "kind": kind, "args": "float32 x 4 SUM", "algorithm": "ring",
+                "t_start": 1.0, "t_end": 0.0, "state": state, "site": ""}
+
+    for rank, records in ((0, [rec(6, "allreduce", "running")]),
+                          (1, [rec(7, "p2p", "running")])):
+        (tmp_path / f"flight-9-0-aa-rank{rank}.json").write_text(json.dumps(
+            {"rank": rank, "size": 2, "communicator": "9-0-aa", "pid": 1, "host": "h",
+             "lost": 0, "reason": "CollectiveTimeout: x", "records": records}))
+    out = line_up(sorted(map(str, tmp_path.iterdir())))
+    assert "first call not completed everywhere: #6 allreduce" in out, out
+    assert "rank 1 never entered it; its last completed call: not among its records" in out
