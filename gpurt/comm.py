@@ -22,6 +22,7 @@ import contextlib
 import functools
 import itertools
 import logging
+import math
 import operator
 import os
 import re
@@ -2526,22 +2527,36 @@ def _close_all() -> None:  # runs before mpi4py's own finalisation (registered e
     ours = _MPI_OURS == os.getpid()     # (not in a forked child: the parent's MPI)
     mpi4pys = getattr(mpi4py.rc, "initialize", True) and \
         getattr(mpi4py.rc, "finalize", None) is not False
-    dying = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
-    if dying is not None and (ours or mpi4pys):
-        _finalize_bounded(MPI, 130 if isinstance(dying, KeyboardInterrupt) else 1)
+    if _dying_of_a_failure() and (ours or mpi4pys):
+        _finalize_bounded(MPI)
     elif ours:
         MPI.Finalize()
 
 
-def _finalize_bounded(MPI, code: int) -> None:
-    """MPI_Finalize for a process that dies of an unhandled exception, at most
+def _dying_of_a_failure() -> bool:
+    """Does this process end on an unhandled gpurt failure (a timeout, a failed peer, a
+    mismatch: the job has failed, and a peer may never come to MPI_Finalize)?  Not in an
+    interactive session, whose shown errors also leave ``sys.last_value``; not for the
+    program's own exceptions (the other ranks may still have work to finish, a
+    checkpoint to write: MPI_Finalize waits for them as before)."""
+    if hasattr(sys, "ps1") or sys.flags.interactive:
+        return False
+    dying = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    return isinstance(dying, GpurtError)
+
+
+def _finalize_bounded(MPI, code: int = 1) -> None:
+    """MPI_Finalize for a process that dies of an unhandled gpurt failure, at most
     max(2 s, GPURT_PEER_STOPPED) long: MPICH's waits for every rank, and a rank that
     never comes to it (asleep, computing, stuck outside gpurt) kept this one — whose
     collective timed out or whose peer failed — alive with it, and the job with them
     (``gpurt launch`` stops a job once a rank has exited).  Past that bound the process
-    leaves without it, with the status Python gives an unhandled exception, and the
+    leaves without it, with the status Python gives an unhandled exception (1), and the
     process manager ends the job."""
     grace = max(2.0, float(config.get("GPURT_PEER_STOPPED")))
+    if not math.isfinite(grace):        # (GPURT_PEER_STOPPED=inf: wait as long as it takes)
+        MPI.Finalize()
+        return
     done = threading.Event()
     try:
         who = f"rank {MPI.COMM_WORLD.Get_rank()} of MPI_COMM_WORLD (pid {os.getpid()})"

@@ -80,7 +80,12 @@ def _algo(s: str) -> dict[str, str]:
     return out
 
 
-COST_NAMES = ("shm", "tcp", "verbs", "self", "cuda_ipc")   # the tuner's DEFAULT_COSTS
+def _cost_names() -> tuple[str, ...]:
+    """What GPURT_COST may name: every registered transport (one added through
+    ``gpurt.transports.register`` too), the device-only ones and 'self'."""
+    from gpurt.transports import DEVICE, registered
+
+    return tuple(n for n, _ in registered()) + tuple(DEVICE) + ("self",)
 
 
 def _cost(s: str) -> dict[str, tuple[float, float, float]]:
@@ -89,9 +94,10 @@ def _cost(s: str) -> dict[str, tuple[float, float, float]]:
     for item in _list(s):
         name, eq, vals = item.partition("=")
         name = name.strip()
-        if not eq or name not in COST_NAMES:
+        names = _cost_names()
+        if not eq or name not in names:
             raise ValueError(f"entry {item!r} is not TRANSPORT=ALPHA_S/BW_Bps/REDUCE_Bps "
-                             f"with a transport among {', '.join(COST_NAMES)}")
+                             f"with a transport among {', '.join(names)}")
         parts = vals.split("/")
         if len(parts) != 3:
             raise ValueError(f"entry {item!r} needs three numbers separated by '/'")
@@ -135,7 +141,7 @@ VARIABLES: tuple[Var, ...] = (
         "ring in one round; its larger reduction outweighs the saved round beyond a few "
         "MiB). 0: only GPURT_NET_FOLD; at most 4M; with tcp striping, below "
         "GPURT_TCP_STRIPE_MIN; decided on rank 0."),
-    Var("GPURT_PEER_STOPPED", "5", _number(above=True),
+    Var("GPURT_PEER_STOPPED", "5", _number(finite=False),     # (inf: never)
         "Seconds a peer may stay stopped (SIGSTOP, a debugger) while others wait for it "
         "before they raise PeerFailure: a local peer's process state, a remote peer's "
         "silence after the first unanswered heartbeat ping."),
@@ -150,7 +156,7 @@ VARIABLES: tuple[Var, ...] = (
         "without it, they are staged through pinned host memory everywhere."),
     Var("GPURT_SHM_SLOT", "256K", _bytes,
         "shm: bytes per ring slot (a message larger than a slot streams through the ring)."),
-    Var("GPURT_SHM_SLOTS", "8", _number(2, 1 << 16, integer=True),
+    Var("GPURT_SHM_SLOTS", "8", _number(1, 1 << 16, integer=True),
         "shm: slots per ring (per ordered pair of ranks and lane)."),
     Var("GPURT_SHM_RING_MEM", "32M", _bytes,
         "shm: the most bytes of ring slots one rank has towards all its local peers "
@@ -285,7 +291,8 @@ VARIABLES: tuple[Var, ...] = (
         "Also write every rank's flight records there as JSON on a failure; "
         "`gpurt flight DIR` lines the ranks up."),
     Var("GPURT_LOG", "warning",
-        lambda s: _choice("debug", "info", "warning", "error", "critical")(s).upper(),
+        lambda s: _choice("debug", "info", "warning", "warn", "error", "critical", "fatal",
+                          "notset")(s).upper(),       # (the names logging knows)
         "Level of the 'gpurt' logger: debug, info, warning, error."),
 )
 
