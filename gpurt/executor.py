@@ -327,12 +327,14 @@ def progress_elsewhere(exclude: "Engine | None" = None) -> bool:
     return moved
 
 
-def wait_mpi(req, spin: float | None = None) -> None:
+def wait_mpi(req, spin: float = 0.0) -> None:
     """Wait for the MPI request ``req`` (a control-plane exchange) while advancing this
     thread's gpurt requests on every communicator (``progress_elsewhere``): a rank that
     enters ``split`` with an ``isend`` in flight still delivers it to a peer that
     receives it before its own ``split`` (MPI's progress rule; the blocking exchange
-    left the receiver waiting until its deadline and the sender in MPI for ever)."""
+    left the receiver waiting until its deadline and the sender in MPI for ever).
+    Reads no setting (``spin`` given, not GPURT_SPIN_US): a rank whose settings are not
+    valid must reach the creation's exchange that tells every rank so."""
     backoff = None
     while not req.Test():
         if _LIVE_ENGINES and progress_elsewhere():
