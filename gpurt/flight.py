@@ -109,7 +109,10 @@ class FlightRecorder:
                 lines.append("  ...")
                 continue
             took = f"{(r['t_end'] - r['t_start']) * 1e3:.1f} ms" if r["t_end"] else "-"
-            lines.append(f"  #{r['seq']:<6} {r['kind']:<16} {r['args']:<36} "
+            # (a send/recv is not a numbered call: its tag is in its arguments; '#7 p2p'
+            # for tag 7 after calls #1-#6 read as call #7)
+            num = "-" if r["kind"] == "p2p" else f"#{r['seq']}"
+            lines.append(f"  {num:<7} {r['kind']:<16} {r['args']:<36} "
                          f"{r['algorithm']:<18} {took:>10}  {r['state']}"
                          + (f"  ({r['site']})" if r["site"] else ""))
         print("\n".join(lines), file=sys.stderr, flush=True)

@@ -1018,3 +1018,18 @@ def test_flight_line_up_without_a_completed_call_on_record(tmp_path):
     out = line_up(sorted(map(str, tmp_path.iterdir())))
     assert "first call not completed everywhere: #6 allreduce" in out, out
     assert "rank 1 never entered it; its last completed call: not among its records" in out
+
+
+def test_flight_dump_does_not_number_a_send_or_receive(capsys):
+    """A p2p record's seq is its tag: the dump printed '#7 p2p ... recv from rank 0 tag
+    7' after calls #1-#6, which read as call #7 (review of the flight recorder)."""
+    from gpurt.flight import FlightRecorder
+
+    f = FlightRecorder(1, 2, "c", 8)
+    for i in range(1, 4):
+        FlightRecorder.done(f.start(i, "allreduce", ("<f4", 4, None, None), "ring"))
+    f.start(7, "p2p", ("<f4", 4, None, None), "recv from rank 0 tag 7")
+    f.dump(RuntimeError("x"))
+    err = capsys.readouterr().err
+    assert "  #3      allreduce" in err and "  -       p2p" in err, err
+    assert "#7" not in err, err
