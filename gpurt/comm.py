@@ -48,7 +48,7 @@ from .ops import FAST_OPS as _FAST_OPS, Op, as_op, check_op, host_finalize, redu
 from .schedule import Copy, Recv, Schedule, Send, Slice
 from .algorithms import REGISTRY, Cost
 from .hier import HIER, Shape
-from .topology import Topology
+from .topology import Topology, rank_ranges
 from .tuner import Native, Tuner, load_profile, oversubscribed, transport_cost
 from .wait import spin_seconds
 
@@ -2396,20 +2396,10 @@ def _check_alike(rank: int, values: list[tuple]) -> None:
             def show(v):
                 return ",".join(v) if isinstance(v, tuple) and v else \
                     ("unset" if v == () else repr(v))
-            seen = "; ".join(f"{show(v)} on rank(s) {_ranges(rs)}" for v, rs in by_value.items())
+            seen = "; ".join(f"{show(v)} on rank(s) {rank_ranges(rs)}"
+                             for v, rs in by_value.items())
             raise ValueError(f"rank {rank}: {name} must be the same on every rank "
                              f"(each rank's set-up is collective): {seen}")
-
-
-def _ranges(rs: list[int]) -> str:
-    out, i = [], 0
-    while i < len(rs):
-        j = i
-        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
-            j += 1
-        out.append(f"{rs[i]}" if i == j else f"{rs[i]}-{rs[j]}")
-        i = j + 1
-    return ",".join(out)
 
 
 def _prefix(rank: int, e: BaseException) -> str:

@@ -47,3 +47,15 @@ class Topology:
         for r, n in enumerate(node_of):
             host_of[n] = host_of[n] or hosts[r]
         return Topology(len(node_ids), node_of, tuple(tuple(x) for x in local), tuple(host_of))
+
+
+def rank_ranges(xs: list[int]) -> str:
+    """[0,1,2,5] -> "0-2,5" (sorted ranks; "-" for none)."""
+    parts, i = [], 0
+    while i < len(xs):
+        j = i
+        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
+            j += 1
+        parts.append(str(xs[i]) if i == j else f"{xs[i]}-{xs[j]}")
+        i = j + 1
+    return ",".join(parts) or "-"

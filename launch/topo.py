@@ -24,6 +24,7 @@ import click
 
 from gpurt.launch.launcher import (RANK_VARS, LaunchError, find_launcher, job_env,
                                    launch_options, run_job)
+from gpurt.topology import rank_ranges
 
 
 def gather() -> dict | None:
@@ -91,7 +92,7 @@ def render(d: dict) -> str:
     out = [f"{d['size']} rank(s) on {d['nnodes']} node(s)", ""]
     out.append("nodes:")
     for n in d["nodes"]:
-        out.append(f"  node {n['node']}  host {n['host']}  ranks {_ranges(n['ranks'])}  "
+        out.append(f"  node {n['node']}  host {n['host']}  ranks {rank_ranges(n['ranks'])}  "
                    f"leader {n['leader']}")
     out.append("ranks:")
     out.append(f"  {'rank':>4}  {'node':>4}  {'local':>5}  {'pid':>8}  host")
@@ -100,8 +101,8 @@ def render(d: dict) -> str:
                    f"{r['host']}")
     out.append("rails (same local rank on every node):")
     for i, rail in enumerate(d["rails"]):
-        out.append(f"  rail {i}: {_ranges(rail)}")
-    out.append(f"leaders (local rank 0): {_ranges(d['leaders'])}")
+        out.append(f"  rail {i}: {rank_ranges(rail)}")
+    out.append(f"leaders (local rank 0): {rank_ranges(d['leaders'])}")
     out.append("")
     p = d["size"]
     w = max([4, len(f"r{p - 1}")] + [len(t) for row in d["transport"] for t in row]) + 2
@@ -116,18 +117,6 @@ def render(d: dict) -> str:
                    "nothing is connected (NAME? = what the pair would use):")
         out.append(f"  {d['error']}")
     return "\n".join(out)
-
-
-def _ranges(xs: list[int]) -> str:
-    """[0,1,2,5] -> "0-2,5"."""
-    parts, i = [], 0
-    while i < len(xs):
-        j = i
-        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
-            j += 1
-        parts.append(str(xs[i]) if i == j else f"{xs[i]}-{xs[j]}")
-        i = j + 1
-    return ",".join(parts) or "-"
 
 
 def _under_launcher() -> bool:

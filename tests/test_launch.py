@@ -21,7 +21,8 @@ import pytest
 from conftest import ROOT, mpiexec
 
 from gpurt.launch import launcher as L
-from gpurt.launch.topo import _ranges, render
+from gpurt.launch.topo import render
+from gpurt.topology import rank_ranges
 
 RANK = ("int(next(os.environ[v] for v in ('PMI_RANK', 'OMPI_COMM_WORLD_RANK', "
         "'SLURM_PROCID') if v in os.environ))")
@@ -479,7 +480,7 @@ def test_topo_three_ranks():
               and not l.startswith("rail")]
     assert matrix == [["r0", "self", "shm", "shm"], ["r1", "shm", "self", "shm"],
                           ["r2", "shm", "shm", "self"]]
-    assert _ranges([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+    assert rank_ranges([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8" and rank_ranges([]) == "-"
 
 
 # -- examples/ddp_numpy.py ------------------------------------------------------------------
