@@ -21,5 +21,5 @@ for _ in range(3):
                and (w.ravel() == np.arange(p)).all())
     d.close()
     e.close()
-print(c.rank, "ok" if ok else "BAD", flush=True)
+print(f"{c.rank} {'ok' if ok else 'BAD'}", flush=True)   # (one write)
 c.close()

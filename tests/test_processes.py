@@ -1138,7 +1138,7 @@ def test_a_segment_never_has_a_name_a_crash_could_leave(proc_fd):
         for f in left:
             os.unlink(os.path.join(d, f))
         os.rmdir(d)
-    assert out.count(" ok") == 3 and "BAD" not in out, out   # (lines may interleave)
+    assert out.count("ok") == 3 and "BAD" not in out, out   # (lines may interleave)
     assert left == []
     if proc_fd == "reachable":
         assert seen == set(), seen
