@@ -108,6 +108,9 @@ def test_transport_cases_one_guest(one_guest, ranks):
     if ranks == 2:   # the transport's own check, both ends of a rendezvous message
         for r in (0, 1):
             assert "verbs" in res[f"mismatch_transport_r{r}"]
+        # an abort with a rendezvous write posted returns only after its completion
+        assert res["abort_write_posted"] and res["abort_left_in_flight"] == 0, res
+        assert res["abort_receiver"] in ("PeerFailure", "completed"), res
     # unforced allreduces: folded up to GPURT_NET_FOLD, on 2 ranks up to the pair's 1 MiB
     # (the agreement's upto receives take an 800 KB message by rendezvous), then scheduled
     algos = res[f"allreduce_algos_{ranks}"]

@@ -382,3 +382,44 @@ def test_published_reads_the_peers_error_message_or_notice_without_asking():
     ep2 = verbs.VerbsEndpoint(Owner(), 4, 1, None)
     ep2.peer_error("CollectiveMismatchError: rank 4: count 8 here, 9 at rank 0")
     assert isinstance(ep2.published(), CollectiveMismatchError)
+
+
+def test_a_failing_rank_waits_for_its_data_writes_to_complete(caplog):
+    """``publish_error``'s last step (``_reap_data``): after the queue pairs go to the
+    error state, the RDMA WRITEs that read user buffers are polled until their (flushed)
+    completions arrive, bounded, and what is left after the bound is logged by peer.  A
+    stand-in for the completion queue (no RDMA device here: the whole case runs in the
+    Soft-RoCE guest, ``tests/rdma/verbs_cases.py::in_flight_abort``)."""
+    import logging
+
+    class Ep:
+        def __init__(self, peer):
+            self.peer = peer
+
+    t = object.__new__(verbs.VerbsTransport)
+    t.rank = 0
+    a, b = Ep(1), Ep(2)
+    t.wr = {(1 << 8) | verbs._W_DATA: a, (2 << 8) | verbs._W_SLOT: (b, 0, None),
+            (3 << 8) | verbs._W_DATA: b, (4 << 8) | verbs._W_DATA: b}
+    assert t.data_in_flight() == {1: 1, 2: 2}
+    polls = []
+
+    def poll():                 # one flushed completion per pass
+        polls.append(1)
+        data = [w for w in t.wr if w & 0xFF == verbs._W_DATA]
+        if data:
+            del t.wr[data[0]]
+        return bool(data)
+
+    t.poll = poll
+    t._reap_data(5.0)
+    assert t.data_in_flight() == {} and len(polls) == 3
+    assert (2 << 8) | verbs._W_SLOT in t.wr          # a staging slot is not user memory
+    t.wr[(5 << 8) | verbs._W_DATA] = b
+    t.poll = lambda: False                           # a completion that never comes
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="gpurt.verbs"):
+        t._reap_data(0.2)
+    assert 0.2 <= time.monotonic() - start < 2
+    assert "1 RDMA WRITE(s) of message data still in flight" in caplog.text
+    assert "to rank(s) 2" in caplog.text

@@ -104,6 +104,7 @@ _PAGE = 4096
 _HB_INTERVAL = 0.5
 _BYE_S = 0.2                        # close() waits at most this long for its BYE writes
 _PUBLISH_S = 0.5
+_REAP_S = 2.0                       # then at most this long for the flushed RDMA WRITEs
 
 # work request ids: low 8 bits the kind of work, the rest an index
 _W_SLOT, _W_CREDIT, _W_DATA, _W_RECV = 1, 2, 3, 4
@@ -1088,7 +1089,7 @@ class VerbsTransport:
                 else:
                     lkey, base = m.reg.mr.lkey, _addr(m.src)
             n = min(_MAX_WRITE, m.total - off)
-            wr = SendWR(wr_id=self._wrid(_W_DATA, None), opcode=e.IBV_WR_RDMA_WRITE,
+            wr = SendWR(wr_id=self._wrid(_W_DATA, ep), opcode=e.IBV_WR_RDMA_WRITE,
                         num_sge=1, sg=[SGE(base + off, n, lkey)],
                         send_flags=e.IBV_SEND_SIGNALED)
             wr.set_wr_rdma(rkey, addr + off)
@@ -1243,6 +1244,41 @@ class VerbsTransport:
             self.stop_qp(ep)
             if ep.failure is None:
                 ep.failure = (PeerFailure, f"rank {self.rank} published its own failure")
+        self._reap_data(_REAP_S)
+
+    def data_in_flight(self) -> dict[int, int]:
+        """Per peer, the RDMA WRITEs of message data (rendezvous, read straight from the
+        sender's buffer) posted and not yet completed."""
+        n: dict[int, int] = {}
+        for wid, ep in self.wr.items():
+            if wid & 0xFF == _W_DATA:
+                n[ep.peer] = n.get(ep.peer, 0) + 1
+        return n
+
+    def _reap_data(self, seconds: float) -> None:
+        """The queue pairs are in the error state: wait (bounded) until every RDMA WRITE
+        that reads a user buffer has its completion, flushed or not.  Until then the NIC
+        may still read the source — a buffer the program gets back when this rank's call
+        fails and may overwrite, so a peer would receive changed bytes — which the error
+        state alone does not rule out: the work requests already taken end only with
+        their flush completions."""
+        deadline = time.monotonic() + seconds
+        while True:
+            left = self.data_in_flight()
+            if not left:
+                return
+            if time.monotonic() >= deadline:
+                log.warning("rank %d: %s RDMA WRITE(s) of message data still in flight %g s "
+                            "after the queue pairs went to the error state (to rank(s) %s); "
+                            "the NIC may read their buffers until they complete",
+                            self.rank, sum(left.values()), seconds,
+                            ", ".join(map(str, sorted(left))))
+                return
+            try:
+                self.poll()
+            except Exception:  # noqa: BLE001 - flushed completions after the failure
+                pass
+            time.sleep(1e-4)
 
     def _drain(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds

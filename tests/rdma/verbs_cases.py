@@ -12,7 +12,9 @@ must do, beyond the collective sweeps (``tests/mpi_sweep.py``).
 * mismatches: with the agreement check (default) every rank raises
   ``CollectiveMismatchError``; with ``GPURT_CHECK=0`` the transport's own header check
   raises it on both ends of a rendezvous message (the receiver's NAK), before any byte
-  of the user's buffer is written.
+  of the user's buffer is written;
+* an abort with a 32 MiB rendezvous write posted returns only once the write has its
+  completion (``in_flight_abort``), and the receiver never takes bytes written after it.
 
 Rank 0 prints ``VERBS_CASES {json}``; exit status non-zero if any rank failed.
 """
@@ -34,6 +36,61 @@ from gpurt.errors import CollectiveMismatchError, PeerFailure
 
 def verbs_of(comm):
     return next(t for t in comm._transports if t.name == "verbs")
+
+
+def in_flight_abort(r, check, facts) -> None:
+    """Rank 0 aborts with the RDMA WRITE of a 32 MiB send posted (read straight from its
+    buffer), its drain of the send queue cut to nothing (``_PUBLISH_S = 0``): abort() must
+    not return — handing the buffer back — before that write has its (flushed)
+    completion, and rank 1 must never complete the receive with the bytes rank 0 writes
+    into the buffer afterwards: it raises ``PeerFailure``, or has the exact bytes if the
+    write and its FIN landed first.  ``VERBS_CASES_NO_REAP=1`` skips the wait for the
+    completion (to show the case fails without it)."""
+    from gpurt.transports import verbs as vmod
+
+    c3 = gpurt.Communicator()
+    vt = verbs_of(c3)
+    n = 32 << 20
+    pattern = (np.arange(n // 8, dtype=np.int64) * 7 + 3)
+    if r == 0:
+        src = pattern.copy()
+        req = c3.isend(src, 1, tag=9)
+        deadline = time.monotonic() + 60
+        while not vt.data_in_flight() and not req.test() and time.monotonic() < deadline:
+            time.sleep(1e-4)
+        posted = bool(vt.data_in_flight())
+        facts["abort_write_posted"] = posted
+        check(posted, "the 32 MiB send completed or never posted its RDMA WRITE")
+        old = vmod._PUBLISH_S
+        vmod._PUBLISH_S = 0.0
+        if os.environ.get("VERBS_CASES_NO_REAP") == "1":
+            vt._reap_data = lambda seconds: None
+        t = time.monotonic()
+        try:
+            c3.abort("aborted with a write in flight")
+        finally:
+            vmod._PUBLISH_S = old
+        facts["abort_seconds"] = round(time.monotonic() - t, 3)
+        left = vt.data_in_flight()
+        facts["abort_left_in_flight"] = sum(left.values())
+        check(not left, f"abort() returned with RDMA WRITEs still reading the buffer: {left}")
+        src[:] = -7                     # the program reuses its buffer at once
+        try:
+            req.wait(timeout=30)
+            check(False, "the aborted send completed")
+        except gpurt.errors.GpurtError:
+            pass
+    else:
+        dst = np.zeros(n // 8, np.int64)
+        try:
+            c3.recv(dst, 0, tag=9, timeout=60)
+            facts["abort_receiver"] = "completed"
+            check(np.array_equal(dst, pattern), "the receive completed with changed bytes")
+        except PeerFailure as e:
+            facts["abort_receiver"] = "PeerFailure"
+            check(e.rank == 0, f"blames rank {e.rank}: {e}")
+            check(not (dst == -7).any(), "bytes written after the abort reached the receiver")
+    c3.close()
 
 
 def main() -> int:
@@ -169,6 +226,7 @@ def main() -> int:
             if r == 0:
                 check((out == -1).all(), "the mismatched receive wrote the user's buffer")
             c2.close()
+            in_flight_abort(r, check, facts)
     except Exception:  # noqa: BLE001 - report, the launcher collects
         fails.append(f"rank {r}: {traceback.format_exc()}")
     from mpi4py import MPI
