@@ -8,7 +8,11 @@ run Debian's Python and Debian's pyverbs (rdma-core 44), booted by ``tests/rdma/
   the error state and a SIGKILLed rank (``tests/rdma/verbs_failures.py``);
 * two guests joined by a virtual link, as two nodes of 2 ranks: ``shm`` inside a node,
   ``verbs`` between (``tests/multinode_check.py``: hierarchical schedules and the whole
-  sweep, exact), and the transport checks over verbs on 4 ranks.
+  sweep, exact), and the transport checks over verbs on 4 ranks;
+* one guest of Debian 13's user space (``RXE_VM_SUITE=trixie``: rdma-core and pyverbs
+  56.1, Python 3.13, numpy 2.2), so the transport runs with a newer pyverbs than the one
+  bookworm ships: the transport's checks on 2 and 3 ranks, the sweep's transport share on
+  2, a queue pair error and a killed rank.
 
 Each guest boot runs its whole suite once (``tests/rdma/guest_suite.sh``, a module-scoped
 fixture); the tests below assert on its sections.  Without QEMU, root or the guest image
@@ -43,7 +47,7 @@ def _unavailable() -> str:
         return "GPURT_RDMA_VM=0"
     if os.geteuid() != 0:
         return "the Soft-RoCE guests need root (to build the image)"
-    ok, why = harness.image_ready()
+    ok, why = harness.image_ready()     # (of the suite in RXE_VM_SUITE: see newer_guest)
     if not ok and not shutil.which("apt-get"):
         return f"no guest image ({why}) and no apt-get to build one"
     return ""
@@ -86,6 +90,15 @@ def two_guests():
     return _boot("two", 2)
 
 
+@pytest.fixture(scope="module")
+def newer_guest():
+    """One guest of Debian 13's user space (pyverbs 56.1, Python 3.13, numpy 2.2): the
+    transport with a newer pyverbs than bookworm's 44 (``guest_suite.sh newer``)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RXE_VM_SUITE", "trixie")
+        return _boot("newer", 1)
+
+
 def _json_line(text: str, prefix: str) -> dict:
     for line in text.splitlines():
         if line.startswith(prefix + " "):
@@ -95,7 +108,18 @@ def _json_line(text: str, prefix: str) -> dict:
 
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_transport_cases_one_guest(one_guest, ranks):
-    rc, out = one_guest[f"cases{ranks}"]
+    _check_cases(*one_guest[f"cases{ranks}"], ranks)
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_transport_cases_with_a_newer_pyverbs(newer_guest, ranks):
+    rc, out = newer_guest["versions"]
+    assert rc == 0 and "Python 3.13" in out, out
+    assert re.search(r"^python3-pyverbs\s+56\.", out, re.M), out
+    _check_cases(*newer_guest[f"cases{ranks}"], ranks)
+
+
+def _check_cases(rc: int, out: str, ranks: int) -> None:
     res = _json_line(out, "VERBS_CASES")
     assert rc == 0 and res["failures"] == [], out[-4000:]
     assert res["ranks"] == ranks
@@ -122,12 +146,18 @@ def test_transport_cases_one_guest(one_guest, ranks):
 def test_every_collective_and_algorithm_over_verbs(one_guest, ranks):
     """2 ranks: the full algorithm sweep; 3 ranks: its transport share (every algorithm's
     messages at every size; tests/mpi_sweep.py, guest_suite.sh)."""
-    rc, out = one_guest[f"sweep{ranks}"]
-    suite = "algorithms" if ranks == 2 else "transport"
+    _check_sweep(*one_guest[f"sweep{ranks}"], ranks, "algorithms" if ranks == 2 else "transport")
+
+
+def test_every_algorithm_s_messages_over_verbs_with_a_newer_pyverbs(newer_guest):
+    _check_sweep(*newer_guest["sweep2"], 2, "transport")
+
+
+def _check_sweep(rc: int, out: str, ranks: int, suite: str) -> None:
     m = re.search(rf"(\d+) checks on (\d+) ranks \({suite}\): (\d+) failed", out)
     assert rc == 0 and m, out[-4000:]
     assert int(m.group(2)) == ranks and int(m.group(3)) == 0
-    assert int(m.group(1)) > (500 if ranks == 2 else MIN_TRANSPORT_CHECKS)
+    assert int(m.group(1)) > (500 if suite == "algorithms" else MIN_TRANSPORT_CHECKS)
 
 
 def test_single_copies_under_yama_ptrace_scope_1(one_guest):
@@ -160,8 +190,9 @@ def _fail_records(out: str) -> dict[int, dict]:
     return recs
 
 
-def test_qp_error_fails_both_sides_with_the_verbs_status(one_guest):
-    rc, out = one_guest["qp_error"]
+@pytest.mark.parametrize("guest", ["one_guest", "newer_guest"])
+def test_qp_error_fails_both_sides_with_the_verbs_status(guest, request):
+    rc, out = request.getfixturevalue(guest)["qp_error"]
     recs = _fail_records(out)
     assert set(recs) == {0, 1}, out[-4000:]
     r1, r0 = recs[1], recs[0]
@@ -174,8 +205,9 @@ def test_qp_error_fails_both_sides_with_the_verbs_status(one_guest):
     assert r0["seconds"] < 10 and r1["seconds"] < 10, (r0, r1)
 
 
-def test_killed_peer_is_a_peer_failure_on_every_survivor(one_guest):
-    rc, out = one_guest["kill"]
+@pytest.mark.parametrize("guest", ["one_guest", "newer_guest"])
+def test_killed_peer_is_a_peer_failure_on_every_survivor(guest, request):
+    rc, out = request.getfixturevalue(guest)["kill"]
     recs = _fail_records(out)
     assert set(recs) == {0, 2}, out[-4000:]
     for q, rec in recs.items():

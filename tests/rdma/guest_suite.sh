@@ -12,6 +12,7 @@
 #
 #   guest_suite.sh one   # one guest: 2 and 3 ranks, every peer over verbs
 #   guest_suite.sh two   # two guests = two nodes, 2 ranks each: verbs between, shm inside
+#   guest_suite.sh newer # one guest of the trixie image (RXE_VM_SUITE=trixie): pyverbs 56.1
 set -u
 mode=${1:?one or two}
 export PYTHONUNBUFFERED=1 GPURT_TIMEOUT=240
@@ -99,6 +100,17 @@ two)
         -ppn 2 python3 tests/device_cases.py endpoints=cuda_ipc,verbs+gdr streams reuse alloc \
         order errors
     ;;
+newer)
+    # one guest with Debian 13's user space (RXE_VM_SUITE=trixie: rdma-core and pyverbs
+    # 56.1, Python 3.13, numpy 2.2): the transport against a newer pyverbs than bookworm's 44
+    section versions bash -c 'python3 -V; dpkg-query -W python3-pyverbs rdma-core python3-numpy'
+    export GPURT_TRANSPORTS=verbs
+    section cases2 $GUEST_MPIEXEC -n 2 python3 tests/rdma/verbs_cases.py
+    section cases3 $GUEST_MPIEXEC -n 3 python3 tests/rdma/verbs_cases.py
+    section sweep2 $GUEST_MPIEXEC -n 2 python3 tests/mpi_sweep.py transport
+    section qp_error failures qp_error 2
+    section kill failures kill 3
+    ;;
 selftest)
     # the section runner itself (no guest needed; tests/test_verbs.py runs it on the host):
     # a command and a shell function that outlive SECTION_TIMEOUT, each with a child (named
@@ -112,6 +124,6 @@ selftest)
     section quick true
     ;;
 *)
-    echo "usage: guest_suite.sh one|two|selftest" >&2; exit 2;;
+    echo "usage: guest_suite.sh one|two|newer|selftest" >&2; exit 2;;
 esac
 echo "=== DONE"

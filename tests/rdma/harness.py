@@ -43,7 +43,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent                        # the project (shared at /mnt/host)
 RXE_VM = HERE / "rxe_vm.sh"
 GUEST_ROOT = "/mnt/host"
-SITE_REL = ".rxe/site"
+SITE_REL = ".rxe/site"                           # (bookworm's; site_rel() for the current suite)
 GUEST_SITE = f"{GUEST_ROOT}/{SITE_REL}"
 NODE_IPS = ("192.168.78.1", "192.168.78.2")      # eth0 + rxe0 of node0 / node1 (nodes=2)
 NODE_NAMES = ("node0", "node1")
@@ -57,8 +57,42 @@ AGENT_PORT = 7777
 PINS = {"mpi4py": "4.1.2", "mpich": "5.0.2", "click": "8.5.1"}
 #: The guest's Python: Debian bookworm's CPython 3.11, glibc 2.36, x86_64.
 GUEST_PY = ("3.11", "cp", "cp311")
-GUEST_PLATFORMS = ([f"manylinux_2_{m}_x86_64" for m in range(36, 4, -1)]
-                   + ["manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64"])
+#: The guests' Debian user space, chosen by RXE_VM_SUITE (read at every call, so one
+#: process may use both): bookworm (the default: rdma-core and pyverbs 44, Python 3.11,
+#: numpy 1.24) or trixie (rdma-core and pyverbs 56.1, Python 3.13, numpy 2.2) — the
+#: pyverbs a distribution ships and a newer one.  Each has its own image (rxe_vm.sh), site
+#: and wheels; the project's wheel is shared (its extension, built for the host's
+#: Python, loads only where the guest's Python is the same: elsewhere gpurt runs its
+#: Python round, as it does wherever the extension is missing).
+SUITES = {
+    "bookworm": {"py": GUEST_PY, "glibc": 36, "site": SITE_REL, "wheels": "wheels"},
+    "trixie": {"py": ("3.13", "cp", "cp313"), "glibc": 41, "site": ".rxe/site-trixie",
+               "wheels": "wheels-trixie"},
+}
+
+
+def suite() -> str:
+    name = os.environ.get("RXE_VM_SUITE") or "bookworm"
+    if name not in SUITES:
+        raise ValueError(f"RXE_VM_SUITE={name!r}: one of {', '.join(SUITES)}")
+    return name
+
+
+def site_rel() -> str:
+    return SUITES[suite()]["site"]
+
+
+def guest_site() -> str:
+    return f"{GUEST_ROOT}/{site_rel()}"
+
+
+def guest_py() -> tuple[str, str, str]:
+    return SUITES[suite()]["py"]
+
+
+def guest_platforms() -> list[str]:
+    return ([f"manylinux_2_{m}_x86_64" for m in range(SUITES[suite()]["glibc"], 4, -1)]
+            + ["manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64"])
 
 #: Timings of the last run() (host monotonic seconds relative to its start).
 LAST_RUN: dict = {}
@@ -68,7 +102,8 @@ LAST_RUN: dict = {}
 
 def image_ready() -> tuple[bool, str]:
     """(True, "ready STAMP KERNEL DIR") if the guest image is built and current; never builds."""
-    p = subprocess.run(["bash", str(RXE_VM), "--check"], capture_output=True, text=True)
+    p = subprocess.run(["bash", str(RXE_VM), "--check"], capture_output=True, text=True,
+                       env=dict(os.environ, RXE_VM_SUITE=suite()))
     return p.returncode == 0, (p.stdout + p.stderr).strip()
 
 
@@ -80,7 +115,8 @@ def ensure_image(timeout: float = 900) -> str:
         return what
     try:
         p = subprocess.run(["bash", str(RXE_VM), "--build"], capture_output=True, text=True,
-                           timeout=timeout, start_new_session=True)
+                           timeout=timeout, start_new_session=True,
+                           env=dict(os.environ, RXE_VM_SUITE=suite()))
     except subprocess.TimeoutExpired as exc:
         out = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) \
             else (exc.stdout or "")
@@ -96,7 +132,7 @@ def ensure_image(timeout: float = 900) -> str:
 # -- staging the Python side ---------------------------------------------------------------------
 
 def site_dir(root: str | os.PathLike | None = None) -> Path:
-    return Path(root or ROOT).resolve() / SITE_REL
+    return Path(root or ROOT).resolve() / site_rel()
 
 
 def _pins() -> dict[str, str]:
@@ -130,9 +166,9 @@ def _norm(name: str) -> str:
 
 
 def _guest_tags() -> list[str]:
-    v, impl, abi = GUEST_PY
+    v, impl, abi = guest_py()
     tags = ["--only-binary=:all:", "--python-version", v, "--implementation", impl, "--abi", abi]
-    for plat in GUEST_PLATFORMS:
+    for plat in guest_platforms():
         tags += ["--platform", plat]
     return tags
 
@@ -188,7 +224,7 @@ def _stage_deps(site: Path, wheels: Path, pins: dict[str, str], log=None) -> Non
                 mode = (info.external_attr >> 16) & 0o777
                 os.chmod(dest, mode or 0o644)
     _fix_shebangs(tmp / "bin")
-    (tmp / ".deps-stamp").write_text(json.dumps({"pins": reqs, "guest": GUEST_PY}))
+    (tmp / ".deps-stamp").write_text(json.dumps({"pins": reqs, "guest": guest_py()}))
     shutil.rmtree(site, ignore_errors=True)
     tmp.rename(site)
 
@@ -286,11 +322,11 @@ def stage(root: str | os.PathLike | None = None, *, log=None) -> Path:
     byte changed) and reinstalled every time.
     numpy and pyverbs are the guest's Debian packages.  Returns the site directory."""
     root = Path(root or ROOT).resolve()
-    site = root / SITE_REL
+    site = root / site_rel()
     rxe = root / ".rxe"
     rxe.mkdir(exist_ok=True)
     pins = _pins()
-    want = {"pins": [f"{n}=={v}" for n, v in sorted(pins.items())], "guest": list(GUEST_PY)}
+    want = {"pins": [f"{n}=={v}" for n, v in sorted(pins.items())], "guest": list(guest_py())}
     with open(rxe / "stage.lock", "w") as lockf:
         fcntl.flock(lockf, fcntl.LOCK_EX)
         try:
@@ -300,7 +336,7 @@ def stage(root: str | os.PathLike | None = None, *, log=None) -> Path:
             have = None
         if have != want or not (site / "lib" / "libmpi.so.12").exists() \
                 or not (site / "bin" / "mpiexec").exists():
-            _stage_deps(site, rxe / "wheels", pins, log=log)
+            _stage_deps(site, rxe / SUITES[suite()]["wheels"], pins, log=log)
         with tempfile.TemporaryDirectory(prefix="gpurt-stage-") as tmp:
             src, inst = Path(tmp) / "src", Path(tmp) / "inst"
             _copy_project(root, src)
@@ -341,7 +377,8 @@ def stage(root: str | os.PathLike | None = None, *, log=None) -> Path:
 def guest_env(nodes: int = 1) -> dict[str, str]:
     """The environment a guest command gets (before run()'s ``env``)."""
     rsh = f"{GUEST_ROOT}/tests/rdma/guest_rsh.py"
-    mpiexec = f"{GUEST_SITE}/bin/mpiexec"
+    gsite = guest_site()
+    mpiexec = f"{gsite}/bin/mpiexec"
     if nodes == 1:
         launch = f"{mpiexec} -launcher fork"
         iface = "lo"
@@ -351,11 +388,11 @@ def guest_env(nodes: int = 1) -> dict[str, str]:
         iface = "eth0"
     return {
         "HOME": "/root",
-        "PATH": f"{GUEST_SITE}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-        "PYTHONPATH": GUEST_SITE,
+        "PATH": f"{gsite}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        "PYTHONPATH": gsite,
         "PYTHONDONTWRITEBYTECODE": "1",        # no __pycache__ written into the shared tree
         # mpi4py dlopens libmpi itself; without a venv prefix it would not look in site/lib
-        "MPI4PY_LIBMPI": f"{GUEST_SITE}/lib/libmpi.so.12",
+        "MPI4PY_LIBMPI": f"{gsite}/lib/libmpi.so.12",
         # MPICH's ch4 over libfabric's tcp provider on the guests' network (not UCX, which
         # would go looking for InfiniBand devices and find rxe0)
         "MPIR_CVAR_CH4_NETMOD": "ofi",
@@ -523,8 +560,8 @@ def run(command: str, nodes: int = 1, timeout: float = 600, env: dict | None = N
     if nodes not in (1, 2):
         raise ValueError("nodes must be 1 or 2")
     root = Path(root or ROOT).resolve()
-    if not (root / SITE_REL / "gpurt").is_dir():
-        raise RuntimeError(f"{root / SITE_REL} is not staged: call stage({str(root)!r}) first")
+    if not (root / site_rel() / "gpurt").is_dir():
+        raise RuntimeError(f"{root / site_rel()} is not staged: call stage({str(root)!r}) first")
     ensure_image()
     _reap_stale(root)
     boot_timeout = BOOT_TIMEOUT if boot_timeout is None else float(boot_timeout)
@@ -594,7 +631,7 @@ def _run_once(command: str, nodes: int, timeout: float, env: dict | None, root: 
         for k in list(base):
             if k.startswith("RXE_VM_") and k not in ("RXE_VM_DIR", "RXE_VM_MEM", "RXE_VM_SMP",
                                                      "RXE_VM_ACCEL", "RXE_VM_MIRROR", "RXE_VM_KV",
-                                                     "RXE_VM_EXTRA_PKGS"):
+                                                     "RXE_VM_EXTRA_PKGS", "RXE_VM_SUITE"):
                 del base[k]
         hosts = ",".join(f"{ip}={n}" for ip, n in zip(NODE_IPS, NODE_NAMES))
         vm_timeout = str(int(timeout + boot_timeout) + 20)   # rxe_vm.sh's own limit: a safety net
@@ -713,15 +750,20 @@ def ib_write_bw_command(size: int = 8 << 20, iters: int = 20, *, port: int = 185
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="harness.py", description="stage the project and run COMMAND in rxe guests",
-        usage="%(prog)s [--nodes N] [--timeout S] [--env K=V]... [--no-stage] -- COMMAND")
+        usage="%(prog)s [--nodes N] [--suite S] [--timeout S] [--env K=V]... [--no-stage] "
+              "-- COMMAND")
     ap.add_argument("--nodes", type=int, default=1, choices=(1, 2))
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--env", action="append", default=[], metavar="K=V")
     ap.add_argument("--root", default=None, help="project root to stage and share")
     ap.add_argument("--no-stage", action="store_true", help="use .rxe/site as it is")
     ap.add_argument("--timing", action="store_true", help="print stage/boot timings to stderr")
+    ap.add_argument("--suite", choices=sorted(SUITES), default=None,
+                    help="the guests' Debian user space (default: RXE_VM_SUITE or bookworm)")
     ap.add_argument("command", nargs=argparse.REMAINDER)
     args = ap.parse_args(argv)
+    if args.suite:
+        os.environ["RXE_VM_SUITE"] = args.suite
     words = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not words:
         ap.error("no COMMAND")

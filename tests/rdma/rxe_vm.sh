@@ -14,7 +14,7 @@
 #   rxe_vm.sh --check   exit 0 if the image is present and current, else 1 (never builds).
 #
 # Environment: RXE_VM_DIR (default /var/tmp/gpurt-rxe-vm) holds the image in
-# $RXE_VM_DIR/img; a version stamp (a hash of the package list, the modules and
+# $RXE_VM_DIR/img (RXE_VM_SUITE=trixie: a Debian 13 user space in $RXE_VM_DIR/img-trixie); a version stamp (a hash of the package list, the modules and
 # the build/init code below) is kept in img/STAMP, and a changed stamp rebuilds it
 # (RXE_VM_EXTRA_PKGS=a,b adds Debian packages and so changes the stamp too).
 # Builds are serialised with flock on $RXE_VM_DIR/.lock; a running guest holds
@@ -43,7 +43,15 @@
 # The disk is opened with snapshot=on: guest writes to / are discarded.
 set -u
 DIR=${RXE_VM_DIR:-/var/tmp/gpurt-rxe-vm}
-IMG=$DIR/img
+# the Debian release of the guest's user space: bookworm (rdma-core and pyverbs 44,
+# Python 3.11) in $DIR/img, or trixie (56.1, Python 3.13) in $DIR/img-trixie; the kernel
+# is the current bookworm one either way
+SUITE=${RXE_VM_SUITE:-bookworm}
+case $SUITE in
+  bookworm) IMG=$DIR/img;;
+  trixie) IMG=$DIR/img-trixie;;
+  *) echo "[rxe-vm] ERROR: RXE_VM_SUITE=$SUITE: bookworm or trixie" >&2; exit 125;;
+esac
 # the Debian archive this machine's apt already uses (first URIs:/deb line), unless RXE_VM_MIRROR is set
 apt_mirror() {
   { grep -h '^URIs:' /etc/apt/sources.list.d/*.sources 2>/dev/null | awk '{print $2}'
@@ -87,7 +95,7 @@ build_image() {
   dpkg-deb -x busybox-static_*.deb bb
   depmod -b kernel "$KV"
   # 2. root filesystem
-  debootstrap --variant=minbase --include=$PKGS bookworm rootfs "$MIRROR" > debootstrap.log 2>&1 \
+  debootstrap --variant=minbase --include=$PKGS "$SUITE" rootfs "$MIRROR" > debootstrap.log 2>&1 \
     || { tail -20 debootstrap.log >&2; die "debootstrap failed"; }
   rm -rf rootfs/usr/share/doc/* rootfs/usr/share/man/* rootfs/usr/share/locale/* rootfs/var/cache/apt/archives/*.deb rootfs/var/lib/apt/lists/*
   # copy only the modules we need (+ their dependencies) into rootfs
@@ -173,7 +181,8 @@ EOF
 
 # The version stamp: what the image is made of (bash prints the function without comments,
 # so editing a comment does not rebuild, editing the init or the package list does).
-STAMP=$( { echo "gpurt-rxe-vm 1"; echo "$PKGS"; echo "$MODS"; echo "${RXE_VM_KV:-}"; declare -f build_image; } \
+STAMP=$( { echo "gpurt-rxe-vm 1"; echo "$PKGS"; echo "$MODS"; echo "${RXE_VM_KV:-}"; declare -f build_image
+           [ "$SUITE" = bookworm ] || echo "$SUITE"; } \
          | sha256sum | cut -c1-16)
 
 image_current() {
