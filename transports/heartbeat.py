@@ -34,7 +34,8 @@ queue pair in the error state cannot carry an error message) still tells the pee
 Pings and answers: ``<8sII>`` magic ``b"gpurtHQ1"`` (ping) or ``b"gpurtHB1"`` (answer),
 from-rank, sequence, then the first 16 bytes of HMAC-SHA256(secret, magic | from | to |
 sequence) over the communicator's tcp secret.  Anything that does not verify (a stranger,
-another job, a forged sender) is dropped (counted, logged once).  An authentic datagram
+another job, a forged sender) is dropped (counted, and logged: the first from every
+address at once, the rest in a summary at most every 10 s).  An authentic datagram
 that is old — a ping not newer than the last one from that peer, an answer to no ping this
 rank sent or not newer than the last answer taken: reordered or replayed — is ignored
 (counted in ``stale``): it proves nothing about the peer now.  The socket is bound to the rank's
@@ -64,6 +65,8 @@ _NOTE = b"gpurtHE1"
 _NOTE_MAX = 1024
 _MAC = 16
 SIZE = _HB.size + _MAC
+_LOG_SOURCES = 64       # addresses whose first refused datagram is logged at once
+_LOG_EVERY_S = 10.0     # beyond those: one summary warning at most this often
 
 
 def _mac(secret: bytes, magic: bytes, frm: int, to: int, seq: int) -> bytes:
@@ -96,6 +99,9 @@ class Heartbeat:
         self._pinged: dict[int, int] = {}       # peer -> newest sequence it pinged with
         self.dropped = 0
         self.stale = 0
+        self._refused_from: set[str] = set()    # addresses already named in a warning
+        self._warned = 0.0                      # when the last warning was logged
+        self._unlogged = 0                      # drops since then that no warning named
         self.notices: dict[int, str] = {}
         self._secret = b""
         self._stop = threading.Event()
@@ -235,10 +241,27 @@ class Heartbeat:
                     else:
                         self.stale += 1     # authentic but old: reordered, or replayed
                     continue
-            self.dropped += 1
-            if self.dropped == 1:
-                log.warning("tcp: rank %d dropped a heartbeat datagram from %s:%d that "
-                            "does not prove this job's secret", self.me, *addr[:2])
+            self._refuse(addr)
+
+    def _refuse(self, addr) -> None:
+        """Count a datagram that does not verify; log it — the first from every address
+        (up to ``_LOG_SOURCES`` of them) at once, the others in a summary at most every
+        ``_LOG_EVERY_S`` seconds, so an attack that starts late is logged too and a flood
+        does not flood the log."""
+        self.dropped += 1
+        now = time.monotonic()
+        ip = addr[0]
+        if ip not in self._refused_from and len(self._refused_from) < _LOG_SOURCES:
+            self._refused_from.add(ip)
+        elif now - self._warned < _LOG_EVERY_S:
+            self._unlogged += 1
+            return
+        more = (f" ({self._unlogged} more dropped since the last warning)"
+                if self._unlogged else "")
+        self._warned, self._unlogged = now, 0
+        log.warning("tcp: rank %d dropped a heartbeat datagram from %s:%d that does not "
+                    "prove this job's secret%s (%d dropped in all)", self.me, addr[0],
+                    addr[1], more, self.dropped)
 
     def close(self) -> None:
         if self._thread is not None:

@@ -13,7 +13,10 @@ How it works
    connections per pair; every connect is non-blocking and one ``poll`` loop drives the
    outgoing connects, the incoming accepts and every handshake at once, so set-up cannot
    deadlock and a stranger that connects and says nothing cannot hold up a legitimate
-   peer (an unfinished handshake is dropped after a few seconds).
+   peer (an unfinished handshake is dropped after a few seconds), nor can a flood of
+   them fill the descriptor table (at most 32 unauthenticated connections beyond the
+   expected ones still missing are held; beyond that the oldest is dropped, and an
+   accept out of descriptors drops one instead of spinning).
 3. Handshake, a mutual challenge-response over the secret, which never crosses the wire:
    the connector sends *hello* ``{magic, version, stripe, from-rank, to-rank,
    communicator-id digest, nonce}``; the acceptor checks magic, version, communicator id,
@@ -143,6 +146,11 @@ STRIPE_FLOOR = 128 << 10    # the least stripe threshold (GPURT_TCP_STRIPE_MIN)
 _SPLIT_ALIGN = 64           # stripes are cut on this boundary (keeps elements whole)
 _RED_ALIGN = 16             # reductions get chunks of whole 16-byte units (any dtype)
 _HANDSHAKE_S = 3.0          # an accepted connection must finish its handshake in this
+_ACCEPT_BATCH = 16          # accepts per turn of the set-up loop
+_STRANGERS_MAX = 32         # unauthenticated accepted connections held beyond the expected
+                            # ones still missing (the rest of base.FD_SPARE stays free): a
+                            # flood of strangers cannot fill the descriptor table
+_EMFILE_PAUSE_S = 0.1       # out of descriptors with nothing to drop: accept again after this
 _ABORT_TAG = 0x67_74_63     # MPI tag of the "my set-up failed" notice on comm.mpi
 _PUBLISH_S = 0.5            # publish_error flushes for at most this long
 _NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)   # a reset peer is an error, never SIGPIPE
@@ -580,7 +588,14 @@ class _Conn:
                 rx.sink = m.sink
         else:                       # no receive posted yet (or an error notice): buffer it
             rx.hdr = (tag, sig, total, off, n)
-            rx.data = bytearray(n)
+            try:
+                rx.data = bytearray(n)
+            except (MemoryError, OverflowError):
+                # (a length field no memory holds: the header is consumed, its body is
+                # not, so the stream's framing is lost — fail it, never read on in it)
+                self.ep.corrupt(self, f"a frame of {n} bytes with no receive posted, more "
+                                      f"than this rank can buffer")
+                return
             rx.direct = memoryview(rx.data)
         self.cur = rx
 
@@ -1106,6 +1121,9 @@ class _Setup:
         self.requests: list = []
         self.heard: dict[int, str] = {}                # notices received: rank -> text
         self.me_addr = owner.address
+        self.accept_after = 0.0                        # accepting paused until (EMFILE)
+        self.accept_warned = 0.0                       # last "accept failed" warning
+        self.accept_failed = 0                         # accepts failed since then
 
     # -- the loop -------------------------------------------------------------------------
     def run(self, deadline: float) -> dict[tuple[int, int], socket.socket]:
@@ -1126,18 +1144,22 @@ class _Setup:
                 if not sh.connector and now - sh.t0 > _HANDSHAKE_S:
                     self._refuse(sh, f"did not finish the handshake within {_HANDSHAKE_S:g} s")
             poller = select.poll()
-            if listener is not None and self.expect - self.done.keys():
+            if listener is not None and self.expect - self.done.keys() and \
+                    now >= self.accept_after:
                 poller.register(listener.fileno(), select.POLLIN)
             for sh in self.shakes.values():
                 poller.register(sh.fd, select.POLLOUT if sh.out or sh.state == "connecting"
                                 else select.POLLIN)
+            accept = False
             for fd, ev in poller.poll(50):
                 if listener is not None and fd == listener.fileno():
-                    self._accept(listener)
-                    continue
+                    accept = True       # after the handshakes: a connection accepted in
+                    continue            # the last turn is read before any is dropped
                 sh = self.shakes.get(fd)
                 if sh is not None:
                     self._step(sh, ev)
+            if accept:
+                self._accept(listener)
             if self.mpi.iprobe(source=MPI.ANY_SOURCE, tag=_ABORT_TAG, status=status):
                 src = status.Get_source()
                 text = self.heard[src] = self.mpi.recv(source=src, tag=_ABORT_TAG)
@@ -1234,14 +1256,43 @@ class _Setup:
         if rc not in (0, errno.EINPROGRESS, errno.EWOULDBLOCK, errno.EAGAIN):
             self._retry(sh, f"connect: {_strerror(rc)}")
 
+    def _strangers(self) -> list[_Shake]:
+        """Accepted connections not authenticated yet, the ones that proved least (no
+        hello read yet) and the oldest first."""
+        return sorted((sh for sh in self.shakes.values() if not sh.connector),
+                      key=lambda sh: (sh.state != "hello", sh.t0))
+
     def _accept(self, listener: socket.socket) -> None:
-        for _ in range(64):
+        for _ in range(_ACCEPT_BATCH):
+            # never more unauthenticated connections than the expected ones still missing
+            # and a few: a flood of strangers drops the oldest of them, not the descriptor
+            # table (a dropped real peer reconnects)
+            pending = self._strangers()
+            room = len(self.expect - self.done.keys()) + _STRANGERS_MAX
+            for sh in pending[:max(0, len(pending) + 1 - room)]:
+                self._refuse(sh, f"too many unauthenticated connections pending ({room}): "
+                                 f"the oldest is dropped")
             try:
                 sock, addr = listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as e:
-                log.warning("tcp: rank %d: accept failed: %s", self.me, e)
+                if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    pending = self._strangers()
+                    if pending:             # room for the next one at a stranger's expense
+                        self._refuse(pending[0], f"out of file descriptors ({e.strerror}) "
+                                                 f"with connections still to accept")
+                        continue
+                    # nothing of ours to give up: wait, instead of spinning on a listener
+                    # that stays readable (and a warning per turn)
+                    self.accept_after = time.monotonic() + _EMFILE_PAUSE_S
+                self.accept_failed += 1
+                now = time.monotonic()
+                if now - self.accept_warned >= 1.0:
+                    log.warning("tcp: rank %d: accept failed: %s%s", self.me, e,
+                                f" ({self.accept_failed - 1} more failures not logged)"
+                                if self.accept_failed > 1 else "")
+                    self.accept_warned, self.accept_failed = now, 0
                 return
             try:
                 sock.setblocking(False)
