@@ -307,39 +307,49 @@ class _FakeMPI:
         return False
 
 
+def _listening_setup(secret: bytes, cid: str, backlog: int = 8):
+    """Rank 0's set-up loop alone (rank 1 expected), listening on loopback: (owner, port,
+    setup)."""
+    owner = tcp.TcpTransport()
+    owner.listener = socket.socket()
+    owner.listener.bind(("127.0.0.1", 0))
+    owner.listener.listen(backlog)
+    owner.listener.setblocking(False)
+    port = owner.listener.getsockname()[1]
+    owner.address = f"127.0.0.1:{port}"
+    info = [("", "127.0.0.1", port, "host0", [1], None), ("", "127.0.0.1", 0, "host1", [0], None)]
+    return owner, port, tcp._Setup(owner, _FakeMPI(), 0, "host0", secret, cid, [1], info, 10.0, 0)
+
+
+def _real_peer(port: int, secret: bytes, cid: str) -> tuple[bytes, socket.socket, bool]:
+    """Rank 1's connector, written from the protocol description: (the acceptor's
+    acknowledgement byte, the socket, whether the acceptor proved the secret)."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=20)
+    hello = struct.pack("<8sHHII16s16s", b"gpurtTCP", 1, 0, 1, 0,
+                        hashlib.sha256(f"gpurt-tcp|{cid}".encode()).digest()[:16],
+                        os.urandom(16))
+    s.sendall(hello)
+    reply = b""
+    while len(reply) < 48:
+        reply += s.recv(48 - len(reply))
+    nonce2, mac = reply[:16], reply[16:]
+    ok = hmac.compare_digest(mac, hmac.new(secret, b"A" + hello + nonce2, hashlib.sha256).digest())
+    s.sendall(hmac.new(secret, b"C" + hello + nonce2, hashlib.sha256).digest())
+    return s.recv(1), s, ok
+
+
 def test_handshake_by_the_spec_and_a_silent_stranger_is_dropped_after_3_s(caplog):
     """Rank 0's set-up loop, alone: a stranger connects and says nothing; the real rank 1
     (here a connector written from the protocol description) connects 3.5 s later and
     is authenticated; the stranger was dropped by the handshake timeout meanwhile."""
-    owner = tcp.TcpTransport()
-    owner.listener = socket.socket()
-    owner.listener.bind(("127.0.0.1", 0))
-    owner.listener.listen(8)
-    owner.listener.setblocking(False)
-    port = owner.listener.getsockname()[1]
-    owner.address = f"127.0.0.1:{port}"
     secret, cid = os.urandom(32), "1234-0"
-    info = [("", "127.0.0.1", port, "host0", [1], None), ("", "127.0.0.1", 0, "host1", [0], None)]
-    setup = tcp._Setup(owner, _FakeMPI(), 0, "host0", secret, cid, [1], info, 10.0, 0)
+    owner, port, setup = _listening_setup(secret, cid)
     result = {}
 
     def peers():
         silent = socket.create_connection(("127.0.0.1", port))
         time.sleep(3.5)
-        s = socket.create_connection(("127.0.0.1", port), timeout=10)
-        hello = struct.pack("<8sHHII16s16s", b"gpurtTCP", 1, 0, 1, 0,
-                            hashlib.sha256(f"gpurt-tcp|{cid}".encode()).digest()[:16],
-                            os.urandom(16))
-        s.sendall(hello)
-        reply = b""
-        while len(reply) < 48:
-            reply += s.recv(48 - len(reply))
-        nonce2, mac = reply[:16], reply[16:]
-        result["acceptor_ok"] = hmac.compare_digest(
-            mac, hmac.new(secret, b"A" + hello + nonce2, hashlib.sha256).digest())
-        s.sendall(hmac.new(secret, b"C" + hello + nonce2, hashlib.sha256).digest())
-        result["ack"] = s.recv(1)
-        result["sock"] = s
+        result["ack"], result["sock"], result["acceptor_ok"] = _real_peer(port, secret, cid)
         silent.close()
 
     t = threading.Thread(target=peers)

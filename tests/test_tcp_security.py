@@ -6,8 +6,6 @@ every source, a flood summed up.  Loopback only."""
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import os
 import socket
 import struct
@@ -26,42 +24,7 @@ from gpurt.transports import tcp
 from gpurt.transports.heartbeat import Heartbeat
 
 from conftest import ROOT
-
-
-class _FakeMPI:
-    """The control plane a lone _Setup needs: nobody ever reports a failure."""
-
-    def Get_size(self):
-        return 2
-
-    def iprobe(self, **kw):
-        return False
-
-
-def _listening_setup(secret: bytes, cid: str):
-    owner = tcp.TcpTransport()
-    owner.listener = socket.socket()
-    owner.listener.bind(("127.0.0.1", 0))
-    owner.listener.listen(136)
-    owner.listener.setblocking(False)
-    port = owner.listener.getsockname()[1]
-    owner.address = f"127.0.0.1:{port}"
-    info = [("", "127.0.0.1", port, "host0", [1], None), ("", "127.0.0.1", 0, "host1", [0], None)]
-    return owner, port, tcp._Setup(owner, _FakeMPI(), 0, "host0", secret, cid, [1], info, 10.0, 0)
-
-
-def _real_peer(port: int, secret: bytes, cid: str) -> tuple[bytes, socket.socket]:
-    """Rank 1's connector, written from the protocol description."""
-    s = socket.create_connection(("127.0.0.1", port), timeout=20)
-    hello = struct.pack("<8sHHII16s16s", b"gpurtTCP", 1, 0, 1, 0,
-                        hashlib.sha256(f"gpurt-tcp|{cid}".encode()).digest()[:16],
-                        os.urandom(16))
-    s.sendall(hello)
-    reply = b""
-    while len(reply) < 48:
-        reply += s.recv(48 - len(reply))
-    s.sendall(hmac.new(secret, b"C" + hello + reply[:16], hashlib.sha256).digest())
-    return s.recv(1), s
+from test_tcp import _listening_setup, _real_peer
 
 
 _FLOOD = textwrap.dedent("""
@@ -90,7 +53,7 @@ def test_a_connection_flood_at_set_up_is_bounded_and_the_real_peer_gets_in(caplo
     than the expected connection and 32 strangers (the oldest are dropped, and logged), and
     rank 1 is authenticated at once, not after the strangers' 3 s handshake timeout."""
     secret, cid = os.urandom(32), "4321-0-abcdef"
-    owner, port, setup = _listening_setup(secret, cid)
+    owner, port, setup = _listening_setup(secret, cid, backlog=136)
     peak = [0]
     accept = setup._accept
 
@@ -106,7 +69,7 @@ def test_a_connection_flood_at_set_up_is_bounded_and_the_real_peer_gets_in(caplo
     def peer():
         flood.stdout.readline()                 # the flood is under way
         t = time.monotonic()
-        result["ack"], result["sock"] = _real_peer(port, secret, cid)
+        result["ack"], result["sock"], _ = _real_peer(port, secret, cid)
         result["took"] = time.monotonic() - t
 
     t = threading.Thread(target=peer)
@@ -146,7 +109,7 @@ _EMFILE = textwrap.dedent("""
     logging.getLogger("gpurt.tcp").addHandler(H())
     logging.getLogger("gpurt.tcp").setLevel(logging.WARNING)
     secret, cid = os.urandom(32), "4321-1-abcdef"
-    owner, port, setup = T._listening_setup(secret, cid)
+    owner, port, setup = T._listening_setup(secret, cid, backlog=136)
     flood = subprocess.Popen([sys.executable, "-c", T._FLOOD, str(port), "300"],
                              stdout=subprocess.PIPE, text=True)
     peer = subprocess.Popen([sys.executable, "-c",
