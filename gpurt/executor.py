@@ -17,6 +17,7 @@ the communicator raises at once.
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 import weakref
@@ -220,6 +221,23 @@ class Chain:
             return self.first.waiting_on()
         return self.second.waiting_on() if self.second is not None else []
 
+
+
+def _own(exc: BaseException) -> BaseException:
+    """The engine's failure as one pending request's error: a new exception of the same
+    class, text and attributes (a ``PeerFailure``'s rank, a timeout's missing ranks),
+    caused by the failure itself (``__cause__``: its traceback is where it happened).  A
+    fresh object, because every request still pending gets one, and the waits that raise
+    them — in other threads too — would otherwise raise one object, each raise extending
+    the traceback that the others print.  The failure itself where it cannot be copied."""
+    try:
+        c = copy.copy(exc)
+    except Exception:  # noqa: BLE001 - an exception class that cannot be rebuilt
+        return exc
+    if type(c) is not type(exc) or c.args != exc.args:
+        return exc
+    c.__cause__ = exc
+    return c
 
 class Request:
     """A collective or point-to-point operation in flight.
@@ -543,7 +561,7 @@ class Engine:
                     raise
         for r in list(self.colls) + self.p2p:
             if not r.done and r.error is None:
-                r.error = exc
+                r.error = _own(exc)
         self.colls.clear()
         self.p2p = []
 
@@ -625,7 +643,7 @@ class Engine:
             if self._stopped_by_poison(e):
                 # another thread's abort()/close(): the request ends with its error
                 if req.error is None:
-                    req.error = self.poisoned
+                    req.error = _own(self.poisoned)
                 return True
             self._fail(e, req)
             raise

@@ -828,6 +828,56 @@ def test_an_error_after_another_threads_abort_is_the_abort():
         req.wait(5)
 
 
+
+def test_every_pending_request_raises_its_own_copy_of_the_failure():
+    """A failure poisons the engine and every request still pending carries it: each as
+    its own object (two threads waiting on two requests, or one request waited twice,
+    never raise one exception object, whose traceback every raise would extend) of the
+    same class, text and attributes, caused by the failure itself."""
+    import threading
+
+    from gpurt.errors import PeerFailure
+    from gpurt.executor import Engine, Request
+
+    eng = Engine(0, lambda: 10.0, lambda peers, collective=False: None, spin=0.0)
+
+    class Run:
+        done = False
+
+        def advance(self):
+            return False
+
+        def waiting_on(self):
+            return [1]
+
+    reqs = [eng.submit(Request(eng, "allreduce", k, Run)) for k in (1, 2)]
+    reqs.append(eng.submit(Request(eng, "send", 7, Run, p2p=True)))
+    failure = PeerFailure("rank 0: rank 1 was killed", rank=1)
+    eng.poison(failure)
+    got = {}
+
+    def waiter(i):
+        try:
+            reqs[i].wait(5)
+        except PeerFailure as e:
+            got[i] = e
+
+    threads = [threading.Thread(target=waiter, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(5)
+    with pytest.raises(PeerFailure) as again:
+        reqs[2].test()
+    got[2] = again.value
+    with pytest.raises(PeerFailure) as twice:
+        reqs[2].wait(1)
+    assert twice.value is got[2]                      # one request, one error
+    assert len({id(e) for e in got.values()} | {id(failure)}) == 4
+    for e in got.values():
+        assert type(e) is PeerFailure and e.rank == 1 and str(e) == str(failure)
+        assert e.__cause__ is failure
+
 def test_a_point_to_point_dtype_mismatch_names_both_dtypes():
     """A message and its receive that agree on tag and size but not on dtype (or on where
     the buffer lives): the error says what each is — every dtype a message can carry,
