@@ -151,6 +151,7 @@ _STRANGERS_MAX = 32         # unauthenticated accepted connections held beyond t
                             # ones still missing (the rest of base.FD_SPARE stays free): a
                             # flood of strangers cannot fill the descriptor table
 _EMFILE_PAUSE_S = 0.1       # out of descriptors with nothing to drop: accept again after this
+_REFUSALS_LOGGED = 16       # refused connections logged one by one; beyond, a summary a second
 _ABORT_TAG = 0x67_74_63     # MPI tag of the "my set-up failed" notice on comm.mpi
 _PUBLISH_S = 0.5            # publish_error flushes for at most this long
 _NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)   # a reset peer is an error, never SIGPIPE
@@ -1122,6 +1123,9 @@ class _Setup:
         self.heard: dict[int, str] = {}                # notices received: rank -> text
         self.me_addr = owner.address
         self.accept_after = 0.0                        # accepting paused until (EMFILE)
+        self.refused = 0                               # connections refused so far
+        self.refused_unlogged = 0                      # of them, not named in a warning
+        self.refused_warned = 0.0                      # last summary of them
         self.accept_warned = 0.0                       # last "accept failed" warning
         self.accept_failed = 0                         # accepts failed since then
 
@@ -1175,6 +1179,7 @@ class _Setup:
         for sh in list(self.shakes.values()):
             if not sh.connector:
                 self._refuse(sh, "set-up finished before it completed the handshake")
+        self._refusals_summed(final=True)
 
     def _late(self, deadline: float) -> str:
         missing_in = sorted({q for q, s in self.expect - self.done.keys()})
@@ -1190,6 +1195,7 @@ class _Setup:
                 + "; ".join(parts[:4]))
 
     def fail(self, text: str) -> None:
+        self._refusals_summed(final=True)
         self.notify(text)
         raise _Abort(text, True)
 
@@ -1223,9 +1229,25 @@ class _Setup:
             pass
 
     def _refuse(self, sh: _Shake, reason: str) -> None:
-        log.warning("tcp: rank %d (listening on %s) refused a connection from %s: %s",
-                    self.me, self.me_addr, sh.addr, reason)
+        """Drop an accepted connection that did not prove the secret, and log it: the
+        first ``_REFUSALS_LOGGED`` one by one, the rest of a flood summed up at most once a
+        second (and at the end of set-up), so strangers cannot flood the log."""
+        self.refused += 1
+        if self.refused <= _REFUSALS_LOGGED:
+            log.warning("tcp: rank %d (listening on %s) refused a connection from %s: %s",
+                        self.me, self.me_addr, sh.addr, reason)
+        else:
+            self.refused_unlogged += 1
+            self._refusals_summed(reason)
         self._drop(sh)
+
+    def _refusals_summed(self, reason: str = "", final: bool = False) -> None:
+        now = time.monotonic()
+        if self.refused_unlogged and (final or now - self.refused_warned >= 1.0):
+            log.warning("tcp: rank %d (listening on %s) refused %d more connection(s)%s "
+                        "(%d in all)", self.me, self.me_addr, self.refused_unlogged,
+                        f", the last: {reason}" if reason else "", self.refused)
+            self.refused_unlogged, self.refused_warned = 0, now
 
     def _retry(self, sh: _Shake, reason: str) -> None:
         key = (sh.peer, sh.stripe)
