@@ -13,7 +13,9 @@ carries a ``tag`` and a signature hash ``sig`` that the receiver checks: a misma
 from __future__ import annotations
 
 import logging
+import math
 import os
+import time
 import zlib
 from typing import Callable, Protocol, runtime_checkable
 
@@ -173,6 +175,30 @@ def unpaired(name: str, peer_sets: list[set], hint: str) -> list[str]:
 # descriptors kept free beyond what a transport asks for: MPI's own, the user's files, a
 # later communicator's listener and heartbeat before it asks for its own room
 FD_SPARE = 64
+
+
+class Throttle:
+    """Warnings of one kind at most once every ``every`` seconds (strangers' connections
+    and datagrams must not flood the log): ``due()`` — this one is to be logged (the
+    count held back since the last comes with it), or ``None`` and it is counted;
+    ``take()`` — the count held back, logged now whatever the time."""
+
+    __slots__ = ("every", "last", "held")
+
+    def __init__(self, every: float) -> None:
+        self.every, self.last, self.held = every, -math.inf, 0
+
+    def due(self) -> int | None:
+        now = time.monotonic()
+        if now - self.last < self.every:
+            self.held += 1
+            return None
+        return self.take(now)
+
+    def take(self, now: float | None = None) -> int:
+        held, self.held = self.held, 0
+        self.last = time.monotonic() if now is None else now
+        return held
 
 
 def ensure_fds(need: int, who: str, hint: str = "") -> None:

@@ -56,6 +56,8 @@ import weakref
 
 from gpurt.errors import fit_text
 
+from .base import Throttle
+
 log = logging.getLogger("gpurt.tcp")
 
 _HB = struct.Struct("<8sII")
@@ -100,8 +102,7 @@ class Heartbeat:
         self.dropped = 0
         self.stale = 0
         self._refused_from: set[str] = set()    # addresses already named in a warning
-        self._warned = 0.0                      # when the last warning was logged
-        self._unlogged = 0                      # drops since then that no warning named
+        self._refusals = Throttle(_LOG_EVERY_S)  # the warnings of the others
         self.notices: dict[int, str] = {}
         self._secret = b""
         self._stop = threading.Event()
@@ -249,16 +250,15 @@ class Heartbeat:
         ``_LOG_EVERY_S`` seconds, so an attack that starts late is logged too and a flood
         does not flood the log."""
         self.dropped += 1
-        now = time.monotonic()
         ip = addr[0]
         if ip not in self._refused_from and len(self._refused_from) < _LOG_SOURCES:
             self._refused_from.add(ip)
-        elif now - self._warned < _LOG_EVERY_S:
-            self._unlogged += 1
-            return
-        more = (f" ({self._unlogged} more dropped since the last warning)"
-                if self._unlogged else "")
-        self._warned, self._unlogged = now, 0
+            held = self._refusals.take()
+        else:
+            held = self._refusals.due()
+            if held is None:
+                return
+        more = f" ({held} more dropped since the last warning)" if held else ""
         log.warning("tcp: rank %d dropped a heartbeat datagram from %s:%d that does not "
                     "prove this job's secret%s (%d dropped in all)", self.me, addr[0],
                     addr[1], more, self.dropped)

@@ -119,7 +119,8 @@ from gpurt.errors import (CollectiveMismatchError, CommunicatorClosed, PeerFailu
                           ResourceError, TransportError, fit_text, from_peer, published_class,
                           relayed_rank)
 
-from .base import LANE_NAMES, LANES, UPTO_MAX, Sink, ensure_fds, mismatch_detail, unpaired
+from .base import (LANE_NAMES, LANES, UPTO_MAX, Sink, Throttle, ensure_fds, mismatch_detail,
+                   unpaired)
 from .heartbeat import Heartbeat
 
 log = logging.getLogger("gpurt.tcp")
@@ -1124,10 +1125,8 @@ class _Setup:
         self.me_addr = owner.address
         self.accept_after = 0.0                        # accepting paused until (EMFILE)
         self.refused = 0                               # connections refused so far
-        self.refused_unlogged = 0                      # of them, not named in a warning
-        self.refused_warned = 0.0                      # last summary of them
-        self.accept_warned = 0.0                       # last "accept failed" warning
-        self.accept_failed = 0                         # accepts failed since then
+        self.refusals = Throttle(1.0)                  # their summaries past the first ones
+        self.accept_failures = Throttle(1.0)           # "accept failed" warnings
 
     # -- the loop -------------------------------------------------------------------------
     def run(self, deadline: float) -> dict[tuple[int, int], socket.socket]:
@@ -1179,7 +1178,7 @@ class _Setup:
         for sh in list(self.shakes.values()):
             if not sh.connector:
                 self._refuse(sh, "set-up finished before it completed the handshake")
-        self._refusals_summed(final=True)
+        self._refusals_summed()
 
     def _late(self, deadline: float) -> str:
         missing_in = sorted({q for q, s in self.expect - self.done.keys()})
@@ -1195,7 +1194,7 @@ class _Setup:
                 + "; ".join(parts[:4]))
 
     def fail(self, text: str) -> None:
-        self._refusals_summed(final=True)
+        self._refusals_summed()
         self.notify(text)
         raise _Abort(text, True)
 
@@ -1237,17 +1236,19 @@ class _Setup:
             log.warning("tcp: rank %d (listening on %s) refused a connection from %s: %s",
                         self.me, self.me_addr, sh.addr, reason)
         else:
-            self.refused_unlogged += 1
-            self._refusals_summed(reason)
+            held = self.refusals.due()
+            if held is not None:
+                self._refusals_summed(held + 1, reason)
         self._drop(sh)
 
-    def _refusals_summed(self, reason: str = "", final: bool = False) -> None:
-        now = time.monotonic()
-        if self.refused_unlogged and (final or now - self.refused_warned >= 1.0):
+    def _refusals_summed(self, n: int | None = None, reason: str = "") -> None:
+        """The summary of ``n`` refusals not logged one by one (default: those held back
+        until now, at the end of set-up)."""
+        n = self.refusals.take() if n is None else n
+        if n:
             log.warning("tcp: rank %d (listening on %s) refused %d more connection(s)%s "
-                        "(%d in all)", self.me, self.me_addr, self.refused_unlogged,
+                        "(%d in all)", self.me, self.me_addr, n,
                         f", the last: {reason}" if reason else "", self.refused)
-            self.refused_unlogged, self.refused_warned = 0, now
 
     def _retry(self, sh: _Shake, reason: str) -> None:
         key = (sh.peer, sh.stripe)
@@ -1308,13 +1309,10 @@ class _Setup:
                     # nothing of ours to give up: wait, instead of spinning on a listener
                     # that stays readable (and a warning per turn)
                     self.accept_after = time.monotonic() + _EMFILE_PAUSE_S
-                self.accept_failed += 1
-                now = time.monotonic()
-                if now - self.accept_warned >= 1.0:
+                held = self.accept_failures.due()
+                if held is not None:
                     log.warning("tcp: rank %d: accept failed: %s%s", self.me, e,
-                                f" ({self.accept_failed - 1} more failures not logged)"
-                                if self.accept_failed > 1 else "")
-                    self.accept_warned, self.accept_failed = now, 0
+                                f" ({held} more failures not logged)" if held else "")
                 return
             try:
                 sock.setblocking(False)
