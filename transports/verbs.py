@@ -74,6 +74,7 @@ import struct
 import time
 import weakref
 from collections import OrderedDict, deque
+from typing import Callable
 
 import numpy as np
 
@@ -1262,32 +1263,35 @@ class VerbsTransport:
         fails and may overwrite, so a peer would receive changed bytes — which the error
         state alone does not rule out: the work requests already taken end only with
         their flush completions."""
-        deadline = time.monotonic() + seconds
-        while True:
-            left = self.data_in_flight()
-            if not left:
-                return
-            if time.monotonic() >= deadline:
-                log.warning("rank %d: %s RDMA WRITE(s) of message data still in flight %g s "
-                            "after the queue pairs went to the error state (to rank(s) %s); "
-                            "the NIC may read their buffers until they complete",
-                            self.rank, sum(left.values()), seconds,
-                            ", ".join(map(str, sorted(left))))
-                return
-            try:
-                self.poll()
-            except Exception:  # noqa: BLE001 - flushed completions after the failure
-                pass
-            time.sleep(1e-4)
+        if self._poll_until(lambda: not self.data_in_flight(), seconds, quiet=True):
+            return
+        left = self.data_in_flight()
+        log.warning("rank %d: %s RDMA WRITE(s) of message data still in flight %g s after "
+                    "the queue pairs went to the error state (to rank(s) %s); the NIC may "
+                    "read their buffers until they complete", self.rank, sum(left.values()),
+                    seconds, ", ".join(map(str, sorted(left))))
 
     def _drain(self, seconds: float) -> None:
+        self._poll_until(lambda: not any(ep.backlog or self.sq_used.get(ep.peer) for ep in
+                                         self.endpoints.values() if ep.failure is None),
+                         seconds)
+
+    def _poll_until(self, done: Callable[[], bool], seconds: float,
+                    quiet: bool = False) -> bool:
+        """Poll the completion queue until ``done()`` (True) or ``seconds`` are gone
+        (False); ``quiet``: a poll's error is ignored (the flushed completions after this
+        rank's own failure)."""
         deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            self.poll()
-            if not any(ep.backlog or self.sq_used.get(ep.peer) for ep in
-                       self.endpoints.values() if ep.failure is None):
-                return
+        while not done():
+            if time.monotonic() >= deadline:
+                return False
+            try:
+                self.poll()
+            except Exception:  # noqa: BLE001 - raised unless quiet
+                if not quiet:
+                    raise
             time.sleep(1e-4)
+        return True
 
     def stop_qp(self, ep: VerbsEndpoint) -> None:
         """Move ``ep``'s queue pair to the error state (best effort): nothing more is
