@@ -222,7 +222,6 @@ class Chain:
         return self.second.waiting_on() if self.second is not None else []
 
 
-
 def _own(exc: BaseException) -> BaseException:
     """The engine's failure as one pending request's error: a new exception of the same
     class, text and attributes (a ``PeerFailure``'s rank, a timeout's missing ranks),
@@ -238,6 +237,7 @@ def _own(exc: BaseException) -> BaseException:
         return exc
     c.__cause__ = exc
     return c
+
 
 class Request:
     """A collective or point-to-point operation in flight.

@@ -14,7 +14,8 @@
 #   rxe_vm.sh --check   exit 0 if the image is present and current, else 1 (never builds).
 #
 # Environment: RXE_VM_DIR (default /var/tmp/gpurt-rxe-vm) holds the image in
-# $RXE_VM_DIR/img (RXE_VM_SUITE=trixie: a Debian 13 user space in $RXE_VM_DIR/img-trixie); a version stamp (a hash of the package list, the modules and
+# $RXE_VM_DIR/img (RXE_VM_SUITE=trixie: a Debian 13 user space in
+# $RXE_VM_DIR/img-trixie); a version stamp (a hash of the package list, the modules and
 # the build/init code below) is kept in img/STAMP, and a changed stamp rebuilds it
 # (RXE_VM_EXTRA_PKGS=a,b adds Debian packages and so changes the stamp too).
 # Builds are serialised with flock on $RXE_VM_DIR/.lock; a running guest holds
