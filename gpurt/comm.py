@@ -49,7 +49,7 @@ from .schedule import Copy, Recv, Schedule, Send, Slice
 from .algorithms import REGISTRY, Cost
 from .hier import HIER, Shape
 from .topology import Topology, rank_ranges
-from .tuner import Native, Tuner, load_profile, oversubscribed, transport_cost
+from .tuner import FOLD, Native, Tuner, load_profile, oversubscribed, transport_cost
 from .wait import spin_seconds
 
 from gpurt.transports import shm_board, shm_direct  # noqa: E402  (after the core imports)
@@ -416,6 +416,19 @@ class Communicator:
             return 2 if measured == shm_direct.NAME else 0
         mins = [m for m in self._direct_min[coll] if m]
         return 1 if mins and S >= min(mins) else 0
+
+    def fold_choice(self, coll: str, nbytes: int) -> bool:
+        """Would a call of ``coll`` with S = ``nbytes`` of float32 elements and no algo=
+        be folded into the agreement's exchange (several nodes, checked)?  For ``gpurt
+        tune`` and ``explain``."""
+        if not self._room:
+            return False
+        n = int(nbytes) // 4 // (self.size if coll in _BLOCKED else 1)
+        try:
+            sched = self.tuner.plan(coll, n, 4, 0, None)[1]
+        except ValueError:
+            return False
+        return self._folds(coll, n, 4, None, sched)
 
     def direct_choice(self, coll: str, nbytes: int) -> bool:
         """Would a call of ``coll`` with S = ``nbytes`` try ``shm_direct`` (taken when
@@ -797,8 +810,15 @@ class Communicator:
         names no algorithm: one exchange carries both (the tuner's algorithm would be a
         second round)."""
         lim = self._fold_limit(coll)
-        return bool(lim and sched is not None and sched.steps and algo is None and
-                    coll not in self._tuner_in[2] and _fold_bytes(coll, self.size, n, isz) <= lim)
+        if not (lim and sched is not None and sched.steps and algo is None and
+                coll not in self._tuner_in[2] and _fold_bytes(coll, self.size, n, isz) <= lim):
+            return False
+        if not self.tuner.profile:
+            return True
+        # where a `gpurt tune` profile measured this size, it folds if folding was fastest
+        measured = self.tuner.profile_winner(
+            coll, shm_direct.collective_bytes(coll, self.size, n, isz))
+        return measured is None or measured == FOLD
 
     def _fold_limit(self, coll: str) -> int:
         """The most bytes of a rank's contribution that ``coll`` folds: GPURT_NET_FOLD
@@ -2043,20 +2063,17 @@ class Communicator:
                        "GPURT_SHM_DIRECT*")
             text += (f"\n{shm_direct.NAME}: tried first ({why}), the choice above where a "
                      f"rank's buffers are out of reach")
-        if self._room:      # decided as a call of float32 elements decides it
+        if self.fold_choice(collective, nbytes):
             n = int(nbytes) // 4 // (self.size if collective in _BLOCKED else 1)
-            try:
-                sched = self.tuner.plan(collective, n, 4, 0, None)[1]
-            except ValueError:
-                sched = None
-            if self._folds(collective, n, 4, None, sched):
-                lim, why = self._fold_limit(collective), "GPURT_NET_FOLD / (ranks - 1)"
-                if lim > self._fold:
-                    why = "GPURT_NET_FOLD_PAIR: an allreduce on two ranks"
-                text += (f"\n{FOLD}: the data ({_fold_bytes(collective, self.size, n, 4)} B "
-                         f"per rank, <= {lim} B: {why}) rides "
-                         f"in the agreement's exchange, one round instead of the agreement "
-                         f"and the choice above (without algo=)")
+            lim, why = self._fold_limit(collective), "GPURT_NET_FOLD / (ranks - 1)"
+            if lim > self._fold:
+                why = "GPURT_NET_FOLD_PAIR: an allreduce on two ranks"
+            if self.tuner.profile_winner(collective, nbytes) == FOLD:
+                why += "; the profile's fastest at this size (measured: GPURT_PROFILE)"
+            text += (f"\n{FOLD}: the data ({_fold_bytes(collective, self.size, n, 4)} B "
+                     f"per rank, <= {lim} B: {why}) rides "
+                     f"in the agreement's exchange, one round instead of the agreement "
+                     f"and the choice above (without algo=)")
         return text
 
     def candidates(self, collective: str, nbytes: int) -> list[dict]:
@@ -2251,7 +2268,6 @@ _M64 = 0xFFFFFFFFFFFFFFFF
 _AGREE_SIG = 0x67707274414752   # "gprtAGR": the agreement messages' own signature
 _META_WORDS = 5                        # shm_board.meta_of: the call's arguments
 _HDR_WORDS = 2 + _META_WORDS + callsite.WORDS   # an agreement header: seq, sig, meta, site
-FOLD = "folded"          # the name of a call that ran inside the agreement's exchange
 _FOLD_RANKS = 8          # the most ranks for which agreement messages carry data
 #: collectives whose size S (as nccl-tests and explain() count it) is the whole buffer
 _REDUCING = frozenset({"allreduce", "reduce", "reduce_scatter"})

@@ -133,7 +133,8 @@ VARIABLES: tuple[Var, ...] = (
         "would send to all the others in at most this many bytes ((ranks - 1) x its "
         "contribution) runs inside the agreement's exchange (agreement and data together, "
         "one round) instead of the agreement then a schedule; each agreement message is as "
-        "long as its call needs (0: never, at most 64K; decided on rank 0)."),
+        "long as its call needs (0: never, at most 64K; decided on rank 0). Within it, a "
+        "GPURT_PROFILE that measured the call's size decides (gpurt tune times 'folded')."),
     Var("GPURT_NET_FOLD_PAIR", "1M", _bytes,
         "Two ranks on two nodes (or without the shm board), with GPURT_CHECK=1: an "
         "allreduce of at most this many bytes also runs inside the agreement's exchange "

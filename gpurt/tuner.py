@@ -80,6 +80,11 @@ FRAGS = (1, 2, 4, 8, 16)
 MIN_FRAG_BYTES = 256 << 10
 
 
+#: a call whose data rides in the agreement's exchange across nodes (``Communicator._folds``):
+#: not an algorithm, but a profile row may name it as the fastest at its size
+FOLD = "folded"
+
+
 def load_profile(path: str, p: int, nnodes: int) -> dict:
     """The entries of a ``gpurt tune`` profile that apply to a communicator of ``p`` ranks
     on ``nnodes`` nodes ({} when none: no file, another shape).  A profile that cannot be
@@ -122,6 +127,7 @@ def _check_entries(path: str, entries) -> None:
         known |= {"shm_board"} if coll in shm_board.COLLS else set()
         known |= {shm_direct.NAME} if coll in shm_direct.COLLS else set()
         known |= {hier.HIER, "hier"} if coll in hier.COLLS else set()
+        known |= {FOLD}
         for row in rows:
             if not (isinstance(row, list) and len(row) >= 2 and
                     isinstance(row[0], (int, float)) and not isinstance(row[0], bool) and
@@ -252,8 +258,16 @@ class Tuner:
         if not rows:
             return None
         best = min(rows, key=lambda row: abs(math.log2(max(row[0], 1)) - math.log2(max(S, 1))))
+        name = best[1]
+        if name == FOLD:   # a call that does not fold: the fastest of the rest measured there
+            times = best[2] if len(best) > 2 and isinstance(best[2], dict) else {}
+            rest = [(t, a) for a, t in times.items() if a != FOLD and
+                    isinstance(t, (int, float)) and not isinstance(t, bool)]
+            if not rest:
+                return None
+            name = min(rest)[1]
         try:
-            alg = self._lookup(coll, best[1])
+            alg = self._lookup(coll, name)
         except ValueError:
             return None
         if isinstance(alg, Native) and not alg.fits(self.p, S):

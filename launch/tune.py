@@ -82,6 +82,7 @@ def worker(cfg: dict) -> dict | None:
     from mpi4py import MPI
 
     from gpurt.launch.bench import parse_dtype, size_unit   # (bfloat16 through ml_dtypes)
+    from gpurt.tuner import FOLD
 
     comm = gpurt.init()
     ctl = comm.mpi
@@ -110,10 +111,15 @@ def worker(cfg: dict) -> dict | None:
                 cands = cands + [{"algorithm": DIRECT, "chosen": False}]
                 if comm.direct_choice(coll, Sreal):
                     model = DIRECT
+            # several nodes: a call whose data fits the agreement's exchange rides in it
+            # (no algo=); every forced candidate pays the agreement, then its schedule
+            if comm.fold_choice(coll, Sreal):
+                cands = cands + [{"algorithm": FOLD, "chosen": False}]
+                model = FOLD
             times = {}
             for c in cands:
                 name = c["algorithm"]
-                call = _call(comm, coll, x, y, name)
+                call = _call(comm, coll, x, y, None if name == FOLD else name)
                 for _ in range(cfg["warmup"]):
                     call()
                 t = np.empty(cfg["iters"])
@@ -122,6 +128,9 @@ def worker(cfg: dict) -> dict | None:
                     t0 = perf_counter()
                     call()
                     t[i] = perf_counter() - t0
+                if name == FOLD and comm.last_algorithm != FOLD:
+                    raise RuntimeError(f"gpurt tune: {coll} of {Sreal} B was to fold, but "
+                                       f"ran {comm.last_algorithm}")
                 worst = np.empty_like(t)
                 ctl.Allreduce(t, worst, op=MPI.MAX)
                 times[name] = float(np.median(worst))

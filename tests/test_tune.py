@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -80,6 +81,63 @@ def test_a_handmade_profile_decides_and_a_bad_one_is_an_error(tmp_path):
     res = run_mpi(2, ["-c", code], env={"GPURT_PROFILE": str(tmp_path / "missing.json")},
                   check=False)
     assert res.returncode != 0 and "GPURT_PROFILE" in res.stderr and "rank 1" in res.stderr
+
+
+CLIQUES = {"MPIR_CVAR_NUM_CLIQUES": "2"}     # two "nodes" of one rank: tcp between
+
+
+def test_tune_across_nodes_times_the_fold_and_its_profile_decides_it(tmp_path):
+    """Across nodes a call whose data fits the agreement's exchange is folded into it; at
+    which size that stops paying differs from host to host (docs/performance.md: between
+    768 KiB and 1 MiB on one, above 1 MiB on another), so `gpurt tune` times `folded`
+    beside the forced algorithms (each of which pays the agreement, then its schedule),
+    and a profile's row decides: fold where `folded` was fastest, else run the measured
+    winner."""
+    out = tmp_path / "p.json"
+    proc = subprocess.run([sys.executable, "-m", "gpurt.launch.cli", "tune", "-n", "2", "-c",
+                           "allreduce", "-c", "broadcast", "-b", "4K", "-e", "2M", "-f", "512",
+                           "-w", "1", "-i", "3", "-o", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **CLIQUES})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    prof = json.loads(out.read_text())
+    assert prof["nnodes"] == 2
+    rows = {(c, r[0]): r for c, rs in prof["entries"].items() for r in rs}
+    # 4 KiB fits (GPURT_NET_FOLD, GPURT_NET_FOLD_PAIR): timed folded; 2 MiB does not
+    assert "folded" in rows["allreduce", 4096][2] and "folded" in rows["broadcast", 4096][2]
+    assert "folded" not in rows["allreduce", 2 << 20][2]
+    assert "folded" not in rows["broadcast", 2 << 20][2]
+    assert {r["model"] for r in prof["model_vs_best"] if r["size"] == 4096} == {"folded"}
+    (tmp_path / "use.py").write_text(USE_PROFILE)
+    res = run_mpi(2, [str(tmp_path / "use.py"), str(out)],
+                  env={"GPURT_PROFILE": str(out), **CLIQUES})
+    assert "2 ranks followed the profile" in res.stdout, res.stdout
+
+
+def test_a_profile_across_nodes_turns_the_fold_off_and_on(tmp_path):
+    """A hand-made profile: at 64 KiB a schedule measured faster than folding (the
+    default folds there), at 256 KiB folding did; a 4 MiB call, nearest to the 256 KiB
+    row but too large for the agreement's room, runs the fastest of that row's others."""
+    rows = [[65536, "direct", {"direct": 1e-4, "folded": 2e-4}],
+            [262144, "folded", {"folded": 1e-4, "recursive_doubling": 3e-4, "ring": 2e-4}]]
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps({"version": 1, "nranks": 2, "nnodes": 2,
+                             "entries": {"allreduce": rows}}))
+    code = ("import numpy as np, gpurt\n"
+            "c = gpurt.init()\n"
+            "got = []\n"
+            "for S in (65536, 262144, 4 << 20):\n"
+            "    x = np.arange(S // 4, dtype=np.float32) % 7 + c.rank\n"
+            "    want = 2 * (np.arange(S // 4, dtype=np.float32) % 7) + 1\n"
+            "    c.allreduce(x); assert np.array_equal(x, want)\n"
+            "    r = c.iallreduce(x); r.wait(); assert np.array_equal(x, 2 * want)\n"
+            "    got.append((c.last_algorithm, r.algorithm))\n"
+            "    assert ('folded' in c.explain('allreduce', S)) == (S == 262144)\n"
+            "got = c.mpi.gather(tuple(got), 0)\n"
+            "if c.rank == 0: print('got', sorted(set(got)), len(got), flush=True)\n")
+    res = run_mpi(2, ["-c", code], env={"GPURT_PROFILE": str(f), **CLIQUES})
+    assert "got [(('direct', 'direct'), ('folded', 'folded'), ('ring', 'ring'))] 2" \
+        in res.stdout, res.stdout
 
 
 def _invoke_tune(args: list[str], monkeypatch, tmp_path):

@@ -1029,8 +1029,9 @@ def test_a_malformed_profile_is_an_error_naming_the_file(tmp_path, text, words):
                        re_escape(words)):
         load_profile(str(f), 2, 1)
     f.write_text('{"version":1,"nranks":2,"nnodes":1,"entries":{"allreduce":[[8,"rd",{}],'
-                 '[65536,"shm_board",{}],[1048576,"shm_direct",{}],[9,"hierarchical"]]}}')
-    assert len(load_profile(str(f), 2, 1)["allreduce"]) == 4
+                 '[65536,"shm_board",{}],[1048576,"shm_direct",{}],[9,"hierarchical"],'
+                 '[12,"folded",{}]]}}')
+    assert len(load_profile(str(f), 2, 1)["allreduce"]) == 5
     assert load_profile(str(f), 3, 1) == {}       # (another shape: not this one's)
 
 
