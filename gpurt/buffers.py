@@ -116,8 +116,10 @@ def as_buf(x: Any, what: str = "x") -> Buf:
                         f"z.conj()); call .resolve_conj() first")
     try:
         cai = getattr(x, "__cuda_array_interface__", None)
-    except (RuntimeError, AttributeError, TypeError):
-        cai = None   # e.g. a torch tensor that requires grad: DLPack below
+    except (RuntimeError, AttributeError, TypeError, KeyError):
+        # e.g. a torch tensor that requires grad; torch < 2.5 looks bfloat16 and bool up
+        # in a table without them (KeyError): DLPack below
+        cai = None
     if cai is not None:
         return _cuda(cai, x, what)
     if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):

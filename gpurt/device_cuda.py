@@ -147,9 +147,10 @@ class _Driver:
         return int(base.value), int(size.value)
 
     def buffer_id(self, ptr: int) -> int:
-        """CU_POINTER_ATTRIBUTE_BUFFER_ID (18): unique per allocation in the process."""
+        """CU_POINTER_ATTRIBUTE_BUFFER_ID (7 in cuda.h; 18 is MAPPING_SIZE, which two
+        allocations of one size share): unique per allocation in the process."""
         v = ctypes.c_uint64()
-        self.check(self.lib.cuPointerGetAttribute(ctypes.byref(v), 18, ptr),
+        self.check(self.lib.cuPointerGetAttribute(ctypes.byref(v), 7, ptr),
                    "cuPointerGetAttribute(BUFFER_ID)")
         return int(v.value)
 
@@ -201,16 +202,39 @@ __device__ __forceinline__ unsigned short gpurt_f2bf(float f) {
     u += 0x7fffu + ((u >> 16) & 1u);              /* round to nearest, ties to even */
     return (unsigned short)(u >> 16);
 }
+/* float32 arithmetic as explicit PTX without .ftz: CuPy compiles every kernel with
+   -ftz=true (last on its command line), which would flush bfloat16's subnormals (float32
+   subnormals once widened) to zero, where the host (ml_dtypes) keeps them */
+__device__ __forceinline__ float gpurt_add(float x, float y) {
+    float r; asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(x), "f"(y)); return r;
+}
+__device__ __forceinline__ float gpurt_mul(float x, float y) {
+    float r; asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(x), "f"(y)); return r;
+}
+__device__ __forceinline__ float gpurt_div(float x, float y) {
+    float r; asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(x), "f"(y)); return r;
+}
+/* MIN/MAX compare the bits, not floats (a float compare would be .ftz too): NaN, and
+   the order of the values with -0 == +0 */
+__device__ __forceinline__ bool gpurt_bfnan(unsigned short h) {
+    return (h & 0x7fffu) > 0x7f80u;
+}
+__device__ __forceinline__ int gpurt_bfkey(unsigned short h) {
+    int m = h & 0x7fff;
+    return (h & 0x8000) ? -m : m;
+}
 """
 
 # out = a op b on bfloat16 bits (as ml_dtypes: float32 arithmetic, one rounding; MIN/MAX
 # return one of the inputs unchanged, a NaN operand wins)
 _BF16_BODY = {
-    Op.SUM: "c = gpurt_f2bf(gpurt_bf2f(a) + gpurt_bf2f(b))",
-    Op.AVG: "c = gpurt_f2bf(gpurt_bf2f(a) + gpurt_bf2f(b))",
-    Op.PROD: "c = gpurt_f2bf(gpurt_bf2f(a) * gpurt_bf2f(b))",
-    Op.MIN: "float x = gpurt_bf2f(a), y = gpurt_bf2f(b); c = (x != x || x < y) ? a : b",
-    Op.MAX: "float x = gpurt_bf2f(a), y = gpurt_bf2f(b); c = (x != x || x > y) ? a : b",
+    Op.SUM: "c = gpurt_f2bf(gpurt_add(gpurt_bf2f(a), gpurt_bf2f(b)))",
+    Op.AVG: "c = gpurt_f2bf(gpurt_add(gpurt_bf2f(a), gpurt_bf2f(b)))",
+    Op.PROD: "c = gpurt_f2bf(gpurt_mul(gpurt_bf2f(a), gpurt_bf2f(b)))",
+    Op.MIN: "c = (gpurt_bfnan(a) || (!gpurt_bfnan(b) && gpurt_bfkey(a) < gpurt_bfkey(b)))"
+            " ? a : b",
+    Op.MAX: "c = (gpurt_bfnan(a) || (!gpurt_bfnan(b) && gpurt_bfkey(a) > gpurt_bfkey(b)))"
+            " ? a : b",
 }
 _KERNELS: dict = {}
 _KLOCK = threading.Lock()
@@ -242,9 +266,22 @@ def _bf16_scale_kernel():
             k = _KERNELS.get("scale")
             if k is None:
                 k = _KERNELS["scale"] = cupy.ElementwiseKernel(
-                    "float32 d", "uint16 v", "v = gpurt_f2bf(gpurt_bf2f(v) / d)",
+                    "float32 d", "uint16 v", "v = gpurt_f2bf(gpurt_div(gpurt_bf2f(v), d))",
                     "gpurt_bf16_scale", preamble=_BF16_PREAMBLE)
     return k
+
+
+class _StreamHandle:
+    """A raw stream handle under the CUDA stream protocol (``__cuda_stream__``: version 0
+    and the handle), which CuPy's ``Stream.from_external`` takes."""
+
+    __slots__ = ("h",)
+
+    def __init__(self, h: int):
+        self.h = h
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.h)
 
 
 # -- events ------------------------------------------------------------------------------------
@@ -336,9 +373,9 @@ class CudaBackend:
         if s is None:
             from_external = getattr(self._cp.cuda.Stream, "from_external", None)
             if from_external is not None:      # CuPy >= 14 (ExternalStream deprecated)
-                try:
-                    s = from_external(handle, device_id=self._device)
-                except TypeError:
+                try:   # (it takes an object of the CUDA stream protocol, not a handle)
+                    s = from_external(_StreamHandle(handle))
+                except (TypeError, AttributeError, ValueError):
                     s = None
             if s is None:
                 ext = self._cp.cuda.ExternalStream
@@ -443,7 +480,11 @@ class CudaBackend:
     def alloc_id(self, ptr: int) -> int:
         """The allocation's unique id (CU_POINTER_ATTRIBUTE_BUFFER_ID): a handle of a new
         allocation at a freed one's address is told apart by it."""
-        return _driver().buffer_id(int(ptr))
+        prev = self._enter()
+        try:
+            return _driver().buffer_id(int(ptr))
+        finally:
+            self._leave(prev)
 
     def ipc_open(self, handle: bytes) -> int:
         prev = self._enter()
@@ -652,7 +693,10 @@ class CudaBackend:
         store = _U16 if bf16 else dtype
         a = acc if acc.dtype == store else acc.view(store)
         b = src if src.dtype == store else src.view(store)
-        o = out if out.dtype == store else out.view(store)
+        # out is acc (in place): the same view object, or CuPy copies the input first
+        # (two objects over one range look like overlapping arrays to it)
+        o = a if out is acc or out.data.ptr == acc.data.ptr else \
+            out if out.dtype == store else out.view(store)
         if bf16:
             kern = _bf16_kernel(op)
         else:
@@ -712,10 +756,13 @@ class CudaBackend:
         """Memory the NIC will read or write (GPUDirect RDMA): CU_POINTER_ATTRIBUTE_
         SYNC_MEMOPS, as NVIDIA's GPUDirect RDMA guide asks (synchronous memory operations
         on it are then ordered with the NIC's accesses)."""
+        prev = self._enter()
         try:
             _driver().sync_memops(int(v.data.ptr))
         except TransportError as e:
             log.warning("gpurt: %s", e)
+        finally:
+            self._leave(prev)
 
     def synchronize(self, stream) -> None:
         prev = self._enter()

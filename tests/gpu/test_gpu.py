@@ -206,6 +206,16 @@ def test_views_ranges_and_devices(be, cp):
     assert be.view(0, 0, None).nbytes == 0
     h = be.ipc_handle(base)
     assert isinstance(h, bytes) and len(h) == 64
+    # the allocation's id (the receivers' IPC cache key): one per allocation, not per size
+    # (CU_POINTER_ATTRIBUTE_BUFFER_ID; the attribute 18 that was asked for is the mapping
+    # size, which two allocations of one size share)
+    p1, p2 = cp.cuda.runtime.malloc(1 << 20), cp.cuda.runtime.malloc(1 << 20)
+    try:
+        assert be.alloc_id(p1) != be.alloc_id(p2)
+        assert be.alloc_id(p1 + 4096) == be.alloc_id(p1)
+    finally:
+        cp.cuda.runtime.free(p1)
+        cp.cuda.runtime.free(p2)
     with pytest.raises(TransportError):
         be.ipc_open(h)                # CUDA refuses a handle in the process that made it
     with pytest.raises(TransportError):
