@@ -3,7 +3,7 @@
 # a GPU machine that has CuPy, PyTorch, NumPy and mpi4py but no network: run HERE, with pip's
 # network access.
 #
-#   bash tests/gpu/fetch_wheels.sh                 # CPython 3.10, 3.11, 3.12
+#   bash tests/gpu/fetch_wheels.sh                 # CPython 3.10 to 3.13
 #   PYVERS="311 312" bash tests/gpu/fetch_wheels.sh
 #
 # Binary wheels (manylinux x86_64) for every Python version in PYVERS, without their
@@ -17,7 +17,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 DEST=${DEST:-$ROOT/.gpu-wheels}
-PYVERS=${PYVERS:-"310 311 312"}
+PYVERS=${PYVERS:-"310 311 312 313"}
 LIMIT_MIB=${LIMIT_MIB:-60}
 PY=${PYTHON:-python3}
 PIP=("$PY" -m pip)
