@@ -45,6 +45,17 @@ def test_algorithm_proven(coll: str, name: str, p: int) -> None:
             simulate(coll, p, n, scheds, root)
 
 
+@pytest.mark.parametrize("coll,name", CASES, ids=[f"{c}:{a}" for c, a in CASES])
+def test_one_rank_copies_once_at_most(coll: str, name: str) -> None:
+    """On one rank a collective is in -> out or nothing: no scratch, at most one copy
+    (the 1-rank direct allreduce went in -> tmp -> out, both copies even in place: 512
+    MiB of scratch and ~50 ms a call for a 512 MiB in-place allreduce on one rank)."""
+    s = REGISTRY[coll][name].build(1, 0, 1000, 0)
+    ops = [o for st in s.steps for o in st]
+    assert s.tmp == 0 and len(ops) <= 1, (s.tmp, ops)
+    assert all(type(o) is Copy and o.src.buf == "in" and o.dst.buf == "out" for o in ops)
+
+
 def test_registry_covers_this_work() -> None:
     want = {
         "allreduce": {"recursive_doubling", "rabenseifner"},

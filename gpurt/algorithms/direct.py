@@ -36,6 +36,8 @@ def _slot(r: int, n: int, src: str = "in", base: int = 0):
           cost=lambda p, S, c: (p - 1) * c.alpha + S * (p - 1) * (c.beta + c.gamma))
 def allreduce_direct(p: int, r: int, n: int, root: int = 0) -> Schedule:
     """Send the vector to all, receive all, reduce in rank order."""
+    if p == 1:      # one copy out of place, nothing in place (not two through tmp)
+        return _one_copy(n)
     others = [q for q in range(p) if q != r]
     exch = [Send(q, Slice("in", 0, n)) for q in others] + \
            [Recv(q, Slice("tmp", q * n, n)) for q in others]
@@ -49,6 +51,11 @@ def allreduce_direct(p: int, r: int, n: int, root: int = 0) -> Schedule:
     return Schedule.build([exch, red + [Copy(acc, Slice("out", 0, n))]], tmp=p * n)
 
 
+def _one_copy(n: int) -> Schedule:
+    """One rank: ``out`` = ``in`` (the executor skips the copy when they alias)."""
+    return Schedule.build([[Copy(Slice("in", 0, n), Slice("out", 0, n))]])
+
+
 def _retarget(op, dst: Slice):
     if isinstance(op, Copy):
         return Copy(op.src, dst)
@@ -59,6 +66,8 @@ def _retarget(op, dst: Slice):
           cost=lambda p, S, c: (p - 1) * c.alpha + S * (p - 1) * (c.beta + c.gamma))
 def reduce_direct(p: int, r: int, n: int, root: int = 0) -> Schedule:
     """Everyone sends to the root, which reduces in rank order."""
+    if p == 1:
+        return _one_copy(n)
     if r != root:
         return Schedule.build([[Send(root, Slice("in", 0, n))]])
     others = [q for q in range(p) if q != r]
@@ -93,7 +102,7 @@ def reduce_scatter_direct(p: int, r: int, n: int, root: int = 0) -> Schedule:
     exch = [Send(q, Slice("in", q * n, n)) for q in others] + \
            [Recv(q, Slice("tmp", q * n, n)) for q in others]
     return Schedule.build([exch, _reduce_in_order(p, r, n, "out", _slot(r, n, "in", r * n))],
-                          tmp=p * n)
+                          tmp=p * n if p > 1 else 0)
 
 
 @register("alltoall", "direct", cost=lambda p, S, c: (p - 1) * c.alpha + S * (p - 1) / p * c.beta)
