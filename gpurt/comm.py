@@ -42,7 +42,7 @@ from .buffers import Buf, as_buf, check_writable, empty_like, overlaps, same
 from .errors import (CollectiveMismatchError, CollectiveTimeout, CommunicatorClosed,
                      GpurtError, ResourceError, relay_text,
                      TransportError)
-from .executor import Chain, Engine, Request, _Run, check_timeout, wait_mpi
+from .executor import Chain, Engine, Request, RowsRun, _Run, check_timeout, wait_mpi
 from .flight import FlightRecorder
 from .ops import FAST_OPS as _FAST_OPS, Op, as_op, check_op, host_finalize, reducer, supported
 from .schedule import Copy, Recv, Schedule, Send, Slice
@@ -551,6 +551,9 @@ class Communicator:
         if data is not None and data.nbytes:
             rows8[self.rank][:data.nbytes] = data.view(np.uint8)
             m += -(-data.nbytes // 8)
+        covers = self._agree_bufs[6]
+        if covers is not None:     # hierarchical: header-only rows, one schedule
+            return RowsRun(scheds[_HDR_WORDS], bufs, self.endpoints, seq, _AGREE_SIG, covers)
         sched = _cached(scheds, m, 256, _agreement_schedule, self.size, self.rank, len(mine), m)
         return _Run(sched, bufs, False, None, self.endpoints, 0, seq, _AGREE_SIG, dtype=_U64)
 
@@ -559,9 +562,14 @@ class Communicator:
         # every rank's message, one row each; this rank's own row is what it sends (where
         # the schedule copies a message in, a separate one)
         every = np.zeros(self.size * words, np.uint64)   # no stale bytes of this process go out
-        sched = _agreement_schedule(self.size, self.rank, words, _HDR_WORDS)
         r = self.rank
-        direct = not any(isinstance(o, Copy) for st in sched.steps for o in st)
+        covers = None
+        if _hier_agreement(self.topo):     # (no room there: header-only rows)
+            sched, covers = _agreement_schedule_hier(self.topo.local_ranks, r, words)
+            direct = True                  # (it sends this rank's row from the output)
+        else:
+            sched = _agreement_schedule(self.size, r, words, _HDR_WORDS)
+            direct = not any(isinstance(o, Copy) for st in sched.steps for o in st)
         mine = every[r * words:(r + 1) * words] if direct else np.zeros(words, np.uint64)
         bufs = {"in": mine, "out": every, "tmp": _EMPTY_U64 if not sched.tmp else
                 np.empty(sched.tmp, np.uint64)}
@@ -572,8 +580,9 @@ class Communicator:
         # the compared words of every header (seq, sig, meta), one strided view
         # the exchange's schedules by the length this rank sends (header, + a folded call's
         # data), in words
+        # (hierarchical: which ranks' rows each receive brings, for naming the missing)
         self._agree_bufs = (rows, mine, bufs, {_HDR_WORDS: sched}, rows8,
-                            rows[:, :2 + _META_WORDS])
+                            rows[:, :2 + _META_WORDS], covers)
         return self._agree_bufs
 
     def _fold_finish(self, coll: str, out: np.ndarray | None, dtype: np.dtype, red, n: int,
@@ -2307,6 +2316,60 @@ def _agreement_schedule(p: int, r: int, n: int, m: int | None = None) -> Schedul
     upto = n > _HDR_WORDS
     return Schedule.build([[Send(q, Slice("out", r * n, m)) for q in others]
                            + [Recv(q, Slice("out", q * n, n), upto) for q in others]])
+
+
+def _hier_agreement(topo: Topology) -> bool:
+    """Does the agreement gather the headers hierarchically here?  On more than
+    ``_FOLD_RANKS`` ranks (no call folds: every row is a header), 2 to 32 nodes, some with
+    several ranks: inside each node first, then each rank swaps its node's headers with
+    one rank of every other node — (local ranks − 1) messages inside the node and (nodes −
+    1) or a few more across, instead of one to every other rank (most of them across
+    nodes) or Bruck's ⌈lg p⌉ rounds."""
+    return topo.size > _FOLD_RANKS and 2 <= topo.nnodes <= 32 and \
+        max(len(rs) for rs in topo.local_ranks) > 1
+
+
+@lru_cache(maxsize=64)
+def _agreement_schedule_hier(nodes: tuple, r: int, n: int) -> tuple:
+    """(schedule, covers) of the hierarchical agreement for rank ``r`` (rows of ``n``
+    words, rank order, in ``out``; this rank's own row is its message): step 1 every
+    rank's row to its node's other ranks; step 2 the rows of the whole node, packed
+    node by node, from local rank j to the ranks k ≡ j (mod this node's size) of every
+    other node, each rank receiving one other node's rows from its local rank k mod that
+    node's size; where nodes are not blocks of consecutive ranks (round-robin
+    placements), the rows are packed in ``tmp`` and a third step copies them out.
+    ``covers[q]``: the ranks whose rows the receive from q brings (``RowsRun.missing``)."""
+    node_of = {q: b for b, rs in enumerate(nodes) for q in rs}
+    order = [q for rs in nodes for q in rs]            # node-major
+    pos = {q: i for i, q in enumerate(order)}
+    packed = order != sorted(order)                    # not blocks: pack in tmp
+    a = node_of[r]
+    mine = nodes[a]
+    j = mine.index(r)
+    row = lambda q: Slice("out", q * n, n)             # noqa: E731
+    place = (lambda q: Slice("tmp", pos[q] * n, n)) if packed else row
+
+    def block(b: int) -> Slice:
+        first = nodes[b][0]
+        return Slice("tmp" if packed else "out", (pos[first] if packed else first) * n,
+                     len(nodes[b]) * n)
+
+    peers = [q for q in mine if q != r]
+    covers = {q: (q,) for q in peers}
+    step1 = ([Copy(row(r), place(r))] if packed else []) + \
+        [Send(q, row(r)) for q in peers] + [Recv(q, place(q)) for q in peers]
+    step2 = []
+    for b, rs in enumerate(nodes):
+        if b == a:
+            continue
+        step2 += [Send(rs[k], block(a)) for k in range(j, len(rs), len(mine))]
+        src = rs[j % len(rs)]
+        step2.append(Recv(src, block(b)))
+        covers[src] = rs
+    steps = [step1, step2]
+    if packed:
+        steps.append([Copy(place(q), row(q)) for q in order if q != r])
+    return Schedule.build(steps, tmp=len(order) * n if packed else 0), covers
 
 
 class _DirectPlan:

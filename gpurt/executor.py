@@ -192,6 +192,41 @@ class _Run:
         return sorted({c.peer for c in self.pending if not c.done})
 
 
+class RowsRun(_Run):
+    """An exchange that gathers one row per rank (the agreement check's headers) where a
+    receive may bring several ranks' rows at once (``covers[peer]``: the ranks whose rows
+    the receive from ``peer`` brings; one receive per peer).  Times out naming the ranks
+    whose rows the step under way waits for (``missing``), not only the peers it
+    receives from — those stay what liveness is asked of (``waiting_on``)."""
+
+    __slots__ = ("covers", "recvs")
+
+    def __init__(self, sched: Schedule, bufs: dict[str, np.ndarray], eps: dict, tag: int,
+                 sig: int, covers: dict[int, tuple[int, ...]]):
+        super().__init__(sched, bufs, False, None, eps, 0, tag, sig,
+                         dtype=np.dtype(np.uint64))
+        self.covers = covers
+        self.recvs: list = []       # (completion, peer) of the current step's receives
+
+    def _start_step(self) -> None:
+        k = self.k
+        super()._start_step()
+        # (a step starts only once the last one's transfers are all complete: pending
+        # holds this step's, in the order of its operations)
+        comm = self.steps[k][1]
+        self.recvs = [(c, op.peer) for c, op in zip(self.pending, comm) if type(op) is Recv]
+
+    def missing(self) -> list[int]:
+        """The ranks whose rows the receives of the step under way still wait for (those
+        of later steps wait on these: naming them too would blame ranks that did call,
+        and whose rows are held up by the ones named); else the peers of its sends."""
+        ranks: set[int] = set()
+        for c, q in self.recvs:
+            if not c.done:
+                ranks.update(self.covers[q])
+        return sorted(ranks) if ranks else self.waiting_on()
+
+
 class Chain:
     """Runs one run, then the next (built only when the first is done): the agreement
     check before a schedule."""
@@ -220,6 +255,19 @@ class Chain:
         if not self.first.done:
             return self.first.waiting_on()
         return self.second.waiting_on() if self.second is not None else []
+
+    def missing(self) -> list[int]:
+        return _missing(self.first if not self.first.done else self.second)
+
+
+def _missing(run) -> list[int]:
+    """The ranks a run that timed out names: those whose part has not arrived
+    (``missing``, where a run knows more than the peers it waits on), else the peers of
+    its transfers not complete yet."""
+    if run is None:
+        return []
+    m = getattr(run, "missing", None)
+    return m() if m is not None else run.waiting_on()
 
 
 def _own(exc: BaseException) -> BaseException:
@@ -686,12 +734,15 @@ class Engine:
                 return
             # another thread's abort() (a watchdog's) or failure poisons the engine: the
             # wait ends there, as a Request's does (poison() sets its error)
+            def timed_out(t: float, _peers: list[int]) -> CollectiveTimeout:
+                missing = _missing(run)
+                return CollectiveTimeout(
+                    f"rank {self.rank}: {name} (call #{seq}) did not complete within "
+                    f"{t:g} s; still waiting for rank(s) {missing}",
+                    collective=name, seq=seq, missing=tuple(missing))
+
             self._drive(run.advance, lambda: run.done or self.poisoned is not None,
-                        run.waiting_on, timeout,
-                        lambda t, missing: CollectiveTimeout(
-                            f"rank {self.rank}: {name} (call #{seq}) did not complete within "
-                            f"{t:g} s; still waiting for rank(s) {missing}",
-                            collective=name, seq=seq, missing=tuple(missing)))
+                        run.waiting_on, timeout, timed_out)
             if not run.done:
                 raise self._interrupted(name, seq) from self.poisoned
         except BaseException as e:
@@ -744,11 +795,13 @@ class Engine:
                 if now >= deadline:
                     raise timed_out(timeout, waiting_on())
 
-    def pending_peers(self) -> list[int]:
+    def pending_peers(self, naming: bool = False) -> list[int]:
+        """The peers the runs in flight wait on (liveness is asked of them); ``naming``:
+        the ranks a timeout names instead (``_missing``)."""
         peers: set[int] = set()
         for r in ([self.colls[0]] if self.colls else []) + self.p2p:
             if r.run is not None:
-                peers.update(r.run.waiting_on())
+                peers.update(_missing(r.run) if naming else r.run.waiting_on())
         return sorted(peers)
 
     def wait(self, req: Request, timeout: float | None) -> None:
@@ -765,7 +818,8 @@ class Engine:
             self.unclaim(held)
 
     def _wait(self, req: Request, timeout: float | None) -> None:
-        def timed_out(t: float, missing: list[int]) -> CollectiveTimeout:
+        def timed_out(t: float, _peers: list[int]) -> CollectiveTimeout:
+            missing = self.pending_peers(naming=True)
             earlier = "" if req.p2p or not self.colls or self.colls[0] is req else \
                 f" in the earlier {self.colls[0].name} (call #{self.colls[0].seq})"
             return CollectiveTimeout(

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import is_hydra, run_mpi
+from conftest import is_hydra, rank_records, run_mpi
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -85,6 +85,39 @@ def test_cliques(n: int, cliques: int, sweep: bool) -> None:
     _assert_facts(s, cliques, n, sweep)
     for r in s["ranks"]:
         assert set(r["transports"]) <= {"shm", "tcp"}
+
+
+@pytest.mark.skipif(not is_hydra(), reason="MPICH cliques need the MPICH hydra mpiexec")
+@pytest.mark.parametrize("n,cliques,block,absent", [(10, 2, True, 7), (9, 3, False, 4)],
+                         ids=["2x5-blocks", "3x3-round-robin"])
+def test_agreement_on_more_than_eight_ranks_is_hierarchical(n, cliques, block, absent):
+    """More than 8 ranks on several nodes: the calls' headers travel inside each node,
+    then node to node (not from every rank to every rank); every collective exact, a
+    mismatch and a rejected call raised on every rank, and a rank that never calls named
+    by the ranks of its node, and among the ranks the others name (tests/agreement_cases.py)."""
+    env = {"MPIR_CVAR_NUM_CLIQUES": str(cliques),
+           "MPIR_CVAR_CLIQUES_BY_BLOCK": "1" if block else "0", "GPURT_FLIGHT": "0"}
+    proc = run_mpi(n, [str(ROOT / "tests" / "agreement_cases.py"), str(absent)], env=env,
+                   timeout=300)
+    recs = rank_records(proc.stdout, "AGREE", n)
+    nodes = recs[0]["nodes"]
+    assert len(nodes) == cliques
+    assert (nodes == sorted(nodes)) or not block
+    if not block:      # (round robin: nodes are not blocks of consecutive ranks)
+        assert any(rs != list(range(rs[0], rs[0] + len(rs))) for rs in nodes), nodes
+    home = next(rs for rs in nodes if absent in rs)
+    for q, rec in recs.items():
+        assert rec["hier"] and rec["checks"] == 16, rec
+        assert rec["mismatch"] is True and rec["rejected"] is True, rec
+        if q == absent:
+            continue
+        m = rec["missing"]
+        if isinstance(m, str):      # a peer that timed out first told this rank
+            assert m.startswith("relayed: ") and "did not complete" in m, rec
+        elif q in home:
+            assert m == [absent], rec
+        else:
+            assert absent in m and set(m) <= set(home), rec
 
 
 # -- the virtual cluster: root only ---------------------------------------------------------

@@ -233,6 +233,50 @@ def test_agreement_exchange_proven(p: int) -> None:
     simulate("allgather", p, n, scheds)
 
 
+def _nodes(sizes: list[int], round_robin: bool = False) -> tuple:
+    """Node -> its ranks (rank order): blocks of consecutive ranks, or dealt out one by
+    one (round robin, as ``--map-by node`` places them)."""
+    p = sum(sizes)
+    if not round_robin:
+        starts = [sum(sizes[:b]) for b in range(len(sizes))]
+        return tuple(tuple(range(s, s + k)) for s, k in zip(starts, sizes))
+    nodes: list[list[int]] = [[] for _ in sizes]
+    q, b = 0, 0
+    while q < p:
+        if len(nodes[b]) < sizes[b]:
+            nodes[b].append(q)
+            q += 1
+        b = (b + 1) % len(sizes)
+    return tuple(tuple(rs) for rs in nodes)
+
+
+@pytest.mark.parametrize("sizes,rr", [([5, 5], False), ([5, 5], True), ([3, 3, 3], False),
+                                      ([3, 3, 3], True), ([4, 2, 3], False),
+                                      ([4, 2, 3], True), ([1, 8], False), ([8, 1, 1], True),
+                                      ([2] * 8, False), ([4] * 4, True), ([6, 1, 2, 7], True)])
+def test_hierarchical_agreement_proven(sizes: list[int], rr: bool) -> None:
+    """The agreement across nodes on more than 8 ranks (``_agreement_schedule_hier``):
+    every rank's row to every rank — inside the node, then the node's rows in one message
+    to a rank of every other node — on blocks and round-robin placements, nodes of unequal
+    sizes; and ``covers`` (what a timeout names) says, for every receive, whose rows it
+    brings: together every other rank, each once."""
+    from gpurt.comm import _agreement_schedule_hier
+    nodes = _nodes(sizes, rr)
+    p, n = sum(sizes), 15
+    scheds = []
+    for r in range(p):
+        s, covers = _agreement_schedule_hier(nodes, r, n)
+        recvs = [op.peer for st in s.steps for op in st if isinstance(op, Recv)]
+        assert len(recvs) == len(set(recvs)) == len(covers)
+        brought = [q for peer in recvs for q in covers[peer]]
+        assert sorted(brought) == [q for q in range(p) if q != r]
+        local = len(nodes[[b for b, rs in enumerate(nodes) if r in rs][0]]) - 1
+        assert len(recvs) == local + len(nodes) - 1       # not one per remote rank
+        scheds.append(Schedule.build([[Copy(Slice("in", 0, n), Slice("out", r * n, n))]])
+                      .then(s))
+    simulate("allgather", p, n, scheds)
+
+
 def test_upto_receive_takes_a_shorter_message_only() -> None:
     """A ``Recv(..., upto=True)`` (the agreement's receives) matches a send of at most its
     size; a longer send is a size mismatch, as for an exact receive."""
