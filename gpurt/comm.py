@@ -2507,8 +2507,36 @@ def init() -> Communicator:
     later calls return the same object while it is open."""
     global _WORLD
     if _WORLD is None or _WORLD.closed:
-        _WORLD = Communicator(_mpi().COMM_WORLD)
+        world = _mpi_ready().COMM_WORLD
+        _check_not_a_singleton(world.Get_size())
+        _WORLD = Communicator(world)
     return _WORLD
+
+
+#: what launchers tell their processes of the job's size (hydra and other PMI-1 process
+#: managers, Intel MPI; Open MPI)
+_LAUNCH_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
+
+
+def _check_not_a_singleton(size: int) -> None:
+    """``mpiexec -n 4`` with an mpi4py that loaded another MPI library than the launcher's
+    (say the mpich wheel's hydra with mpi4py built against Open MPI) starts 4 processes
+    that each see an MPI_COMM_WORLD of 1: every rank would run the whole program alone and
+    succeed, silently.  A launcher that says the job is larger than the world is an error
+    naming both."""
+    if size != 1:
+        return
+    for var in _LAUNCH_SIZE_VARS:
+        v = os.environ.get(var, "")
+        if v.isdigit() and int(v) > 1:
+            from mpi4py import MPI
+            lib = " ".join(MPI.Get_library_version().split("\n", 1)[0].split())
+            raise GpurtError(
+                f"pid {os.getpid()}: the launcher started a job of {v} processes ({var}={v}), "
+                f"but MPI_COMM_WORLD has 1: mpi4py's MPI library ({lib}) is not the one "
+                f"the launcher belongs to, so every process would run alone. Launch with "
+                f"the mpiexec/mpirun of that library (`gpurt info` names both), or rebuild "
+                f"mpi4py against the launcher's MPI (README: 'Using the site MPI')")
 
 
 _HOOKED = False

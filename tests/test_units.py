@@ -1084,3 +1084,25 @@ def test_flight_dump_does_not_number_a_send_or_receive(capsys):
     err = capsys.readouterr().err
     assert "  #3      allreduce" in err and "  -       p2p" in err, err
     assert "#7" not in err, err
+
+
+@pytest.mark.parametrize("var", ["PMI_SIZE", "OMPI_COMM_WORLD_SIZE"])
+def test_a_launch_whose_mpi_is_not_mpi4pys_is_an_error_not_n_singletons(var):
+    """`mpiexec -n 4` of one MPI with mpi4py built against another started 4 processes
+    that each saw an MPI_COMM_WORLD of 1 (review under Open MPI: hydra's mpiexec with an
+    Open MPI mpi4py printed 'all collectives correct' once per process and exited 0).
+    The launcher's own count of the job (here set by hand on a singleton) larger than the
+    world is an error naming both; a count of 1 is a singleton as before."""
+    import subprocess
+    import sys
+    code = "import gpurt; print('size', gpurt.init().size)"
+    env = {k: v for k, v in os.environ.items() if k not in ("PMI_SIZE",
+                                                            "OMPI_COMM_WORLD_SIZE")}
+    p = subprocess.run([sys.executable, "-c", code], env={**env, var: "3"},
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0
+    assert f"the launcher started a job of 3 processes ({var}=3), but MPI_COMM_WORLD " \
+           f"has 1" in p.stderr, p.stderr
+    p = subprocess.run([sys.executable, "-c", code], env={**env, var: "1"},
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and "size 1" in p.stdout, p.stderr
