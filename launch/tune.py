@@ -155,7 +155,7 @@ def worker(cfg: dict) -> dict | None:
 def run(nranks: int, collectives: list[str], sizes: list[int], out: str, warmup: int,
         iters: int, dtype: str) -> dict:
     """Launch the tuning ranks and write the profile to ``out``."""
-    from gpurt.launch.bench import mpiexec_command  # the bench's launcher discovery
+    from gpurt.launch.bench import launch_command   # the bench's launcher discovery
 
     cfg = {"collectives": collectives, "sizes": sizes, "warmup": warmup, "iters": iters,
            "dtype": dtype}
@@ -166,8 +166,7 @@ def run(nranks: int, collectives: list[str], sizes: list[int], out: str, warmup:
         env = dict(os.environ)
         env.pop("GPURT_PROFILE", None)   # measure the candidates, not a previous profile
         env.pop("GPURT_ALGO", None)
-        cmd = mpiexec_command() + ["-n", str(nranks), sys.executable, "-m", "gpurt.launch.tune",
-                                   cpath]
+        cmd = launch_command(nranks, [sys.executable, "-m", "gpurt.launch.tune", cpath])
         proc = subprocess.run(cmd, env=env)
         if proc.returncode != 0:
             raise SystemExit(f"gpurt tune: the tuning launch failed (exit {proc.returncode})")

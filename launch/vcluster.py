@@ -901,6 +901,10 @@ def available() -> tuple[bool, str]:
     for tool in ("ip", "tc", "unshare", "nsenter"):
         if not shutil.which(tool):
             return False, f"virtual clusters need `{tool}` on PATH"
+    if hydra_mpiexec() is None:
+        return False, ("virtual clusters drive MPICH's hydra mpiexec (its -launcher-exec), "
+                       "and this launcher is not one (pip install mpich, or set "
+                       "GPURT_MPIEXEC to a hydra mpiexec)")
     with contextlib.suppress(Exception):
         reap_stale()
     tag = _random_tag()
