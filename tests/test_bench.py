@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -27,7 +28,7 @@ def run_bench(args: list[str], *, env: dict | None = None, timeout: float = 120,
               check: bool = True) -> subprocess.CompletedProcess:
     cmd = ([str(GPURT)] if GPURT.exists() else [sys.executable, "-m", "gpurt.launch.cli"]) + \
         ["bench"] + args
-    e = dict(os.environ, GPURT_TIMEOUT="60", GPURT_MPIEXEC=mpiexec())
+    e = dict(os.environ, GPURT_TIMEOUT="60", GPURT_MPIEXEC=shlex.join(mpiexec()))
     e.update(env or {})
     proc = subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True,
                           timeout=timeout)
@@ -207,7 +208,7 @@ def test_every_collective_checked_on_3_ranks(coll, tmp_path):
 
 def test_in_place_under_mpiexec():
     """Under a launcher with >1 rank, `gpurt bench` runs on the launch's ranks."""
-    cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "gpurt.launch.cli", "bench",
+    cmd = [*mpiexec(), "-n", "2", sys.executable, "-m", "gpurt.launch.cli", "bench",
            "reduce_scatter", "-b", "64", "-e", "256", "-f", "4", "-c", "-w", "1", "-i", "2",
            "--ceiling-size", "0"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
@@ -216,7 +217,7 @@ def test_in_place_under_mpiexec():
     assert "2 ranks" in proc.stdout
     assert proc.stdout.count("# gpurt bench") == 1          # rank 0 prints, once
     assert "out of bounds values : 0 OK" in proc.stdout
-    bad = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-m", "gpurt.launch.cli",
+    bad = subprocess.run([*mpiexec(), "-n", "2", sys.executable, "-m", "gpurt.launch.cli",
                           "bench", "allreduce", "--baseline", "mpi"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "launch of their own" in bad.stderr
@@ -402,7 +403,7 @@ def test_checked_pass_fails_for_real(tmp_path):
     checker finds 1 wrong element per size, and the run exits non-zero saying where."""
     script = tmp_path / "break_rank_1.py"
     script.write_text(BREAK_RANK_1)
-    cmd = [mpiexec(), "-n", "2", sys.executable, str(script), "bench", "allreduce", "-b", "64",
+    cmd = [*mpiexec(), "-n", "2", sys.executable, str(script), "bench", "allreduce", "-b", "64",
            "-e", "256", "-f", "4", "-c", "-w", "1", "-i", "2", "--ceiling-size", "0"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, GPURT_TIMEOUT="60"))

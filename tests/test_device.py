@@ -124,7 +124,7 @@ def test_ranks_with_and_without_a_device_backend():
     from conftest import ROOT, mpiexec
 
     env = dict(os.environ, GPURT_TIMEOUT="60")
-    cmd = [mpiexec(), "-n", "1", "-env", "GPURT_DEVICE_BACKEND", "none", sys.executable,
+    cmd = [*mpiexec(), "-n", "1", "-env", "GPURT_DEVICE_BACKEND", "none", sys.executable,
            "tests/device_cases.py", "mixed", ":", "-n", "2", "-env", "GPURT_DEVICE_BACKEND",
            "standin", sys.executable, "tests/device_cases.py", "mixed"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
@@ -272,7 +272,7 @@ def test_exited_peer_during_device_calls_is_a_peer_failure(path, tmp_path):
     if path == "staged":
         env.update(GPURT_STANDIN_DEVICES="3", GPURT_STANDIN_P2P="0")
     before = set(gpurt_shm_files())
-    proc = subprocess.run([mpiexec(), "-disable-auto-cleanup", "-n", "3", sys.executable,
+    proc = subprocess.run([*mpiexec(), "-disable-auto-cleanup", "-n", "3", sys.executable,
                            "-c", EXITED_PEER, str(tmp_path)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     got = {f.name: f.read_text() for f in tmp_path.iterdir()}

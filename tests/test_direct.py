@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import rank_records, run_mpi
+from conftest import is_hydra, rank_records, run_mpi
 from gpurt.transports import shm_direct
 
 
@@ -159,10 +159,12 @@ def test_a_rank_dying_mid_share_is_a_peer_failure(mode, tmp_path):
     import subprocess
     import sys
 
+    if not is_hydra():
+        pytest.skip("uses MPICH hydra's -disable-auto-cleanup; this launcher is not hydra")
     before = set(gpurt_shm_files())
     import os
     env = dict(os.environ, GPURT_SHM_STAGE="2M") if mode == "staged" else None
-    proc = subprocess.run([mpiexec(), "-disable-auto-cleanup", "-n", "3", sys.executable, "-c",
+    proc = subprocess.run([*mpiexec(), "-disable-auto-cleanup", "-n", "3", sys.executable, "-c",
                            _DIES_MID_SHARE, mode, str(tmp_path)], capture_output=True,
                           text=True, timeout=120, env=env)
     got = {f.name: f.read_text() for f in tmp_path.iterdir()}
@@ -212,7 +214,11 @@ def test_a_rank_that_gives_up_gets_its_buffers_back_untouched(mode):
     before its caller gets the buffers back, and its call waits (bounded) until the peers
     have stopped, so no peer writes into them afterwards; no rank reports success (the
     peers raise PeerFailure instead of finishing on data that may have changed)."""
-    out = run_mpi(3, ["-c", _ABANDONED, mode], timeout=120).stdout
+    # (the ranks leave by os._exit, without MPI_Finalize: an error status for Open MPI's
+    # mpirun, none for hydra; the lines say what happened)
+    proc = run_mpi(3, ["-c", _ABANDONED, mode], timeout=120, check=False)
+    out = proc.stdout
+    assert proc.returncode == 0 or not is_hydra(), proc.stderr[-3000:]
     lines = sorted(ln for ln in out.splitlines() if ln.startswith("rank "))
     assert lines == ["rank 0: CollectiveTimeout rewritten=0", "rank 1: PeerFailure",
                      "rank 2: PeerFailure"], out

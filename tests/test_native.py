@@ -132,7 +132,7 @@ def test_sender_that_dies_holding_a_chunk_is_a_peer_failure(tmp_path):
 
     if not is_hydra():
         pytest.skip("uses MPICH hydra's -disable-auto-cleanup; this launcher is not hydra")
-    proc = subprocess.run([mpiexec(), "-disable-auto-cleanup", "-n", "2", sys.executable, "-c",
+    proc = subprocess.run([*mpiexec(), "-disable-auto-cleanup", "-n", "2", sys.executable, "-c",
                            SENDER_DIES, str(tmp_path)], cwd=ROOT, capture_output=True,
                           text=True, timeout=120,
                           env=dict(os.environ, GPURT_SHM_DIRECT_CMA="0"))
@@ -279,7 +279,7 @@ def test_a_receiver_that_gives_up_is_not_written_into(tmp_path):
         pytest.skip("the cooperative copy is off with more ranks than CPUs")
     if not is_hydra():
         pytest.skip("uses MPICH hydra's -disable-auto-cleanup; this launcher is not hydra")
-    proc = subprocess.run([mpiexec(), "-disable-auto-cleanup", "-n", "2", sys.executable, "-c",
+    proc = subprocess.run([*mpiexec(), "-disable-auto-cleanup", "-n", "2", sys.executable, "-c",
                            RECEIVER_GIVES_UP, str(tmp_path)], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     text = "".join(f.read_text() for f in sorted(tmp_path.iterdir()))

@@ -123,7 +123,7 @@ def test_a_bad_setting_on_one_rank_only_is_an_error_on_every_rank():
     raises a ValueError that names its rank."""
     if not is_hydra():
         pytest.skip("per-rank environments through MPICH hydra's -env")
-    cmd = [mpiexec(), "-n", "1", sys.executable, "-c", _BAD_ENV, ":", "-env", "GPURT_TIMEOUT",
+    cmd = [*mpiexec(), "-n", "1", sys.executable, "-c", _BAD_ENV, ":", "-env", "GPURT_TIMEOUT",
            "abc", "-n", "1", sys.executable, "-c", _BAD_ENV, ":", "-n", "1", sys.executable,
            "-c", _BAD_ENV]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -153,7 +153,7 @@ def test_a_setting_on_one_rank_only_is_an_error_on_every_rank_not_a_hang(var, va
     2 waiting at creation until killed."""
     if not is_hydra():
         pytest.skip("per-rank environments through MPICH hydra's -env")
-    cmd = [mpiexec(), "-n", "1", sys.executable, "-c", _BAD_ENV, ":", "-env", var, value,
+    cmd = [*mpiexec(), "-n", "1", sys.executable, "-c", _BAD_ENV, ":", "-env", var, value,
            "-n", "1", sys.executable, "-c", _BAD_ENV, ":", "-n", "1", sys.executable,
            "-c", _BAD_ENV]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
@@ -175,7 +175,7 @@ def test_shared_arrays_off_on_one_rank_only_turns_them_off_everywhere():
             "c.allreduce(x)\n"
             "print('SHARED ' + json.dumps({'rank': c.rank, 'why': c._shm().map_why, "
             "'ok': bool((x == c.size * (c.size + 1) / 2).all())}), flush=True)\n")
-    cmd = [mpiexec(), "-n", "1", sys.executable, "-c", code, ":", "-env", "GPURT_SHM_SHARED",
+    cmd = [*mpiexec(), "-n", "1", sys.executable, "-c", code, ":", "-env", "GPURT_SHM_SHARED",
            "0", "-n", "1", sys.executable, "-c", code, ":", "-n", "1", sys.executable, "-c",
            code]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
@@ -247,7 +247,7 @@ def test_a_rank_dying_of_an_unhandled_error_ends_the_job_though_a_peer_sleeps():
     rank 1 slept (for ever if it never came; review of the launcher). Now a dying process
     gives MPI_Finalize max(2 s, GPURT_PEER_STOPPED) and then leaves, and the job ends."""
     t0 = time.monotonic()
-    proc = subprocess.run([mpiexec(), "-n", "3", sys.executable, "-c", _DIES_WHILE_A_RANK_SLEEPS],
+    proc = subprocess.run([*mpiexec(), "-n", "3", sys.executable, "-c", _DIES_WHILE_A_RANK_SLEEPS],
                           cwd=ROOT, capture_output=True, text=True, timeout=110,
                           env=dict(os.environ, GPURT_PEER_STOPPED="3"))
     took = time.monotonic() - t0
@@ -391,7 +391,7 @@ def _start_looping_job(n: int) -> subprocess.Popen:
             "c = gpurt.init(); x = np.ones(1 << 18, np.float32)\n"
             "c.allreduce(x); print('ready', c.rank, flush=True)\n"
             "while True: c.allreduce(x)\n")
-    return subprocess.Popen([mpiexec(), "-n", str(n), sys.executable, "-c", code], cwd=ROOT,
+    return subprocess.Popen([*mpiexec(), "-n", str(n), sys.executable, "-c", code], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             start_new_session=True, env=dict(os.environ, GPURT_TIMEOUT="20"))
 
@@ -478,7 +478,7 @@ def _kill_job(proc: subprocess.Popen) -> None:
 
 
 def _mpich_segments() -> set[str]:
-    return {f for f in os.listdir("/dev/shm") if f.startswith("mpich_shm_")}
+    return {f for f in os.listdir("/dev/shm") if f.startswith(("mpich_shm_", "sm_segment."))}
 
 
 def _remove_new_mpich_segments(before: set[str]) -> None:
@@ -523,7 +523,7 @@ def test_local_peer_exit_is_a_peer_failure_not_a_hang(tmp_path):
     and the communicator is poisoned."""
     if not is_hydra():
         pytest.skip("uses MPICH hydra's -disable-auto-cleanup; this launcher is not hydra")
-    proc = subprocess.run([mpiexec(), "-disable-auto-cleanup", "-n", "3", sys.executable, "-c",
+    proc = subprocess.run([*mpiexec(), "-disable-auto-cleanup", "-n", "3", sys.executable, "-c",
                            PEER_EXIT, str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
     got = {f.name: f.read_text() for f in tmp_path.iterdir()}
@@ -667,7 +667,7 @@ def test_stopped_peer_is_a_failure_after_the_bound_and_a_short_freeze_is_not(fre
     process's kernel keeps the connections alive) sees its heartbeats stop."""
     if not is_hydra():
         pytest.skip("uses MPICH hydra's -disable-auto-cleanup; this launcher is not hydra")
-    proc = subprocess.run([mpiexec(), "-disable-auto-cleanup", "-n", "3", sys.executable, "-c",
+    proc = subprocess.run([*mpiexec(), "-disable-auto-cleanup", "-n", "3", sys.executable, "-c",
                            STOPPED_PEER, str(freeze), str(tmp_path)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, GPURT_PEER_STOPPED="3",
@@ -739,7 +739,7 @@ def test_unhandled_exception_reaches_the_peers(hook, tmp_path):
     communicator), but not why."""
     if not is_hydra():
         pytest.skip("uses MPICH hydra's -disable-auto-cleanup; this launcher is not hydra")
-    proc = subprocess.run([mpiexec(), "-disable-auto-cleanup", "-n", "3", sys.executable, "-c",
+    proc = subprocess.run([*mpiexec(), "-disable-auto-cleanup", "-n", "3", sys.executable, "-c",
                            REMOTE_ERROR, str(tmp_path)], cwd=ROOT, capture_output=True,
                           text=True, timeout=120, env=dict(os.environ, GPURT_EXCEPTHOOK=hook))
     assert "ValueError: bad batch 17" in proc.stderr          # the usual traceback still
@@ -778,7 +778,7 @@ def test_flight_recorder_shows_who_is_missing(tmp_path):
     GPURT_FLIGHT_DIR; python -m gpurt.flight lines the ranks up."""
     if not is_hydra():
         pytest.skip("uses MPICH hydra's -disable-auto-cleanup; this launcher is not hydra")
-    proc = subprocess.run([mpiexec(), "-disable-auto-cleanup", "-n", "3", sys.executable, "-c",
+    proc = subprocess.run([*mpiexec(), "-disable-auto-cleanup", "-n", "3", sys.executable, "-c",
                            FLIGHT], cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, GPURT_FLIGHT_DIR=str(tmp_path)))
     assert "gpurt flight recorder, rank 0/3" in proc.stderr, proc.stderr
@@ -1064,11 +1064,14 @@ def test_communicators_dropped_without_close_leave_nothing_behind(nodes):
     communicators kept open until MPI runs out: a ResourceError that says how many are
     open and what to do, not mpi4py's raw error."""
     env = {"MPIR_CVAR_NUM_CLIQUES": "2"} if nodes == 2 else {}
-    args = ["-c", DROPPED] + (["1100"] if nodes == 1 else [])
+    # (running MPI out of communicators is sized for MPICH's 2048 context ids: Open MPI
+    # has 65532, and 3000 communicators kept open fill the memory first)
+    many = nodes == 1 and is_hydra()
+    args = ["-c", DROPPED] + (["1100"] if many else [])
     out = run_mpi(2, args, env=env, timeout=180).stdout
     for r, rec in rank_records(out, "DROPPED", 2).items():
         assert rec["after"] == rec["before"], rec
-        if nodes == 1:
+        if many:
             assert rec["many"] == "ok", rec
             assert rec["kept"].startswith("ResourceError after "), rec
             assert f"rank {r}: MPI could not make a communicator" in rec["kept"], rec

@@ -478,7 +478,7 @@ def test_a_failed_set_up_is_told_to_every_rank_at_once():
     """Rank 2's set-up fails at once (GPURT_TIMEOUT=0 for it alone): every rank raises
     TransportError naming rank 2 within seconds, not at its own 60 s deadline."""
     _hydra_only()
-    cmd = [mpiexec(), "-n", "2", sys.executable, "tests/tcp_cases.py", "setupfail", ":",
+    cmd = [*mpiexec(), "-n", "2", sys.executable, "tests/tcp_cases.py", "setupfail", ":",
            "-env", "GPURT_TIMEOUT", "0", "-n", "1", sys.executable, "tests/tcp_cases.py",
            "setupfail"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
@@ -517,7 +517,7 @@ def test_sigkilled_peer_is_a_peer_failure_within_seconds(tmp_path):
     # announced to the others with SIGUSR1, which MPICH catches in the ranks and which the
     # shells must survive too (trap).
     rank = f'trap true USR1; "{sys.executable}" tests/tcp_failures.py kill "{tmp_path}"; exit $?'
-    proc = subprocess.Popen([mpiexec(), "-disable-auto-cleanup", "-n", "3", "sh", "-c", rank],
+    proc = subprocess.Popen([*mpiexec(), "-disable-auto-cleanup", "-n", "3", "sh", "-c", rank],
                             cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, GPURT_TIMEOUT="60", **TCP))
@@ -552,7 +552,7 @@ def test_unhandled_exception_reaches_the_peers_over_tcp(hook, tmp_path):
     PeerFailure(rank=1) carrying the type and message within a second; without it they
     still get PeerFailure(rank=1) (its sockets close when the process exits), not a hang."""
     _hydra_only()
-    proc = subprocess.run([mpiexec(), "-disable-auto-cleanup", "-n", "3", sys.executable,
+    proc = subprocess.run([*mpiexec(), "-disable-auto-cleanup", "-n", "3", sys.executable,
                            "tests/tcp_failures.py", "raise", str(tmp_path)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, GPURT_TIMEOUT="30", GPURT_EXCEPTHOOK=hook, **TCP))
@@ -590,7 +590,7 @@ def test_low_open_file_limit_is_raised_or_refused_on_every_rank(limits, outcome)
         pytest.skip("the limits are sized for MPICH's hydra launcher")
     env = dict(os.environ, GPURT_TRANSPORTS="tcp", GPURT_TCP_STRIPES="64", GPURT_TIMEOUT="60")
     before = gpurt_shm_files()
-    cmd = [mpiexec(), "-n", "3", "sh", "-c",
+    cmd = [*mpiexec(), "-n", "3", "sh", "-c",
            f"{limits} && exec {sys.executable} tests/fd_limit_check.py"]
     try:
         out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
