@@ -528,6 +528,12 @@ class Communicator:
         try:   # queued in call order; published now if it can be, else by the next call
             self.engine.submit(req)
             self.engine.progress()
+            if self.board is None and _hier_agreement(self.topo):
+                # the hierarchical agreement: this rank relays its node's headers to other
+                # nodes' ranks once its node's have come, so it takes part to the end, as
+                # the others' call does (returning at once held them until their deadline
+                # while this rank did something else)
+                req.wait()
         except GpurtError:
             pass     # the user's own error is the one to raise
 
@@ -825,10 +831,10 @@ class Communicator:
             return False
         if not self.tuner.profile:
             return True
-        # where a `gpurt tune` profile measured this size, it folds if folding was fastest
-        measured = self.tuner.profile_winner(
-            coll, shm_direct.collective_bytes(coll, self.size, n, isz))
-        return measured is None or measured == FOLD
+        # where a `gpurt tune` profile timed folding at this size, it folds if that was
+        # fastest
+        return self.tuner.profile_folds(
+            coll, shm_direct.collective_bytes(coll, self.size, n, isz)) is not False
 
     def _fold_limit(self, coll: str) -> int:
         """The most bytes of a rank's contribution that ``coll`` folds: GPURT_NET_FOLD
@@ -2103,7 +2109,7 @@ class Communicator:
             lim, why = self._fold_limit(collective), "GPURT_NET_FOLD / (ranks - 1)"
             if lim > self._fold:
                 why = "GPURT_NET_FOLD_PAIR: an allreduce on two ranks"
-            if self.tuner.profile_winner(collective, nbytes) == FOLD:
+            if self.tuner.profile_folds(collective, nbytes):
                 why += "; the profile's fastest at this size (measured: GPURT_PROFILE)"
             text += (f"\n{FOLD}: the data ({_fold_bytes(collective, self.size, n, 4)} B "
                      f"per rank, <= {lim} B: {why}) rides "

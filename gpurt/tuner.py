@@ -242,14 +242,32 @@ class Tuner:
             return measured
         return self.candidates(coll, S)[0][1]
 
-    def profile_winner(self, coll: str, S: int) -> str | None:
-        """The name the profile measured fastest at the size nearest to S (log scale), or
-        None where it has nothing for ``coll``."""
+    def profile_row(self, coll: str, S: int) -> list | None:
+        """The profile's row at the size nearest to S (log scale), or None where it has
+        nothing for ``coll``."""
         rows = self.profile.get(coll) if self.profile else None
         if not rows:
             return None
         return min(rows, key=lambda row: abs(math.log2(max(row[0], 1)) -
-                                             math.log2(max(S, 1))))[1]
+                                             math.log2(max(S, 1))))
+
+    def profile_winner(self, coll: str, S: int) -> str | None:
+        """The name the profile measured fastest at the size nearest to S (log scale), or
+        None where it has nothing for ``coll``."""
+        row = self.profile_row(coll, S)
+        return row[1] if row is not None else None
+
+    def profile_folds(self, coll: str, S: int) -> bool | None:
+        """Did the profile's row nearest S measure folding fastest (True) or slower (False)?
+        None where that row never timed it (an older profile, a size beyond the room
+        then): the fold limits decide."""
+        row = self.profile_row(coll, S)
+        if row is None:
+            return None
+        if row[1] == FOLD:
+            return True
+        times = row[2] if len(row) > 2 and isinstance(row[2], dict) else {}
+        return False if FOLD in times else None
 
     def _measured(self, coll: str, S: int) -> "Algorithm | Native | None":
         """The profile's winner at the measured size nearest to S (log scale), if the

@@ -1070,10 +1070,11 @@ def launcher_rank(env: dict | None = None) -> int:
 
 
 def launch_command(nranks: int, program: list[str]) -> list[str]:
-    """``program`` on ``nranks`` ranks of this machine, as `gpurt launch` would start it:
-    $GPURT_MPIEXEC (may carry flags), else the mpiexec beside this Python, else PATH's
-    (srun inside a Slurm job), with the flags its kind needs (Open MPI as root or with
-    more ranks than cores: launcher.build_command)."""
+    """``program`` on ``nranks`` ranks, as `gpurt launch` would start it: srun inside a
+    Slurm job (on the allocation's nodes, as hydra's mpiexec would place them there too),
+    else $GPURT_MPIEXEC (may carry flags), else the mpiexec beside this Python, else
+    PATH's, with the flags its kind needs (Open MPI as root or with more ranks than
+    cores: launcher.build_command)."""
     from gpurt.launch.launcher import LaunchError, build_command, find_launcher
     try:
         return build_command(find_launcher(), nranks, program)

@@ -6,7 +6,7 @@ node, then one message per other node: ``gpurt.comm._agreement_schedule_hier``):
 * a call whose count differs on rank 3, and one that rank 2 rejects as bad input (a
   read-only output), each on a duplicate (a mismatch ends a communicator): every rank
   raises (``CollectiveMismatchError`` naming the rank; the rejecting rank its own
-  ``ValueError``);
+  ``ValueError``), at once, the rejecting rank then idle in an MPI barrier;
 * a call that rank ``ABSENT`` never makes, on a duplicate: the ranks of its node name
   exactly it when they time out; the other nodes' ranks name ranks of its node, it
   among them (their headers come in one message from that node).
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 import numpy as np
 
@@ -59,6 +60,7 @@ out = np.zeros(4, np.float32)
 if r == 2:
     out.flags.writeable = False
 d = c.dup()
+t0 = time.monotonic()
 try:
     d.allreduce(np.ones(4, np.float32), out)
     rec["rejected"] = "no error"
@@ -66,6 +68,10 @@ except ValueError:
     rec["rejected"] = r == 2
 except gpurt.CollectiveMismatchError as e:
     rec["rejected"] = r != 2 and "rank 2" in str(e)
+rec["rejected_s"] = time.monotonic() - t0
+# (the rejecting rank then does no gpurt call: it relays its node's headers to the other
+# nodes' ranks, which waited for them until their deadline when it returned at once)
+c.mpi.Barrier()
 # the communicator they were duplicated from goes on
 x = np.ones(5, np.float32)
 c.allreduce(x)

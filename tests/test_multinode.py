@@ -109,6 +109,7 @@ def test_agreement_on_more_than_eight_ranks_is_hierarchical(n, cliques, block, a
     for q, rec in recs.items():
         assert rec["hier"] and rec["checks"] == 16, rec
         assert rec["mismatch"] is True and rec["rejected"] is True, rec
+        assert rec["rejected_s"] < 20, rec         # (the deadline here is 60 s)
         if q == absent:
             continue
         m = rec["missing"]

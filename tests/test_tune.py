@@ -140,6 +140,28 @@ def test_a_profile_across_nodes_turns_the_fold_off_and_on(tmp_path):
         in res.stdout, res.stdout
 
 
+def test_a_profile_that_never_timed_folding_leaves_the_fold_to_its_limits(tmp_path):
+    """A profile written before `gpurt tune` timed 'folded' (or a row of a size too large
+    to fold then) names only algorithms: it must not turn folding off (review: every
+    older profile made small calls across nodes pay the agreement's round, then the
+    algorithm's)."""
+    rows = [[4096, "recursive_doubling", {"recursive_doubling": 1e-4, "ring": 2e-4}],
+            [65536, "ring", {"ring": 1e-4, "direct": 2e-4}]]
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps({"version": 1, "nranks": 2, "nnodes": 2,
+                             "entries": {"allreduce": rows}}))
+    code = ("import numpy as np, gpurt\n"
+            "c = gpurt.init()\n"
+            "got = []\n"
+            "for S in (1024, 4096, 65536):\n"
+            "    x = np.ones(S // 4, np.float32); c.allreduce(x); assert (x == 2).all()\n"
+            "    got.append(c.last_algorithm)\n"
+            "got = c.mpi.gather(tuple(got), 0)\n"
+            "if c.rank == 0: print('got', sorted(set(got)), flush=True)\n")
+    res = run_mpi(2, ["-c", code], env={"GPURT_PROFILE": str(f), **CLIQUES})
+    assert "got [('folded', 'folded', 'folded')]" in res.stdout, res.stdout
+
+
 def _invoke_tune(args: list[str], monkeypatch, tmp_path):
     """`gpurt tune ARGS -o FILE` in this process (click's CliRunner) with ``run`` (the
     launch) replaced: what it would have launched is returned beside the result, so a
