@@ -120,24 +120,28 @@ def test_a_profile_across_nodes_turns_the_fold_off_and_on(tmp_path):
     row but too large for the agreement's room, runs the fastest of that row's others."""
     rows = [[65536, "direct", {"direct": 1e-4, "folded": 2e-4}],
             [262144, "folded", {"folded": 1e-4, "recursive_doubling": 3e-4, "ring": 2e-4}]]
+    out = _allreduces_under(tmp_path, rows, (65536, 262144, 4 << 20), [
+        "x = np.arange(S // 4, dtype=np.float32) % 7 + c.rank",
+        "want = 2 * (np.arange(S // 4, dtype=np.float32) % 7) + 1",
+        "c.allreduce(x); assert np.array_equal(x, want)",
+        "r = c.iallreduce(x); r.wait(); assert np.array_equal(x, 2 * want)",
+        "got.append((c.last_algorithm, r.algorithm))",
+        "assert ('folded' in c.explain('allreduce', S)) == (S == 262144)"])
+    assert "got [(('direct', 'direct'), ('folded', 'folded'), ('ring', 'ring'))] 2" in out, out
+
+
+def _allreduces_under(tmp_path, rows: list, sizes: tuple, body: list[str]) -> str:
+    """Run ``body`` (appending to ``got``) for each S of ``sizes`` on 2 ranks of two
+    cliques under a profile whose allreduce rows are ``rows``; rank 0's line of every
+    rank's distinct ``got``."""
     f = tmp_path / "p.json"
     f.write_text(json.dumps({"version": 1, "nranks": 2, "nnodes": 2,
                              "entries": {"allreduce": rows}}))
-    code = ("import numpy as np, gpurt\n"
-            "c = gpurt.init()\n"
-            "got = []\n"
-            "for S in (65536, 262144, 4 << 20):\n"
-            "    x = np.arange(S // 4, dtype=np.float32) % 7 + c.rank\n"
-            "    want = 2 * (np.arange(S // 4, dtype=np.float32) % 7) + 1\n"
-            "    c.allreduce(x); assert np.array_equal(x, want)\n"
-            "    r = c.iallreduce(x); r.wait(); assert np.array_equal(x, 2 * want)\n"
-            "    got.append((c.last_algorithm, r.algorithm))\n"
-            "    assert ('folded' in c.explain('allreduce', S)) == (S == 262144)\n"
+    code = ("import numpy as np, gpurt\nc = gpurt.init()\ngot = []\n"
+            f"for S in {sizes!r}:\n" + "".join(f"    {line}\n" for line in body) +
             "got = c.mpi.gather(tuple(got), 0)\n"
             "if c.rank == 0: print('got', sorted(set(got)), len(got), flush=True)\n")
-    res = run_mpi(2, ["-c", code], env={"GPURT_PROFILE": str(f), **CLIQUES})
-    assert "got [(('direct', 'direct'), ('folded', 'folded'), ('ring', 'ring'))] 2" \
-        in res.stdout, res.stdout
+    return run_mpi(2, ["-c", code], env={"GPURT_PROFILE": str(f), **CLIQUES}).stdout
 
 
 def test_a_profile_that_never_timed_folding_leaves_the_fold_to_its_limits(tmp_path):
@@ -147,19 +151,10 @@ def test_a_profile_that_never_timed_folding_leaves_the_fold_to_its_limits(tmp_pa
     algorithm's)."""
     rows = [[4096, "recursive_doubling", {"recursive_doubling": 1e-4, "ring": 2e-4}],
             [65536, "ring", {"ring": 1e-4, "direct": 2e-4}]]
-    f = tmp_path / "p.json"
-    f.write_text(json.dumps({"version": 1, "nranks": 2, "nnodes": 2,
-                             "entries": {"allreduce": rows}}))
-    code = ("import numpy as np, gpurt\n"
-            "c = gpurt.init()\n"
-            "got = []\n"
-            "for S in (1024, 4096, 65536):\n"
-            "    x = np.ones(S // 4, np.float32); c.allreduce(x); assert (x == 2).all()\n"
-            "    got.append(c.last_algorithm)\n"
-            "got = c.mpi.gather(tuple(got), 0)\n"
-            "if c.rank == 0: print('got', sorted(set(got)), flush=True)\n")
-    res = run_mpi(2, ["-c", code], env={"GPURT_PROFILE": str(f), **CLIQUES})
-    assert "got [('folded', 'folded', 'folded')]" in res.stdout, res.stdout
+    out = _allreduces_under(tmp_path, rows, (1024, 4096, 65536), [
+        "x = np.ones(S // 4, np.float32); c.allreduce(x); assert (x == 2).all()",
+        "got.append(c.last_algorithm)"])
+    assert "got [('folded', 'folded', 'folded')] 2" in out, out
 
 
 def _invoke_tune(args: list[str], monkeypatch, tmp_path):
