@@ -1499,13 +1499,7 @@ class Communicator:
             self.engine.poison(e)
             self._closed_raise(e, coll, seq)
             raise
-        # (_inline_end, written out: this is the path of the smallest calls)
-        if o is Op.AVG and (coll != "reduce" or self.rank == root):
-            host_finalize(o, res, self.size)
-        if fl is not None:
-            rec[flight.T1] = time.time()
-            rec[flight.STATE] = "done"
-        return res
+        return self._inline_end(coll, o, res, root, rec if fl is not None else None)
 
     def _inline_end(self, coll: str, o: Op | None, res, root: int, rec: list | None):
         """An inline call's last steps, as the general path's ``finish``: AVG's division
