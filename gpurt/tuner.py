@@ -85,6 +85,11 @@ MIN_FRAG_BYTES = 256 << 10
 FOLD = "folded"
 
 
+def _row_times(row: list) -> dict:
+    """A profile row's measured times by name ({} for a hand-made row without them)."""
+    return row[2] if len(row) > 2 and isinstance(row[2], dict) else {}
+
+
 def load_profile(path: str, p: int, nnodes: int) -> dict:
     """The entries of a ``gpurt tune`` profile that apply to a communicator of ``p`` ranks
     on ``nnodes`` nodes ({} when none: no file, another shape).  A profile that cannot be
@@ -266,20 +271,17 @@ class Tuner:
             return None
         if row[1] == FOLD:
             return True
-        times = row[2] if len(row) > 2 and isinstance(row[2], dict) else {}
-        return False if FOLD in times else None
+        return False if FOLD in _row_times(row) else None
 
     def _measured(self, coll: str, S: int) -> "Algorithm | Native | None":
         """The profile's winner at the measured size nearest to S (log scale), if the
         profile covers ``coll`` and that algorithm can take S here."""
-        rows = self.profile.get(coll) if self.profile else None
-        if not rows:
+        best = self.profile_row(coll, S)
+        if best is None:
             return None
-        best = min(rows, key=lambda row: abs(math.log2(max(row[0], 1)) - math.log2(max(S, 1))))
         name = best[1]
         if name == FOLD:   # a call that does not fold: the fastest of the rest measured there
-            times = best[2] if len(best) > 2 and isinstance(best[2], dict) else {}
-            rest = [(t, a) for a, t in times.items() if a != FOLD and
+            rest = [(t, a) for a, t in _row_times(best).items() if a != FOLD and
                     isinstance(t, (int, float)) and not isinstance(t, bool)]
             if not rest:
                 return None

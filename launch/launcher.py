@@ -797,13 +797,11 @@ def run_job(launcher: Launcher, nranks: int, program: Sequence[str], *,
 def failure_report(first: dict, records: list[dict], nranks: int) -> str:
     pid = first.get("pid")
     where = f"pid {pid}" if pid is not None else "its program never started"
-    if first.get("exit_code") == 0:
-        lines = [f"gpurt launch: rank {first.get('rank')} (host {first.get('host')}, {where}) "
-                 f"ended (exit code 0) while the others still ran, and the launcher then "
-                 f"stopped them (Open MPI does so when a rank leaves without MPI_Finalize)"]
-    else:
-        lines = [f"gpurt launch: rank {first.get('rank')} (host {first.get('host')}, "
-                 f"{where}) failed first: {_how(first)}"]
+    what = ("ended (exit code 0) while the others still ran, and the launcher then stopped "
+            "them (Open MPI does so when a rank leaves without MPI_Finalize)"
+            if first.get("exit_code") == 0 else f"failed first: {_how(first)}")
+    lines = [f"gpurt launch: rank {first.get('rank')} (host {first.get('host')}, {where}) "
+             f"{what}"]
     tail = first.get("stderr_tail") or []
     if tail:
         lines.append(f"  its last {len(tail)} line(s) of stderr:")
