@@ -1,6 +1,8 @@
 """Latency of a small allreduce in a tight loop, and of its parts (docs/performance.md,
-"Small allreduce"): the public call, the inline board path (``_board_go``), the compiled
-board round alone (``fast.run``), and mpi4py's ``Allreduce`` of the same array.
+"Small allreduce"): the public call in place and out of place (with the compiled check of
+x and out, ``_fastboard.plain``, and with the Python check it replaces), the inline board
+path (``_board_go``), the compiled board round alone (``fast.run``), and mpi4py's
+``Allreduce`` of the same array.
 
     gpurt launch -n 2 benchmarks/small_latency.py [COUNT]
 """
@@ -31,6 +33,11 @@ def bench(f, name):
 
 
 bench(lambda: c.allreduce(x), "allreduce")
+y = np.empty_like(x)
+bench(lambda: c.allreduce(x, y), "allreduce(x, out)")
+plain, gpurt.comm._PLAIN = gpurt.comm._PLAIN, None
+bench(lambda: c.allreduce(x, y), "allreduce(x, out), Python check")
+gpurt.comm._PLAIN = plain
 fp = c._inline_plan("allreduce", x.dtype, x.size, Op.SUM, 0, None)
 if c.board is not None and type(fp) is tuple and fp[5] is not None:
     bench(lambda: c._board_go("allreduce", fp, x, x, 0, x.size, None), "_board_go")
@@ -44,5 +51,4 @@ if c.board is not None and type(fp) is tuple and fp[5] is not None:
         bd.last_use[b] = s
 
     bench(raw, "fast.run")
-y = np.empty_like(x)
 bench(lambda: c.mpi.Allreduce(x, y), "mpi4py Allreduce")

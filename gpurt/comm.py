@@ -53,6 +53,8 @@ from .tuner import FOLD, Native, Tuner, load_profile, oversubscribed, transport_
 from .wait import spin_seconds
 
 from gpurt.transports import shm_board, shm_direct  # noqa: E402  (after the core imports)
+
+_PLAIN = shm_board.PLAIN   # the compiled check of x and out for allreduce's quick path
 from gpurt.transports.base import p2p_sig  # noqa: E402
 from gpurt.transports.tcp import _settings as tcp_settings  # noqa: E402
 
@@ -207,7 +209,7 @@ class Communicator:
         self._seq = 0
         self._scratch = np.empty(0, np.uint8)
         self.board = None
-        self._quick: tuple = ()   # allreduce's last board plans (op, dtype, count, plan)
+        self._quick: tuple = ()   # allreduce's last board plans (op, dtype, count, plan, bytes)
         self._direct: shm_direct.Access | None = None
         # per collective, shm_direct from S bytes (0: never) for shared arrays, others
         self._direct_min: dict[str, tuple[int, int, int]] = {}
@@ -1236,8 +1238,9 @@ class Communicator:
                     eng = self.engine
                     if not (self._closed or eng.colls or eng.p2p or eng.poisoned is not None
                             or eng.busy or eng.owner):
-                        res = self._inline_res(x, out)
-                        if res is not None:
+                        res = x if out is None else out
+                        if (_PLAIN(x, res, q[4]) if _PLAIN is not None else
+                                self._inline_res(x, out) is not None):
                             return self._board_go("allreduce", q[3], x, res, 0, n, None)
                     break
         timeout = self._timeout_arg(timeout, "allreduce")
@@ -1274,7 +1277,7 @@ class Communicator:
             return self._net_go(coll, plan, x, res, root, n, timeout)
         if coll == "allreduce" and type(op) is Op and algo is None and \
                 type(plan) is tuple:     # (allreduce's quick path takes it next time)
-            self._quick = ((op, x.dtype, n, plan),) + self._quick[:_QUICK - 1]
+            self._quick = ((op, x.dtype, n, plan, n * x.itemsize),) + self._quick[:_QUICK - 1]
         return self._board_go(coll, plan, x, res, root, n, timeout)
 
     def _inline_plan(self, coll: str, dtype: np.dtype, n: int, op: Any, root: int,

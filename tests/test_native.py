@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 
 from conftest import run_mpi
@@ -325,3 +326,39 @@ def test_close_waits_for_a_round_running_without_the_gil():
     with pytest.raises(RuntimeError, match="closed"):
         fast.run(plan, 2, 0, x, out)
 
+
+
+def test_plain_agrees_with_the_python_check():
+    """``_fastboard.plain`` (allreduce's quick path reads NumPy's flags, dtype and shape
+    from the array struct) answers as the Python check it stands in for
+    (``Communicator._inline_res``): True only where that takes x and out as they are —
+    and never for an out that is read-only, strided, of another dtype or size, or
+    overlapping x by a single byte."""
+    _need_native()
+    from gpurt.comm import Communicator
+
+    assert shm_board.PLAIN is not None, "the import's self-check turned plain() off"
+    base = np.arange(64, dtype=np.float64)
+    ro = np.ones(8)
+    ro.flags.writeable = False
+    bytes_ = np.zeros(8 * 8 + 1, np.uint8)
+    xs = [base[:8], base[8:16], base.reshape(8, 8)[0], base[::2][:8], base[:8].reshape(2, 4),
+          ro, np.float64(3.0) * np.ones(()), np.zeros(0), np.zeros(8, np.float32),
+          np.zeros(8, np.dtype("<f8").newbyteorder("=")), bytes_[1:].view(np.float64)]
+    outs = xs + [base[4:12], base[7:15], base[16:24][::-1], base.reshape(8, 8)[:, 0],
+                 np.zeros((2, 2, 2)), np.zeros(9)[:8], bytes_[:64].view(np.float64)]
+    seen = {True: 0, False: 0}
+    for x in xs:
+        for o in outs + [None]:
+            want = Communicator._inline_res(x, o) is not None
+            res = x if o is None else o
+            got = shm_board.PLAIN(x, res, x.nbytes)
+            if got:       # (False may also mean "not the same dtype object": Python decides)
+                assert want, (x, o)
+            elif want:
+                assert o is not None and o.dtype is not x.dtype, (x, o)
+            seen[got] += 1
+    assert seen[True] > 10 and seen[False] > 10, seen
+    assert shm_board.PLAIN(base, base.tolist(), 8) is False     # not an ndarray
+    with pytest.raises(TypeError):
+        shm_board.PLAIN(base, base)

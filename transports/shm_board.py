@@ -66,7 +66,7 @@ def _load_native():
         from gpurt import _fastboard as fb
     except ImportError as e:
         return None, f"not built ({e}); the board runs in Python"
-    if getattr(fb, "ABI", 0) != 7 or tuple(fb.COLLS) != COLLS:
+    if getattr(fb, "ABI", 0) != 8 or tuple(fb.COLLS) != COLLS:
         return None, ("built from another version of gpurt (reinstall it: pip install -e . "
                       "rebuilds the extension)")
     fb.set_ndarray(np.ndarray)
@@ -76,10 +76,29 @@ def _load_native():
     return fb, ""
 
 
+def _plain_agrees(plain) -> bool:
+    """Whether ``plain`` (the extension's reading of NumPy's array struct past the data
+    pointer: flags, dtype, shape) answers cases whose answers are known."""
+    a = np.arange(12, dtype=np.float64).reshape(3, 4)
+    b = np.zeros((4, 3))
+    ro = np.zeros(12)
+    ro.flags.writeable = False
+    cases = ((a, b, True), (a, a, True), (b, a.T, False), (a.T, b, False), (ro, b, True),
+             (a, ro, False), (a, np.zeros(11), False), (a, np.zeros(12, np.int64), False),
+             (a.reshape(-1)[2:], a.reshape(-1)[:10], False),
+             (a.reshape(-1)[:6], a.reshape(-1)[6:], True))
+    return all(plain(x, o, x.nbytes) is want for x, o, want in cases)
+
+
 NATIVE, NATIVE_WHY = _load_native()
+#: the extension's ``plain(x, out, nbytes)`` (allreduce's quick path: may an inline call
+#: take x and out as they are?), or None where the extension is not loaded or reads
+#: this NumPy's array struct wrongly (the quick path then checks in Python)
+PLAIN = None
 if NATIVE is not None:
     from . import cma as _cma
     _cma._fast_address = NATIVE.data_address
+    PLAIN = NATIVE.plain if _plain_agrees(NATIVE.plain) else None
 # element types and ops by the extension's codes (it has kernels for these)
 _NTYPES = {np.dtype(t): i for i, t in enumerate(NATIVE.TYPES)} if NATIVE else {}
 _NOPS = {Op(o): i for i, o in enumerate(NATIVE.OPS) if o} if NATIVE else {}

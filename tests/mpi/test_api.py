@@ -1369,6 +1369,17 @@ def test_a_repeated_small_allreduce_takes_the_quick_path_with_every_check(comm):
             c.allreduce(w[:3], w[1:4], op=gpurt.MAX)
         with pytest.raises((ValueError, TypeError)):   # an out of another dtype
             c.allreduce(y, np.zeros(3, np.int32), op=gpurt.MAX)
+        rout = np.zeros(3, np.int64)
+        rout.flags.writeable = False
+        with pytest.raises(ValueError, match="read-only|writable"):   # a read-only out
+            c.allreduce(y, rout, op=gpurt.MAX)
+        with pytest.raises(ValueError, match="contiguous"):            # a strided out
+            c.allreduce(y, np.zeros(6, np.int64)[::2], op=gpurt.MAX)
+        with pytest.raises(ValueError):                                # an out too small
+            c.allreduce(y, np.zeros(2, np.int64), op=gpurt.MAX)
+        # an out of an equal dtype that is another object, and of another shape
+        for o in (np.zeros(3, np.dtype("<i8").newbyteorder("=")), np.zeros((3, 1), np.int64)):
+            assert c.allreduce(y, o, op=gpurt.MAX) is o and (o == p - 1).all()
         ro = np.ones(3, np.float32)
         ro.flags.writeable = False
         with pytest.raises(ValueError, match="read-only|writable"):
