@@ -519,6 +519,8 @@ class Communicator:
         meta = (shm_board.COLLS.index(coll), 0, 0, 0, 0)
         site = callsite.site()
         if self.board is not None:
+            shm_board.mark_rejected(self.board, seq, meta[0])
+
             def start():
                 return shm_board.BoardRun(self.board, coll, seq, shm_board.REJECTED, meta,
                                           _EMPTY_U8, _EMPTY_U8, 0, None, 0, publish_only=True,
@@ -530,11 +532,13 @@ class Communicator:
         try:   # queued in call order; published now if it can be, else by the next call
             self.engine.submit(req)
             self.engine.progress()
-            if self.board is None and _hier_agreement(self.topo):
-                # the hierarchical agreement: this rank relays its node's headers to other
-                # nodes' ranks once its node's have come, so it takes part to the end, as
-                # the others' call does (returning at once held them until their deadline
-                # while this rank did something else)
+            if self.board is None:
+                # across nodes the header goes out only once the calls before it are done
+                # (one collective at a time), and the hierarchical agreement relays its
+                # node's headers to other nodes' ranks: this rank takes part to the end,
+                # as the others' call does (returning at once held them until their
+                # deadline while this rank did something else, or made its exit a
+                # PeerFailure).  (On the board, mark_rejected tells the peers at once.)
                 req.wait()
         except GpurtError:
             pass     # the user's own error is the one to raise

@@ -27,7 +27,8 @@ from typing import Callable
 import numpy as np
 
 from . import memcopy
-from .errors import CollectiveTimeout, CommunicatorClosed, GpurtError, TransportError
+from .errors import (CollectiveMismatchError, CollectiveTimeout, CommunicatorClosed, GpurtError,
+                     TransportError)
 from .schedule import Copy, Recv, Schedule, Send, Slice
 from .wait import Backoff
 
@@ -791,7 +792,22 @@ class Engine:
             now = time.monotonic()
             if now >= next_check:
                 next_check = min(now + 0.2, deadline)
-                self._check_peers(waiting_on(), now >= deadline and collective())
+                try:
+                    self._check_peers(waiting_on(), now >= deadline and collective())
+                except GpurtError as failed:
+                    # what a peer published before it failed or left comes first: its
+                    # rejection of the call (step raises the mismatch), or its part, which
+                    # may complete the call (the last step could have run just before);
+                    # any other error of that step is the failure's echo
+                    try:
+                        step()
+                    except CollectiveMismatchError:
+                        raise
+                    except GpurtError:
+                        raise failed from None
+                    if finished():
+                        return
+                    raise
                 if now >= deadline:
                     raise timed_out(timeout, waiting_on())
 

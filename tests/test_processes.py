@@ -1147,3 +1147,24 @@ def test_a_segment_never_has_a_name_a_crash_could_leave(proc_fd):
         assert seen == set(), seen
     else:       # (a name per communicator: init, and three rounds of split and dup)
         assert seen and all(re.fullmatch(r"gpurt-\d+-\d+-[0-9a-f]{8}", f) for f in seen), seen
+
+
+@pytest.mark.parametrize("n,nodes,count", [(2, 1, 4), (3, 1, 4), (2, 1, 1 << 20),
+                                           (2, 2, 4), (3, 2, 4), (5, 2, 1 << 16)])
+@pytest.mark.parametrize("mode", ["sleep", "exit"])
+def test_a_call_rejected_ahead_of_slower_peers_reaches_them_at_once(n, nodes, count, mode):
+    """The last rank rejects its call (a strided out) two calls ahead of the others, then
+    sleeps or exits (tests/rejected_cases.py): every other rank raises
+    CollectiveMismatchError naming that rank's rejection within seconds.  Before, on the
+    board the rejected header waited for a buffer a slower peer still read and went out
+    only with the rank's next call (the peers waited out their 60 s deadline, or saw its
+    exit as a PeerFailure); across nodes it went out only after the calls before it."""
+    env = {"MPIR_CVAR_NUM_CLIQUES": str(nodes)} if nodes > 1 else {}
+    recs = rank_records(run_mpi(n, ["tests/rejected_cases.py", mode, str(count)],
+                                env=env).stdout, "REJECTED", n)
+    assert recs[n - 1]["outcome"].startswith("ValueError: "), recs
+    for r in range(n - 1):
+        out = recs[r]["outcome"]
+        assert out.startswith("CollectiveMismatchError: "), recs
+        assert f"rank {n - 1} rejected its own allreduce call" in out, out
+        assert recs[r]["seconds"] < 5, recs

@@ -43,7 +43,10 @@ from gpurt.errors import CollectiveMismatchError
 from .fence import fence as _fence
 from gpurt.ops import DTYPE_CODE, DTYPE_NAMES, Op
 
-CTRL = 64            # per rank: flag (+0), done (+8)
+CTRL = 64            # per rank: flag (+0), done (+8); shm_direct's words (+16..+32)
+W_REJECTED = 5       # control-line words: the last call this rank rejected as invalid input,
+                     # and its kind (+1) — stored at once: its header may wait for a free
+                     # buffer (mark_rejected)
 HDR = 128            # per buffer: seq, sig, nbytes, coll, dtype, n, op, root, call site id
 _SITE = 8            # header word of the call site's id (gpurt.callsite)
 _EXTRA = 9           # header words 9..15: a protocol's own (shm_direct: buffer locations)
@@ -349,10 +352,12 @@ class BoardRun:
                     self.phase = 2
                     return True
                 if got == 1:              # a peer has not published yet
+                    self._check_rejected()
                     return moved
                 # 3: a header differs, or no kernel for this dtype/op: below
             for k in self.need:
                 if q[bd.ctrl[k]] < seq:
+                    self._check_rejected()
                     return moved
             _fence()
             for k in self.need:
@@ -384,6 +389,24 @@ class BoardRun:
         read_into(self.coll, self.p, self.r, self.n, self.root, self.out, self.red,
                   self.x.dtype, self._slot)
 
+    def _check_rejected(self) -> None:
+        """While a peer's header is missing: has it rejected this call (``mark_rejected``)?"""
+        q, bd, seq = self.board.q, self.board, self.seq
+        for k in self.need:
+            if q[bd.ctrl[k] + W_REJECTED] == seq and q[bd.ctrl[k]] < seq:
+                self._rejected(k, q[bd.ctrl[k] + W_REJECTED + 1])
+
+    def _rejected(self, k: int, coll: int, theirs_at: str = "",
+                  mine_at: str | None = None) -> None:
+        """Rank k rejected its call ``seq`` (``coll``: its kind's index in COLLS)."""
+        if mine_at is None:
+            mine_at = at(words(self.site or site()))
+        what = COLLS[coll] if coll < len(COLLS) else "a collective"
+        raise CollectiveMismatchError(
+            f"call #{self.seq}: rank {k} rejected its own {what} call{theirs_at} as invalid "
+            f"input (its ValueError/TypeError says why); rank {self.r} called "
+            f"{describe(self.meta)}{mine_at}")
+
     def _mismatch(self, k: int, h: int) -> None:
         q = self.board.q
         theirs = self.board.site_text(k, q[h + _SITE])
@@ -397,15 +420,22 @@ class BoardRun:
                 f"expected: the ranks called different collectives or sizes (rank {self.r}'s "
                 f"call{mine_at or ' site unknown'})")
         if q[h + 1] == REJECTED:
-            coll = COLLS[q[h + 3]] if q[h + 3] < len(COLLS) else "a collective"
-            raise CollectiveMismatchError(
-                f"call #{self.seq}: rank {k} rejected its own {coll} call{theirs_at} as invalid "
-                f"input (its ValueError/TypeError says why); rank {self.r} called "
-                f"{describe(self.meta)}{mine_at}")
+            self._rejected(k, q[h + 3], theirs_at, mine_at)
         theirs, mine = describe_both(tuple(q[h + 3 + i] for i in range(len(self.meta))),
                                      self.meta)
         raise CollectiveMismatchError(f"call #{self.seq}: rank {k} called {theirs}{theirs_at}, "
                                       f"rank {self.r} called {mine}{mine_at}")
+
+
+def mark_rejected(board: Board, seq: int, coll: int) -> None:
+    """Tell the peers at once that this rank rejected its call ``seq`` as invalid input:
+    its rejected header (``BoardRun(publish_only=True)``) may wait for a buffer that a
+    slower peer still reads, and the peers must not wait for it meanwhile — nor take the
+    rank's exit, if it leaves before, for a failure (``BoardRun`` checks the word while a
+    peer's flag is missing)."""
+    q, w = board.q, board.ctrl[board.me] + W_REJECTED
+    q[w + 1] = coll          # (x86 TSO: seen before the call number)
+    q[w] = seq
 
 
 def read_into(coll: str, p: int, r: int, n: int, root: int, out: np.ndarray,
