@@ -41,7 +41,7 @@ def check_timeout(timeout) -> float | None:
         return None
     try:
         t = float(timeout)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):   # (10**400: too large for a float)
         raise ValueError(f"timeout must be a number of seconds or None, got {timeout!r}") \
             from None
     if not t >= 0:  # also rejects NaN

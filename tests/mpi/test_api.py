@@ -657,6 +657,33 @@ def test_bad_timeout_and_dtype_are_rejected_before_the_call_counts(comm):
     assert (x == p).all() and comm._seq == seq + 1
 
 
+def test_a_timeout_too_large_for_a_float_on_one_rank_is_a_rejection(comm):
+    """timeout=10**400 (a Python int no float holds) on the last rank only: there a
+    ValueError naming the rank, on the others a CollectiveMismatchError, and the next
+    call is an error on every rank.  (float() raised OverflowError, which escaped the
+    check: the call was neither counted nor announced, and that rank's next allreduce
+    summed with the others' current one: 21 on both of 2 ranks, a silent wrong result.)"""
+    p, r = comm.size, comm.rank
+    with scratch(comm) as c:
+        a = np.full(4, 10.0 * (r + 1), np.float32)
+        if r == p - 1:
+            with pytest.raises(ValueError, match=rf"rank {r}: timeout must be a number"):
+                c.allreduce(a, timeout=10**400)
+        elif p > 1:
+            with pytest.raises(gpurt.CollectiveMismatchError, match=f"rank {p - 1} rejected"):
+                c.allreduce(a, timeout=30)
+        b = np.full(4, 1.0, np.float32)
+        if p > 1:       # (the peers' communicator failed with the mismatch)
+            with pytest.raises(gpurt.GpurtError):
+                c.allreduce(b, timeout=30)
+    b = np.full(4, 1.0, np.float32)
+    req = comm.iallreduce(b)
+    with pytest.raises(ValueError, match=rf"rank {r}: timeout must be a number"):
+        req.wait(timeout=10**400)
+    req.wait(timeout=30)                              # the request is still good
+    assert (b == p).all(), b
+
+
 def test_argument_errors_name_the_rank_and_the_argument(comm):
     """Bad arguments found by a review: algo= of the wrong type was a bare 'unhashable
     type: list' from the tuner's cache; barrier(algo='nope') passed on one rank;
