@@ -324,13 +324,17 @@ class Request:
         # two threads using one communicator, and may meet that error between calls)
         if not self.done and not self.engine.other_thread():
             eng = self.engine
-            if not eng.progress() and not self.done and _LIVE_ENGINES > 1:
-                # polled in a loop, test() also advances this thread's other
-                # communicators (as a held-up wait does: Engine.lend), at most every 50 us
-                now = time.perf_counter()
-                if now >= eng.lend_at:
-                    eng.lend_at = now + 5e-5
-                    eng.lend()
+            if not eng.progress() and not self.done:
+                if _LIVE_ENGINES > 1:
+                    # polled in a loop, test() also advances this thread's other
+                    # communicators (as a held-up wait does: Engine.lend), at most every
+                    # 50 us
+                    now = time.perf_counter()
+                    if now >= eng.lend_at:
+                        eng.lend_at = now + 5e-5
+                        eng.lend()
+                if self.error is None:
+                    eng.poll_liveness(self)
         if self.error is not None:
             self.engine.wait_told()
             raise self.error
@@ -459,6 +463,7 @@ class Engine:
         #: (``lend``): a thread that comes in meanwhile waits a moment, it is no error
         self.lent = False
         self.lend_at = 0.0          # (Request.test: when it may lend next)
+        self.check_at = 0.0         # (Request.test: when it may ask the peers' liveness next)
         _ENGINES.add(self)
         _count_engine(1)
 
@@ -832,6 +837,24 @@ class Engine:
             self._wait(req, timeout)
         finally:
             self.unclaim(held)
+
+    def poll_liveness(self, req: Request) -> None:
+        """``Request.test``'s share of a wait's liveness checks, at most every 0.2 s as in
+        ``_drive``: a loop polling ``test()`` meets a peer that died, failed or froze as
+        ``wait()`` would (``PeerFailure``, the communicator poisoned) — not never."""
+        now = time.monotonic()
+        if now < self.check_at:
+            return
+        self.check_at = now + 0.2
+        try:
+            self._check_peers(self.pending_peers(), False)
+        except GpurtError as e:
+            if self._stopped_by_poison(e):
+                self.wait_told()
+                raise (req.error or self.poisoned) from None
+            self._annotate(e, "" if req.p2p else f"in {req.name} (call #{req.seq}): ")
+            self.poison(e)
+            raise
 
     def _wait(self, req: Request, timeout: float | None) -> None:
         def timed_out(t: float, _peers: list[int]) -> CollectiveTimeout:

@@ -4,6 +4,7 @@ what a killed job leaves behind."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import select
@@ -627,7 +628,7 @@ def test_a_failure_elsewhere_ends_a_collective_waiting_on_a_slow_rank(transport)
 
 STOPPED_PEER = """
 import numpy as np, gpurt, os, signal, sys, time
-freeze, outdir = float(sys.argv[1]), sys.argv[2]
+freeze, outdir, how = float(sys.argv[1]), sys.argv[2], sys.argv[3]
 c = gpurt.init()
 def report(text):   # one file per rank: the launcher interleaves stdout
     with open(os.path.join(outdir, f"rank{c.rank}"), "w") as f:
@@ -644,7 +645,13 @@ if c.rank == 2 and freeze > 0:
     os.kill(c.pids[1], signal.SIGCONT)
 t = time.monotonic()
 try:
-    c.allreduce(x, timeout=60)
+    if how == "poll":           # a loop polling test(), as a program overlapping work does
+        req = c.iallreduce(x)
+        while not req.test():
+            assert time.monotonic() - t < 60, "test() never saw the stopped peer"
+            time.sleep(0.001)
+    else:
+        c.allreduce(x, timeout=60)
     report(f"rank {c.rank}: done after {time.monotonic() - t:.1f}s")
 except gpurt.PeerFailure as e:
     report(f"rank {c.rank}: PeerFailure rank={e.rank} after {time.monotonic() - t:.1f}s: {e}")
@@ -657,18 +664,21 @@ os._exit(0)
 """
 
 
+@pytest.mark.parametrize("how", ["wait", "poll"])
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 @pytest.mark.parametrize("freeze", [0, 1.0])
 def test_stopped_peer_is_a_failure_after_the_bound_and_a_short_freeze_is_not(freeze, transport,
-                                                                            tmp_path):
+                                                                            how, tmp_path):
     """A rank stopped (SIGSTOP) longer than GPURT_PEER_STOPPED (3 s here) becomes
     PeerFailure(rank=1) on the survivors; one stopped for 1 s and continued is waited for.
     shm sees the state of a local process; tcp (as between nodes, where the stopped
-    process's kernel keeps the connections alive) sees its heartbeats stop."""
+    process's kernel keeps the connections alive) sees its heartbeats stop.  The same
+    whether the survivors block in the call or poll a request's ``test()`` (which asked
+    no peer's liveness before: the loop never ended)."""
     if not is_hydra():
         pytest.skip("uses MPICH hydra's -disable-auto-cleanup; this launcher is not hydra")
     proc = subprocess.run([*mpiexec(), "-disable-auto-cleanup", "-n", "3", sys.executable, "-c",
-                           STOPPED_PEER, str(freeze), str(tmp_path)], cwd=ROOT,
+                           STOPPED_PEER, str(freeze), str(tmp_path), how], cwd=ROOT,
                           capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, GPURT_PEER_STOPPED="3",
                                    GPURT_TRANSPORTS=transport))
@@ -1168,3 +1178,32 @@ def test_a_call_rejected_ahead_of_slower_peers_reaches_them_at_once(n, nodes, co
         assert out.startswith("CollectiveMismatchError: "), recs
         assert f"rank {n - 1} rejected its own allreduce call" in out, out
         assert recs[r]["seconds"] < 5, recs
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("mode,call", [("exit", "small"), ("exit", "large"), ("exit", "recv"),
+                                       ("raise", "small")])
+def test_polling_test_meets_a_peer_that_left(mode, call, transport):
+    """Ranks 0 and 2 poll ``Request.test()`` while rank 1 exits or dies of an exception
+    (tests/poll_cases.py): both raise PeerFailure(rank=1) within 3 s, as ``wait()`` does.
+    Before, test() only advanced the request and asked no peer whether it lived: on shm
+    the loop never ended."""
+    if not is_hydra():
+        pytest.skip("uses MPICH hydra's -disable-auto-cleanup; this launcher is not hydra")
+    # (an exit: the launcher must not stop the survivors; an exception: rank 1 waits in
+    # MPI_Finalize, and the launcher ends it once the survivors have left)
+    cleanup = ["-disable-auto-cleanup"] if mode == "exit" else []
+    proc = subprocess.run([*mpiexec(), *cleanup, "-n", "3", sys.executable,
+                           "tests/poll_cases.py", mode, call], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env=dict(os.environ, GPURT_TIMEOUT="60",
+                                                           GPURT_TRANSPORTS=transport))
+    recs = {}
+    for r in (0, 2):
+        line = next((ln for ln in proc.stdout.splitlines() if f'"rank": {r},' in ln), None)
+        assert line is not None, (proc.stdout, proc.stderr)
+        recs[r] = json.loads(line.split("POLL ", 1)[1])
+    for r in (0, 2):
+        assert recs[r]["outcome"].startswith("PeerFailure(rank=1)"), recs
+        assert recs[r]["seconds"] < 3, recs
+        if mode == "raise":
+            assert "boom on rank 1" in recs[r]["outcome"], recs
