@@ -525,7 +525,17 @@ class Result:
         if _consequence(first) == 2:    # no rank failed of its own: the one blamed, if
             blamed = _blamed(first)     # it failed too (stopped by the launcher: frozen)
             if blamed is not None:
-                return next((r for r in bad if r.get("rank") == blamed), first)
+                known = next((r for r in self.records if r.get("rank") == blamed), None)
+                if known is None:
+                    # the rank blamed left no status: the launcher killed it with its
+                    # wrapper (frozen, or waiting in MPI_Finalize after its own
+                    # exception) - it is still the cause, in its peer's words
+                    return {"rank": blamed, "host": None, "pid": None, "exit_code": None,
+                            "signal": None, "time": first["time"], "stderr_tail": [],
+                            "no_status": True, "blamed_by": first.get("rank"),
+                            "blame": _last_exception(first)[1]}
+                if known.get("exit_code") != 0:
+                    return known
             if first.get("signal") in ("SIGTERM", "SIGINT", "SIGHUP"):
                 # every failure is the launcher stopping the job: a rank that had ended
                 # (status 0) before was why (Open MPI ends a job when a rank leaves
@@ -795,6 +805,20 @@ def run_job(launcher: Launcher, nranks: int, program: Sequence[str], *,
 
 
 def failure_report(first: dict, records: list[dict], nranks: int) -> str:
+    if first.get("no_status"):
+        lines = [f"gpurt launch: rank {first['rank']} failed first (it left no status: the "
+                 f"launcher stopped it); rank {first.get('blamed_by')}'s PeerFailure says:",
+                 f"    | {first.get('blame')}"]
+        others = [r for r in records if r.get("exit_code") != 0]
+        if others:
+            lines.append("  then: " + "; ".join(f"rank {r.get('rank')} {_how(r)}"
+                                                for r in others))
+        known = {r.get("rank") for r in records} | {first["rank"]}
+        gone = [r for r in range(nranks) if r not in known]
+        if gone:
+            lines.append(f"  stopped by the launcher (no status): rank(s) "
+                         f"{', '.join(map(str, gone))}")
+        return "\n".join(lines)
     pid = first.get("pid")
     where = f"pid {pid}" if pid is not None else "its program never started"
     what = ("ended (exit code 0) while the others still ran, and the launcher then stopped "

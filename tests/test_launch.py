@@ -166,7 +166,7 @@ def test_the_rank_whose_failure_was_its_own_failed_first():
     assert L.Result(1, [victim, crashed]).first_failure is crashed
     killed = dict(own, exit_code=None, signal="SIGKILL", stderr_tail=[], time=6.0)
     assert L.Result(1, [victim, killed]).first_failure is killed      # (an OOM kill)
-    assert L.Result(1, [stopped, victim]).first_failure is victim     # both: the earlier
+    assert L.Result(1, [stopped, closed]).first_failure is closed     # both: the earlier
     assert L.Result(0, [dict(own, exit_code=0)]).first_failure is None
     # a rank that uses the communicator it closed itself (a bug hunt: its victim, whose
     # PeerFailure says it closed the communicator, was named first)
@@ -182,7 +182,25 @@ def test_the_rank_whose_failure_was_its_own_failed_first():
                                         "(call #4): rank 1 (pid 7, same node) has been "
                                         "stopped (SIGSTOP?) for 5.0 s"])
     assert L.Result(1, [blaming, frozen]).first_failure is frozen
-    assert L.Result(1, [blaming, stopped]).first_failure is blaming   # rank 2: not blamed
+    assert L.Result(1, [blaming, stopped]).first_failure["rank"] == 1   # not rank 2
+    # the rank blamed left no status at all (the launcher killed it with its wrapper: a
+    # frozen rank, or one waiting in MPI_Finalize after its own exception): it is named,
+    # in its peer's words, not the victim (a bug hunt: "rank 0 failed first")
+    raised = dict(victim, stderr_tail=[tb, "gpurt.errors.PeerFailure: rank 0: in allreduce "
+                                       "(call #2): rank 1 failed: RuntimeError: the real "
+                                       "cause"])
+    first = L.Result(1, [raised, stopped]).first_failure
+    assert first["rank"] == 1 and first["no_status"] and first["blamed_by"] == 0
+    text = L.failure_report(first, [raised, stopped], 4)
+    assert text.splitlines()[0] == ("gpurt launch: rank 1 failed first (it left no status: "
+                                    "the launcher stopped it); rank 0's PeerFailure says:")
+    assert "| rank 0: in allreduce (call #2): rank 1 failed: RuntimeError: the real cause" \
+        in text
+    assert "then: rank 0 exit code 1; rank 2 signal SIGTERM" in text
+    assert "stopped by the launcher (no status): rank(s) 3" in text
+    # the rank blamed ended normally (status 0): the blaming rank stays first
+    assert L.Result(1, [blaming, dict(frozen, exit_code=0, signal=None)]).first_failure \
+        is blaming
     # every failure the launcher's SIGTERM, after a rank had ended with status 0 (Open MPI
     # stops a job when a rank leaves without MPI_Finalize; review under Open MPI: the
     # first rank it stopped was named, "failed first: signal SIGTERM")
