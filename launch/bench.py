@@ -882,7 +882,7 @@ def _sweep(libs: list[_Lib], cfg: dict) -> list[dict] | None:
     r, n, ctl = lib.rank, lib.size, lib.ctl
     if coll == "sendrecv" and n < 2:
         raise SystemExit("gpurt bench: sendrecv needs 2 ranks or more")
-    if root >= n:
+    if coll in ROOTED and root >= n:    # (a collective without a root ignores -r)
         raise SystemExit(f"gpurt bench: root {root} is not a rank of {n}")
     label = cfg.get("label", lib.name)
     t_start = time.time()

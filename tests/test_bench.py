@@ -207,10 +207,11 @@ def test_every_collective_checked_on_3_ranks(coll, tmp_path):
 
 
 def test_in_place_under_mpiexec():
-    """Under a launcher with >1 rank, `gpurt bench` runs on the launch's ranks."""
+    """Under a launcher with >1 rank, `gpurt bench` runs on the launch's ranks (and a
+    collective without a root ignores -r there too: the ranks refused -r 5)."""
     cmd = [*mpiexec(), "-n", "2", sys.executable, "-m", "gpurt.launch.cli", "bench",
            "reduce_scatter", "-b", "64", "-e", "256", "-f", "4", "-c", "-w", "1", "-i", "2",
-           "--ceiling-size", "0"]
+           "-r", "5", "--ceiling-size", "0"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, GPURT_TIMEOUT="60"))
     assert proc.returncode == 0, proc.stderr
