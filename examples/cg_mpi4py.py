@@ -1,7 +1,7 @@
 """An existing mpi4py program that hands its communicator to gpurt: a distributed
 conjugate-gradient solve of the 1-D Poisson equation, checked against a serial solve.
 
-    mpiexec -n 4 python examples/cg_mpi4py.py [--n-per-rank 250] [--tol 1e-10]
+    mpiexec -n 4 python examples/cg_mpi4py.py [--n-per-rank 100] [--tol 1e-10]
     gpurt launch -n 4 examples/cg_mpi4py.py
 
 The application owns its MPI communicator (its own ``Dup`` of COMM_WORLD, and it keeps

@@ -288,6 +288,10 @@ VARIABLES: tuple[Var, ...] = (
     Var("GPURT_FLIGHT", "64", _number(0, 1 << 20, integer=True),
         "Calls each communicator remembers for the flight recorder (0: off); on a failure "
         "the last ones go to stderr."),
+    Var("GPURT_MPIEXEC", "", str,
+        "gpurt launch, bench and tune (and the tests): the MPI launcher command, flags "
+        "allowed ('mpirun --oversubscribe'). Empty: srun inside a Slurm job, else the "
+        "mpiexec beside this Python, else PATH's."),
     Var("GPURT_FLIGHT_DIR", "", str,
         "Also write every rank's flight records there as JSON on a failure; "
         "`gpurt flight DIR` lines the ranks up."),
