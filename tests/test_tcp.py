@@ -298,13 +298,18 @@ def test_a_stripe_closed_after_its_part_fails_nothing_the_others_still_deliver()
 
 
 class _FakeMPI:
-    """The control plane a lone _Setup needs: nobody ever reports a failure."""
+    """The control plane a lone _Setup needs: nobody ever reports a failure (and a
+    failure's notice to the absent rank 1 goes nowhere, so a set-up that fails raises
+    its own error, not an AttributeError of this stand-in)."""
 
     def Get_size(self):
         return 2
 
     def iprobe(self, **kw):
         return False
+
+    def isend(self, obj, dest, tag):
+        return SimpleNamespace(wait=lambda: None, Test=lambda: True)
 
 
 def _listening_setup(secret: bytes, cid: str, backlog: int = 8):
@@ -321,21 +326,37 @@ def _listening_setup(secret: bytes, cid: str, backlog: int = 8):
     return owner, port, tcp._Setup(owner, _FakeMPI(), 0, "host0", secret, cid, [1], info, 10.0, 0)
 
 
-def _real_peer(port: int, secret: bytes, cid: str) -> tuple[bytes, socket.socket, bool]:
+def _real_peer(port: int, secret: bytes, cid: str, tries: int = 1
+               ) -> tuple[bytes, socket.socket, bool]:
     """Rank 1's connector, written from the protocol description: (the acceptor's
-    acknowledgement byte, the socket, whether the acceptor proved the secret)."""
-    s = socket.create_connection(("127.0.0.1", port), timeout=20)
-    hello = struct.pack("<8sHHII16s16s", b"gpurtTCP", 1, 0, 1, 0,
-                        hashlib.sha256(f"gpurt-tcp|{cid}".encode()).digest()[:16],
-                        os.urandom(16))
-    s.sendall(hello)
-    reply = b""
-    while len(reply) < 48:
-        reply += s.recv(48 - len(reply))
-    nonce2, mac = reply[:16], reply[16:]
-    ok = hmac.compare_digest(mac, hmac.new(secret, b"A" + hello + nonce2, hashlib.sha256).digest())
-    s.sendall(hmac.new(secret, b"C" + hello + nonce2, hashlib.sha256).digest())
-    return s.recv(1), s, ok
+    acknowledgement byte, the socket, whether the acceptor proved the secret). A
+    connection the acceptor drops mid-handshake (a flood of strangers evicts the oldest
+    that sent nothing yet) is an error, or with ``tries`` > 1 is made again after a
+    short backoff, as the transport's own connector does (``_Setup._retry``)."""
+    for k in range(tries):
+        s = socket.create_connection(("127.0.0.1", port), timeout=20)
+        try:
+            hello = struct.pack("<8sHHII16s16s", b"gpurtTCP", 1, 0, 1, 0,
+                                hashlib.sha256(f"gpurt-tcp|{cid}".encode()).digest()[:16],
+                                os.urandom(16))
+            s.sendall(hello)
+            reply = b""
+            while len(reply) < 48:
+                got = s.recv(48 - len(reply))
+                if not got:
+                    raise ConnectionResetError("the acceptor closed the connection")
+                reply += got
+            nonce2, mac = reply[:16], reply[16:]
+            ok = hmac.compare_digest(mac, hmac.new(secret, b"A" + hello + nonce2,
+                                                   hashlib.sha256).digest())
+            s.sendall(hmac.new(secret, b"C" + hello + nonce2, hashlib.sha256).digest())
+            return s.recv(1), s, ok
+        except OSError:
+            s.close()
+            if k == tries - 1:
+                raise
+            time.sleep(min(1.0, 0.05 * 2 ** k))
+    raise AssertionError("unreachable")
 
 
 def test_handshake_by_the_spec_and_a_silent_stranger_is_dropped_after_3_s(caplog):

@@ -52,7 +52,9 @@ def test_a_connection_flood_at_set_up_is_bounded_and_the_real_peer_gets_in(caplo
     listener, and the real rank 1 connects in the middle of it: rank 0 never holds more
     than the expected connection and 32 strangers (the oldest are dropped, and logged: the
     first 16 one by one, the rest summed up), and rank 1 is authenticated at once, not
-    after the strangers' 3 s handshake timeout."""
+    after the strangers' 3 s handshake timeout. (Rank 1 reconnects if it is dropped before
+    its hello is read, as the transport's connector does: on a loaded machine its thread
+    may not send the hello before 32 newer strangers come; CI met that once.)"""
     secret, cid = os.urandom(32), "4321-0-abcdef"
     owner, port, setup = _listening_setup(secret, cid, backlog=136)
     peak = [0]
@@ -70,7 +72,7 @@ def test_a_connection_flood_at_set_up_is_bounded_and_the_real_peer_gets_in(caplo
     def peer():
         flood.stdout.readline()                 # the flood is under way
         t = time.monotonic()
-        result["ack"], result["sock"], _ = _real_peer(port, secret, cid)
+        result["ack"], result["sock"], _ = _real_peer(port, secret, cid, tries=6)
         result["took"] = time.monotonic() - t
 
     t = threading.Thread(target=peer)
