@@ -394,6 +394,7 @@ class BoardRun:
         q, bd, seq = self.board.q, self.board, self.seq
         for k in self.need:
             if q[bd.ctrl[k] + W_REJECTED] == seq and q[bd.ctrl[k]] < seq:
+                _fence()        # (the kind was stored before the call number)
                 self._rejected(k, q[bd.ctrl[k] + W_REJECTED + 1])
 
     def _rejected(self, k: int, coll: int, theirs_at: str = "",
@@ -434,7 +435,8 @@ def mark_rejected(board: Board, seq: int, coll: int) -> None:
     rank's exit, if it leaves before, for a failure (``BoardRun`` checks the word while a
     peer's flag is missing)."""
     q, w = board.q, board.ctrl[board.me] + W_REJECTED
-    q[w + 1] = coll          # (x86 TSO: seen before the call number)
+    q[w + 1] = coll
+    _fence()                 # seen before the call number (weakly ordered CPUs too)
     q[w] = seq
 
 
