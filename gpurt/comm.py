@@ -53,10 +53,10 @@ from .tuner import FOLD, Native, Tuner, load_profile, oversubscribed, transport_
 from .wait import spin_seconds
 
 from gpurt.transports import shm_board, shm_direct  # noqa: E402  (after the core imports)
-
-_PLAIN = shm_board.PLAIN   # the compiled check of x and out for allreduce's quick path
 from gpurt.transports.base import p2p_sig  # noqa: E402
 from gpurt.transports.tcp import _settings as tcp_settings  # noqa: E402
+
+_PLAIN = shm_board.PLAIN   # the compiled check of x and out for allreduce's quick path
 
 log = logging.getLogger("gpurt.comm")
 
