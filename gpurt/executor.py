@@ -18,6 +18,7 @@ the communicator raises at once.
 from __future__ import annotations
 
 import copy
+import datetime
 import threading
 import time
 import weakref
@@ -36,14 +37,20 @@ _U8 = np.dtype(np.uint8)
 
 
 def check_timeout(timeout) -> float | None:
-    """``timeout=`` as given by a user: None, or a number of seconds >= 0."""
+    """``timeout=`` as given by a user: None, a number of seconds >= 0, or a
+    ``datetime.timedelta`` (as torch.distributed takes it).  A string or a bool is
+    refused, not read as a number: ``"5"`` is most likely an unparsed option."""
     if timeout is None:
         return None
+    if isinstance(timeout, datetime.timedelta):
+        timeout = timeout.total_seconds()
     try:
+        if isinstance(timeout, (str, bytes, bytearray, bool)):
+            raise TypeError
         t = float(timeout)
     except (TypeError, ValueError, OverflowError):   # (10**400: too large for a float)
-        raise ValueError(f"timeout must be a number of seconds or None, got {timeout!r}") \
-            from None
+        raise ValueError(f"timeout must be a number of seconds, a datetime.timedelta or "
+                         f"None, got {timeout!r}") from None
     if not t >= 0:  # also rejects NaN
         raise ValueError(f"timeout must be >= 0 seconds, got {timeout!r}")
     return t

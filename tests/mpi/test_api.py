@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import datetime
 import os
 import re
 import time
@@ -640,6 +641,11 @@ def test_bad_timeout_and_dtype_are_rejected_before_the_call_counts(comm):
     x = np.ones(4, np.float32)
     with pytest.raises(ValueError, match=rf"rank {r}: timeout must be a number"):
         comm.allreduce(x, timeout="5s")
+    for bad in ("5", True):     # (float() took them: an unparsed option, a flag)
+        with pytest.raises(ValueError, match=rf"rank {r}: timeout must be a number"):
+            comm.allreduce(x, timeout=bad)
+    with pytest.raises(ValueError, match="timeout must be >= 0"):
+        comm.allreduce(x, timeout=datetime.timedelta(seconds=-1))
     with pytest.raises(ValueError, match="timeout must be >= 0"):
         comm.barrier(timeout=-1)
     with pytest.raises(ValueError, match="timeout must be >= 0"):
@@ -655,6 +661,9 @@ def test_bad_timeout_and_dtype_are_rejected_before_the_call_counts(comm):
     seq = comm._seq
     comm.allreduce(x, timeout=20)       # still in step with every rank
     assert (x == p).all() and comm._seq == seq + 1
+    # a timedelta, as torch.distributed takes it
+    comm.allreduce(x, timeout=datetime.timedelta(seconds=20))
+    assert (x == p * p).all() and comm._seq == seq + 2
 
 
 def test_a_timeout_too_large_for_a_float_on_one_rank_is_a_rejection(comm):
