@@ -805,37 +805,28 @@ def run_job(launcher: Launcher, nranks: int, program: Sequence[str], *,
 
 
 def failure_report(first: dict, records: list[dict], nranks: int) -> str:
-    if first.get("no_status"):
+    if first.get("no_status"):      # (Result.first_failure: blamed, no record of its own)
         lines = [f"gpurt launch: rank {first['rank']} failed first (it left no status: the "
                  f"launcher stopped it); rank {first.get('blamed_by')}'s PeerFailure says:",
                  f"    | {first.get('blame')}"]
-        others = [r for r in records if r.get("exit_code") != 0]
-        if others:
-            lines.append("  then: " + "; ".join(f"rank {r.get('rank')} {_how(r)}"
-                                                for r in others))
-        known = {r.get("rank") for r in records} | {first["rank"]}
-        gone = [r for r in range(nranks) if r not in known]
-        if gone:
-            lines.append(f"  stopped by the launcher (no status): rank(s) "
-                         f"{', '.join(map(str, gone))}")
-        return "\n".join(lines)
-    pid = first.get("pid")
-    where = f"pid {pid}" if pid is not None else "its program never started"
-    what = ("ended (exit code 0) while the others still ran, and the launcher then stopped "
-            "them (Open MPI does so when a rank leaves without MPI_Finalize)"
-            if first.get("exit_code") == 0 else f"failed first: {_how(first)}")
-    lines = [f"gpurt launch: rank {first.get('rank')} (host {first.get('host')}, {where}) "
-             f"{what}"]
-    tail = first.get("stderr_tail") or []
-    if tail:
-        lines.append(f"  its last {len(tail)} line(s) of stderr:")
-        lines += [f"    | {t}" for t in tail]
     else:
-        lines.append("  it wrote nothing to stderr")
+        pid = first.get("pid")
+        where = f"pid {pid}" if pid is not None else "its program never started"
+        what = ("ended (exit code 0) while the others still ran, and the launcher then "
+                "stopped them (Open MPI does so when a rank leaves without MPI_Finalize)"
+                if first.get("exit_code") == 0 else f"failed first: {_how(first)}")
+        lines = [f"gpurt launch: rank {first.get('rank')} (host {first.get('host')}, "
+                 f"{where}) {what}"]
+        tail = first.get("stderr_tail") or []
+        if tail:
+            lines.append(f"  its last {len(tail)} line(s) of stderr:")
+            lines += [f"    | {t}" for t in tail]
+        else:
+            lines.append("  it wrote nothing to stderr")
     others = [r for r in records if r is not first and r.get("exit_code") != 0]
     if others:
         lines.append("  then: " + "; ".join(f"rank {r.get('rank')} {_how(r)}" for r in others))
-    known = {r.get("rank") for r in records}
+    known = {r.get("rank") for r in records} | {first.get("rank")}
     gone = [r for r in range(nranks) if r not in known]
     if gone:
         lines.append(f"  stopped by the launcher (no status): rank(s) "
