@@ -8,7 +8,9 @@ would, not poll for ever.
     mpiexec -disable-auto-cleanup -n 3 python tests/poll_cases.py exit small|large|recv
     mpiexec -n 3 python tests/poll_cases.py raise small
 
-Prints ``POLL {json}`` from ranks 0 and 2: the outcome and the seconds it took."""
+Prints ``POLL {json}`` from ranks 0 and 2: the outcome and the seconds it took; with a
+third argument, a folder, each also writes it to ``poll.<rank>.json`` there (the launcher
+may join two ranks' output lines: a CI run saw rank 2's record glued to rank 0's)."""
 
 import json
 import os
@@ -44,4 +46,7 @@ except gpurt.PeerFailure as e:
     rec["outcome"] = f"PeerFailure(rank={e.rank}): {e}"
 rec["seconds"] = time.monotonic() - t
 print("POLL " + json.dumps(rec), flush=True)
+if len(sys.argv) > 3:
+    with open(os.path.join(sys.argv[3], f"poll.{c.rank}.json"), "w") as f:
+        json.dump(rec, f)
 os._exit(0)
