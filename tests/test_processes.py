@@ -697,6 +697,39 @@ def test_stopped_peer_is_a_failure_after_the_bound_and_a_short_freeze_is_not(fre
         assert got.get("rank1") == "rank 1: resumed and done", got
 
 
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("mode", ["exit", "fresh", "closed", "stop"])
+def test_what_one_communicator_found_holds_on_the_others(mode, transport, tmp_path):
+    """tests/dead_peer_cases.py, 3 ranks, rank 2 leaves (exit: os._exit; stop: SIGSTOP,
+    GPURT_PEER_STOPPED=2).  A small send to it on a dup raises PeerFailure(rank=2) — it
+    fit in the ring (or the kernel's socket buffer) and "completed", the data lost, even
+    after a call on the parent had failed naming it; and a stopped peer that held up one
+    communicator for the bound fails the next one's call at once, not after the bound
+    again (before: 2.2 s per communicator).  (closed: rank 2 only closes the dup — the
+    send to it is as lost.)"""
+    if not is_hydra():
+        pytest.skip("uses MPICH hydra's -disable-auto-cleanup; this launcher is not hydra")
+    proc = subprocess.run([*mpiexec(), "-disable-auto-cleanup", "-n", "3", sys.executable,
+                           "tests/dead_peer_cases.py", mode, str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, GPURT_PEER_STOPPED="2", GPURT_TIMEOUT="60",
+                                   GPURT_TRANSPORTS=transport))
+    recs = {}
+    for r in (0, 1):
+        f = tmp_path / f"rank{r}"
+        assert f.exists(), (proc.stdout, proc.stderr)
+        recs[r] = json.loads(f.read_text())
+    for r in (0, 1):
+        rec = recs[r]
+        if mode not in ("fresh", "closed"):
+            assert rec["c"].startswith("PeerFailure(rank=2)"), recs
+            assert rec["c_s"] >= (2.0 if mode == "stop" else 0), recs
+        if "d" in rec:
+            assert rec["d"].startswith("PeerFailure(rank=2)"), recs
+            assert rec["d_s"] < 1.5, recs
+    assert "d" in recs[0] and ("d" in recs[1]) == (mode == "stop"), recs
+
+
 def test_full_dev_shm_is_a_resource_error_at_creation(tmp_path):
     """A /dev/shm too small for the segment: ResourceError on every rank when the
     communicator is created (posix_fallocate), not a SIGBUS later."""

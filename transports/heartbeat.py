@@ -70,6 +70,11 @@ SIZE = _HB.size + _MAC
 _LOG_SOURCES = 64       # addresses whose first refused datagram is logged at once
 _LOG_EVERY_S = 10.0     # beyond those: one summary warning at most this often
 
+# peer processes (address, pid) that a Heartbeat of this process found silent past the
+# bound, and when: another communicator's Heartbeat waiting on the same process fails once
+# its own ping goes unanswered for an interval, instead of waiting the whole bound again
+_silent: dict[tuple[str, int], float] = {}
+
 
 def _mac(secret: bytes, magic: bytes, frm: int, to: int, seq: int) -> bytes:
     return hmac.new(secret, magic + struct.pack("<III", frm, to, seq),
@@ -78,6 +83,12 @@ def _mac(secret: bytes, magic: bytes, frm: int, to: int, seq: int) -> bytes:
 
 def _note_mac(secret: bytes, signed: bytes, to: int) -> bytes:
     return hmac.new(secret, signed + struct.pack("<I", to), hashlib.sha256).digest()[:_MAC]
+
+
+def _pids(comm, peers) -> dict[int, int] | None:
+    """The peers' process ids, where the communicator knows them (for ``start``)."""
+    pids = getattr(comm, "pids", None)
+    return {q: pids[q] for q in peers} if pids else None
 
 
 class Heartbeat:
@@ -104,13 +115,17 @@ class Heartbeat:
         self._refused_from: set[str] = set()    # addresses already named in a warning
         self._refusals = Throttle(_LOG_EVERY_S)  # the warnings of the others
         self.notices: dict[int, str] = {}
+        self.ids: dict[int, tuple[str, int]] = {}  # peer -> (address, pid): its process
         self._secret = b""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def start(self, me: int, secret: bytes, peers: dict[int, tuple[str, int]],
-              interval: float) -> None:
+              interval: float, pids: dict[int, int] | None = None) -> None:
+        """``pids``: each peer's process id, which with its address names the process
+        across communicators (``stopped``)."""
         self.me, self._secret, self.peers = me, secret, dict(peers)
+        self.ids = {q: (peers[q][0], pids[q]) for q in peers} if pids else {}
         self.interval = float(interval)
         now = time.monotonic()
         self.last = {q: now for q in peers}
@@ -160,8 +175,20 @@ class Heartbeat:
         from gpurt import config
 
         bound = float(config.get("GPURT_PEER_STOPPED"))
+        ident = self.ids.get(peer)
+        since = _silent.get(ident) if ident is not None else None
         if waited <= bound:
-            return None
+            # found silent past the bound by another communicator here, and nothing heard
+            # since, nor an answer to this one's ping within an interval: the same process,
+            # still silent (a freeze is bounded once per process, not once per communicator)
+            if since is None or heard > since or now - first < self.interval:
+                return None
+            return (f"rank {peer} ({host}) has not answered heartbeat pings for "
+                    f"{now - first:.1f} s, and another communicator of this process found it "
+                    f"silent for more than GPURT_PEER_STOPPED={bound:g} s {now - since:.1f} s "
+                    f"ago: {what}")
+        if ident is not None and (since is None or since < heard):
+            _silent[ident] = now
         return (f"rank {peer} ({host}) has not answered heartbeat pings for {waited:.1f} s "
                 f"of waiting (more than GPURT_PEER_STOPPED={bound:g} s): {what}")
 

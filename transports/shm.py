@@ -131,6 +131,48 @@ def _pid_state(pid: int) -> str:
         return "?"
 
 
+class _PeerProc:
+    """What this process knows of one local peer process, shared by every endpoint to it
+    (every communicator, every dup): that it has exited, since when it has been seen
+    stopped, and when its state was last read.  Per endpoint, a freeze's bound restarted
+    with each communicator a survivor waited on, and a send on a dup did not know what a
+    failed call on the parent had found."""
+
+    __slots__ = ("pid", "gone", "stopped_since", "checked")
+
+    def __init__(self, pid: int):
+        self.pid, self.gone = pid, ""
+        self.stopped_since: float | None = None
+        self.checked = -1e18    # time.monotonic() of the last /proc read
+
+    def state(self, now: float) -> str:
+        """Read the state (and remember it): "gone" once it has exited, for good."""
+        if self.gone:
+            return "gone"
+        state = _pid_state(self.pid)
+        self.checked = now
+        if state in ("gone", "Z", "X"):
+            self.gone = state
+            return "gone"
+        if state in ("T", "t"):
+            if self.stopped_since is None:
+                self.stopped_since = now
+        else:
+            self.stopped_since = None
+        return state
+
+
+_procs: dict[int, _PeerProc] = {}
+_SEND_CHECK = 0.2    # a send reads its peer's state if nobody did for this long (seconds)
+
+
+def _peer_proc(pid: int) -> _PeerProc:
+    p = _procs.get(pid)
+    if p is None:
+        p = _procs[pid] = _PeerProc(pid)
+    return p
+
+
 def _pid_alive(pid: int) -> bool:
     """Not provably gone (an unknown pid counts as alive)."""
     return _pid_state(pid) not in ("gone", "Z", "X")
@@ -714,7 +756,7 @@ class ShmEndpoint:
         self.rx = [_Ring(seg, local_peer, me, lane, False) for lane in range(LANES)]
         self._pid = 0
         self.err_i = seg.err_off(local_peer) // 8      # the peer's error record's word
-        self._stopped_since: float | None = None
+        self._proc: _PeerProc | None = None            # the peer process (_PeerProc)
         self._closed_seen = False
         self.maps: sharedmem.PeerMaps | None = None     # the peer's shared arrays
 
@@ -725,6 +767,9 @@ class ShmEndpoint:
             # only closed is left to the receives: its rejection of this call's input,
             # say, then comes first as the error this call raises)
             self._gone()
+        p = self._proc
+        if p is None or p.gone or w or time.monotonic() - p.checked > _SEND_CHECK:
+            self._send_check(w)
         ring = self.tx[lane]
         m = _Msg(ring, self.peer, lane, src.nbytes, tag, sig, data=src)
         ring.queue.append(m)
@@ -741,6 +786,32 @@ class ShmEndpoint:
         ring.queue.append(m)
         ring._pull()
         return m
+
+    def _process(self) -> _PeerProc:
+        if self._proc is None:
+            seg = self.owner.seg
+            if not self._pid:
+                self._pid = seg.q[seg.pid_i(self.local_peer)]
+            self._proc = _peer_proc(self._pid)
+        return self._proc
+
+    def _send_check(self, w: int) -> None:
+        """A send to a peer that exited without a word (SIGKILL, os._exit, the OOM
+        killer), or closed the communicator, would fit in the ring, complete, and be
+        lost: PeerFailure instead.  The process state is read at most every _SEND_CHECK
+        seconds per peer process (one /proc read), and at once where this process already
+        knows it exited (a failed call on another communicator).  A peer that closed with
+        messages to this rank still unread here is left to the receives: what it sent
+        last (its rejection of this call's input, say) is the error to raise.  A peer
+        that dies after the check loses what was sent, as with any eager send: the
+        receives and waits are where that shows."""
+        if self._process().state(time.monotonic()) == "gone":
+            raise PeerFailure(f"rank {self.peer} (pid {self._pid}, same node) has exited: "
+                              f"this send to it would be lost", rank=self.peer)
+        if w & CLOSED and all(self.owner.seg.q[r.head_i] == r.count for r in self.rx):
+            raise PeerFailure(f"rank {self.peer} (pid {self._pid}, same node) "
+                              f"{self.owner.seg.read_error(self.local_peer, closed=True)}: "
+                              f"this send to it would be lost", rank=self.peer)
 
     def _gone(self) -> None:
         """A send to a peer that has failed: nobody will read it."""
@@ -765,8 +836,7 @@ class ShmEndpoint:
         """PeerFailure if the peer process is gone, or has been stopped (SIGSTOP, a
         debugger) for longer than GPURT_PEER_STOPPED; a shorter freeze is not a failure."""
         seg = self.owner.seg
-        if not self._pid:
-            self._pid = seg.q[seg.pid_i(self.local_peer)]
+        proc = self._process()
         failed = self.published()
         if failed is not None:
             raise failed
@@ -779,21 +849,19 @@ class ShmEndpoint:
                 raise PeerFailure(f"rank {self.peer} (pid {self._pid}, same node) {closed}",
                                   rank=self.peer)
             self._closed_seen = True
-        state = _pid_state(self._pid)
-        if state in ("gone", "Z", "X"):
+        now = time.monotonic()
+        state = proc.state(now)
+        if state == "gone":
             raise PeerFailure(f"rank {self.peer} (pid {self._pid}, same node) has exited",
                               rank=self.peer)
-        if state in ("T", "t"):
-            now = time.monotonic()
-            if self._stopped_since is None:
-                self._stopped_since = now
+        if proc.stopped_since is not None:
+            # (since this process first saw it stopped, on any communicator: a survivor
+            # that waits on one call after another is held up once, not once per call)
             bound = float(config.get("GPURT_PEER_STOPPED"))
-            if now - self._stopped_since > bound:
+            if now - proc.stopped_since > bound:
                 raise PeerFailure(f"rank {self.peer} (pid {self._pid}, same node) has been "
                                   f"stopped for more than {bound:g} s (SIGSTOP or a "
                                   f"debugger)", rank=self.peer)
-        else:
-            self._stopped_since = None
 
 
 class ShmTransport:
@@ -973,6 +1041,7 @@ class ShmTransport:
         use_cma, use_map = threshold and not self.cma_why, shared_min and not self.map_why
         for ep in self.endpoints.values():
             pid = self.seg.q[self.seg.pid_i(ep.local_peer)]
+            ep._pid, ep._proc = pid, _peer_proc(pid)
             if use_map:
                 ep.maps = sharedmem.PeerMaps(pid, ep.peer, comm.rank)
             for ring in ep.rx + ep.tx:

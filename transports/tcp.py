@@ -121,7 +121,7 @@ from gpurt.errors import (CollectiveMismatchError, CommunicatorClosed, PeerFailu
 
 from .base import (LANE_NAMES, LANES, UPTO_MAX, Sink, Throttle, ensure_fds, mismatch_detail,
                    unpaired)
-from .heartbeat import Heartbeat
+from .heartbeat import Heartbeat, _pids
 
 log = logging.getLogger("gpurt.tcp")
 
@@ -140,6 +140,8 @@ _REPLY = struct.Struct("<16s32s")        # nonce', HMAC("A" | hello | nonce')
 _MAC = 32                                # HMAC("C" | hello | nonce')
 _ACK = b"\x01"
 
+_fails = 0                  # failures any tcp endpoint of this process has met (send())
+_SEND_CHECK = 0.2           # a send reads what its peer sent if nobody did for this long (s)
 _HB_INTERVAL = 0.5          # seconds between heartbeats (transports/heartbeat.py)
 _IBUF = 256 * 1024          # per-connection staging buffer (reads, reductions)
 _DIRECT_MIN = 4096          # plain receives read at least this much straight into dst
@@ -690,8 +692,13 @@ class TcpEndpoint:
         self.reset: str | None = None   # why the peer reset a connection, if it did
         self.told: str | None = None    # the failure the peer published (peer_error)
         self.stripes, self.smin = owner.stripes, owner.smin
+        self.polled = -1e18         # time.monotonic() of send()'s last look at the peer
+        self.fails = 0              # _fails then
 
     def send(self, src: np.ndarray, lane: int, tag: int, sig: int) -> _Send:
+        if self.failure is not None or self.fails != _fails or \
+                time.monotonic() - self.polled > _SEND_CHECK:
+            self._send_check()
         total = src.nbytes
         mv = memoryview(src)
         if mv.format != "B" or mv.ndim != 1:
@@ -703,6 +710,26 @@ class TcpEndpoint:
             hdr = _FRAME.pack(FRAME_MAGIC, lane, 0, ci, tag, sig, total, off, n)
             self.conns[ci].push([hdr, mv[off:off + n]] if n else [hdr], m)
         return m
+
+    def _send_check(self) -> None:
+        """A send to a peer whose streams ended (it exited, was killed or closed the
+        communicator: the kernel takes the bytes, then drops them) would complete, and be
+        lost: PeerFailure instead.  Reads what has arrived at most every _SEND_CHECK
+        seconds per peer (a non-blocking read), and at once where a failure is known, or
+        any endpoint of this process met one since (a failed call on another
+        communicator: the same peer's other streams have most likely ended too).  A
+        peer that only closed, with bytes of it still unread here, is left to the
+        receives: what it sent last (its rejection of this call's input, say) is the
+        error to raise."""
+        self.polled, self.fails = time.monotonic(), _fails
+        if self.failure is None:
+            self.pump()
+        if self.failure is None:
+            return
+        if self.failure == (PeerFailure, self.closed) and any(
+                c.ilo < c.ihi or c.cur is not None or any(c.unexp) for c in self.conns):
+            return
+        self.raise_failure()
 
     def recv(self, nbytes: int, sink: Sink, lane: int, tag: int, sig: int,
              upto: bool = False) -> _Recv:
@@ -767,8 +794,10 @@ class TcpEndpoint:
 
     # -- failure ------------------------------------------------------------------------
     def fail(self, cls: type, text: str) -> None:
+        global _fails
         if self.failure is None:    # the first reason is the one that explains the rest
             self.failure = (cls, text)
+            _fails += 1
             log.debug("tcp: %s", text)
 
     def raise_failure(self) -> None:
@@ -979,7 +1008,7 @@ class TcpTransport:
         self._loose = []            # owned by the endpoints now
         # a frozen peer on another node keeps its connections alive: heartbeats tell
         self.heartbeat.start(me, secret, {q: (info[q][1], info[q][6]) for q in peers},
-                             _HB_INTERVAL)
+                             _HB_INTERVAL, _pids(comm, peers))
         return dict(self.endpoints)
 
     # -- progress -------------------------------------------------------------------------

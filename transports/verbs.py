@@ -83,7 +83,7 @@ from gpurt.errors import (CollectiveMismatchError, PeerFailure, ResourceError, T
                           fit_text, from_peer, published_class, relayed_rank)
 
 from .base import LANE_NAMES, LANES, UPTO_MAX, Sink, mismatch_detail, unpaired
-from .heartbeat import Heartbeat
+from .heartbeat import Heartbeat, _pids
 
 log = logging.getLogger("gpurt.verbs")
 # (a forked child) verbs objects of the parent's context that the child must never free
@@ -876,7 +876,8 @@ class VerbsTransport:
             self.close()
             return {}
         self.heartbeat.start(me, info[0][4], {q: (info[q][3]["ip"], info[q][3]["hb"])
-                                              for q in peers}, _HB_INTERVAL)
+                                              for q in peers}, _HB_INTERVAL,
+                             _pids(comm, peers))
         return dict(self.endpoints)
 
     def _build(self, peers: list[int]) -> dict:
