@@ -571,15 +571,7 @@ class Engine:
                 req._begin()
                 if not req.done:
                     self.p2p.append(req)
-                    try:
-                        self._step(req)   # publish an isend now: the peer may be in a blocking call
-                    except Exception:
-                        # (a failure found at once — the mismatched message already here,
-                        # a peer that left: the engine is poisoned and the request carries
-                        # it: isend/irecv return their Request, as MPI_Irecv does, and its
-                        # wait or test() raises it)
-                        if req.error is None:
-                            raise
+                    self._step(req)   # publish an isend now: the peer may be in a blocking call
             else:
                 self.colls.append(req)
                 if len(self.colls) == 1:
