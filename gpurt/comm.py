@@ -195,13 +195,16 @@ class Communicator:
         leader = self.node_comm.bcast(self.rank, 0)
         info = self.mpi.allgather((leader, socket.gethostname(), os.getpid(), next(_COMM_IDS),
                                    config.problems(), config.must_agree(),
-                                   os.urandom(3).hex()))
+                                   os.urandom(3).hex(), _pid_namespace()))
         # the same on every rank: rank 0's pid, count and a random part (pids repeat
         # across hosts and in pid namespaces: two communicators of a job shared '11-1',
         # and one's flight records overwrote the other's)
         self.cid = f"{info[0][2]}-{info[0][3]}-{info[0][6]}"
         self.topo = Topology.from_ids([i[0] for i in info], [i[1] for i in info])
         self.pids = tuple(i[2] for i in info)
+        # each rank's pid namespace (0: unknown): a local peer's pid names it in /proc here
+        # only where the namespaces are the same (containers sharing IPC, not pids)
+        self.pidns = tuple(i[7] for i in info)
         self.node: int = self.topo.node_of[self.rank]
         self.nnodes: int = self.topo.nnodes
         self.local_rank: int = self.topo.local_rank(self.rank)
@@ -2349,6 +2352,14 @@ def _agreement_schedule(p: int, r: int, n: int, m: int | None = None) -> Schedul
     upto = n > _HDR_WORDS
     return Schedule.build([[Send(q, Slice("out", r * n, m)) for q in others]
                            + [Recv(q, Slice("out", q * n, n), upto) for q in others]])
+
+
+def _pid_namespace() -> int:
+    """This process's pid namespace (the inode of /proc/self/ns/pid), 0 if unknown."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
 
 
 def _hier_agreement(topo: Topology) -> bool:

@@ -266,6 +266,8 @@ class Heartbeat:
                             self._answered[frm] = seq
                     if fresh:
                         self.last[frm] = time.monotonic()
+                        if _silent:     # (it answers again: no longer silent for anyone)
+                            _silent.pop(self.ids.get(frm), None)
                     else:
                         self.stale += 1     # authentic but old: reordered, or replayed
                     continue

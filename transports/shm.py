@@ -138,24 +138,30 @@ class _PeerProc:
     with each communicator a survivor waited on, and a send on a dup did not know what a
     failed call on the parent had found."""
 
-    __slots__ = ("pid", "gone", "stopped_since", "checked")
+    __slots__ = ("pid", "gone", "stopped_since", "checked", "visible")
 
-    def __init__(self, pid: int):
+    def __init__(self, pid: int, visible: bool = True):
         self.pid, self.gone = pid, ""
         self.stopped_since: float | None = None
         self.checked = -1e18    # time.monotonic() of the last /proc read
+        self.visible = visible  # its pid names it in this process's /proc (same namespace)
 
     def state(self, now: float) -> str:
-        """Read the state (and remember it): "gone" once it has exited, for good."""
+        """Read the state (and remember it): "gone" once it has exited, for good; "?"
+        where its pid means nothing here (another pid namespace)."""
         if self.gone:
             return "gone"
+        last, self.checked = self.checked, now
+        if not self.visible:
+            return "?"
         state = _pid_state(self.pid)
-        self.checked = now
         if state in ("gone", "Z", "X"):
             self.gone = state
             return "gone"
         if state in ("T", "t"):
-            if self.stopped_since is None:
+            # (not seen for a while: it may have run and stopped again meanwhile — the
+            # freeze is counted from now, not from a stop that may have ended)
+            if self.stopped_since is None or now - last > 1.0:
                 self.stopped_since = now
         else:
             self.stopped_since = None
@@ -166,9 +172,16 @@ _procs: dict[int, _PeerProc] = {}
 _SEND_CHECK = 0.2    # a send reads its peer's state if nobody did for this long (seconds)
 
 
-def _peer_proc(pid: int) -> _PeerProc:
+def _peer_proc(pid: int, visible: bool = True) -> _PeerProc:
+    """The record of a local peer process that has just taken part in a communicator's
+    set-up (so it lives, and runs): a record of an earlier process with the same pid
+    (pid reuse: a spawned rank) that exited, or of a freeze, starts again; endpoints of
+    the earlier communicators keep theirs.  A peer whose pid means nothing here (another
+    pid namespace) gets a record of its own whose state is unknown."""
+    if not visible:
+        return _PeerProc(pid, False)
     p = _procs.get(pid)
-    if p is None:
+    if p is None or p.gone or p.stopped_since is not None:
         p = _procs[pid] = _PeerProc(pid)
     return p
 
@@ -809,9 +822,8 @@ class ShmEndpoint:
             raise PeerFailure(f"rank {self.peer} (pid {self._pid}, same node) has exited: "
                               f"this send to it would be lost", rank=self.peer)
         if w & CLOSED and all(self.owner.seg.q[r.head_i] == r.count for r in self.rx):
-            raise PeerFailure(f"rank {self.peer} (pid {self._pid}, same node) "
-                              f"{self.owner.seg.read_error(self.local_peer, closed=True)}: "
-                              f"this send to it would be lost", rank=self.peer)
+            raise PeerFailure(f"rank {self.peer} (pid {self._pid}, same node) has closed the "
+                              f"communicator: this send to it would be lost", rank=self.peer)
 
     def _gone(self) -> None:
         """A send to a peer that has failed: nobody will read it."""
@@ -1041,7 +1053,9 @@ class ShmTransport:
         use_cma, use_map = threshold and not self.cma_why, shared_min and not self.map_why
         for ep in self.endpoints.values():
             pid = self.seg.q[self.seg.pid_i(ep.local_peer)]
-            ep._pid, ep._proc = pid, _peer_proc(pid)
+            ns = getattr(comm, "pidns", None)
+            ep._pid = pid
+            ep._proc = _peer_proc(pid, not ns or ns[ep.peer] == ns[comm.rank])
             if use_map:
                 ep.maps = sharedmem.PeerMaps(pid, ep.peer, comm.rank)
             for ring in ep.rx + ep.tx:
@@ -1175,10 +1189,10 @@ class ShmTransport:
         while True:
             late = [(peer, ring) for peer, ring in rings if q[ring.ack_i] < ring.acks]
             # (a peer that has exited, failed or closed reads nothing any more)
+            now = time.monotonic()
             late = [(p, ring) for p, ring in late
                     if not q[self.endpoints[p].err_i]
-                    and _pid_alive(self.endpoints[p]._pid
-                                   or q[seg.pid_i(self.endpoints[p].local_peer)])]
+                    and self.endpoints[p]._process().state(now) != "gone"]
             if not late:
                 return
             if time.monotonic() > deadline:
