@@ -9,6 +9,7 @@ import os
 import re
 import select
 import signal
+import shutil
 import subprocess
 import sys
 import time
@@ -728,6 +729,52 @@ def test_what_one_communicator_found_holds_on_the_others(mode, transport, tmp_pa
             assert rec["d"].startswith("PeerFailure(rank=2)"), recs
             assert rec["d_s"] < 1.5, recs
     assert "d" in recs[0] and ("d" in recs[1]) == (mode == "stop"), recs
+
+
+def _can_unshare_pid() -> bool:
+    return shutil.which("unshare") is not None and subprocess.run(
+        ["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True).returncode == 0
+
+
+def test_a_local_peer_in_another_pid_namespace_is_not_taken_for_exited():
+    """Two ranks of one node (shared /dev/shm and IPC: shm connects them) in two pid
+    namespaces, as containers started with --ipc=host but their own pids: rank 0's pid is
+    no process in rank 1's /proc.  Its liveness is unknown there, not 'has exited' (the
+    first send raised PeerFailure before)."""
+    if not is_hydra():
+        pytest.skip("uses MPICH hydra's MPMD launch")
+    if not _can_unshare_pid():
+        pytest.skip("cannot make a pid namespace here (unshare --pid needs root)")
+    proc = subprocess.run([*mpiexec(), "-n", "1", sys.executable, "tests/pidns_cases.py", "ns",
+                           ":", "-n", "1", "unshare", "--pid", "--fork", "--mount-proc",
+                           sys.executable, "tests/pidns_cases.py", "ns"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, GPURT_TRANSPORTS="shm", UCX_TLS="tcp,self"))
+    out = proc.stdout + proc.stderr
+    assert "RESULT 0: ok via ['shm']" in out and "RESULT 1: ok via ['shm']" in out, out
+
+
+def test_a_spawned_rank_that_reuses_an_exited_ranks_pid_is_alive():
+    """A parent spawns a child that leaves without a word, then one that gets the same pid
+    (a private pid namespace, ns_last_pid): a send to the first raises PeerFailure, the
+    second gets its message — the record of the exited process starts again when a new
+    communicator connects to that pid (before: 'has exited', the message lost)."""
+    if not is_hydra():
+        pytest.skip("uses MPICH hydra")
+    if not _can_unshare_pid():
+        pytest.skip("cannot make a pid namespace here (unshare --pid needs root)")
+    proc = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", *mpiexec(),
+                           "-disable-auto-cleanup", "-n", "1", sys.executable,
+                           "tests/pidns_cases.py", "reuse"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env=dict(os.environ, GPURT_TRANSPORTS="shm"))
+    # (hydra may glue two processes' lines together: split at every RESULT)
+    lines = [ln.strip() for ln in proc.stdout.replace("RESULT", "\nRESULT").splitlines()
+             if ln.startswith("RESULT")]
+    first = next((ln for ln in lines if ln.startswith("RESULT 0 ")), "")
+    second = next((ln for ln in lines if ln.startswith("RESULT 1 ")), "")
+    assert "sent, then PeerFailure" in first and "has exited" in first, (lines, proc.stderr)
+    assert first.split(":")[0].split()[-1] == second.split(":")[0].split()[-1], lines  # same pid
+    assert second.endswith(": sent") and "RESULT child got 2" in lines, (lines, proc.stderr)
 
 
 def test_full_dev_shm_is_a_resource_error_at_creation(tmp_path):
