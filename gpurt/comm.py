@@ -42,7 +42,7 @@ from .buffers import Buf, as_buf, check_writable, empty_like, overlaps, same
 from .errors import (CollectiveMismatchError, CollectiveTimeout, CommunicatorClosed,
                      GpurtError, ResourceError, relay_text,
                      TransportError)
-from .executor import Chain, Engine, Request, RowsRun, _Run, check_timeout, wait_mpi
+from .executor import Chain, Engine, P2PRun, Request, RowsRun, _Run, check_timeout, wait_mpi
 from .flight import FlightRecorder
 from .ops import FAST_OPS as _FAST_OPS, Op, as_op, check_op, host_finalize, reducer, supported
 from .schedule import Copy, Recv, Schedule, Send, Slice
@@ -53,7 +53,7 @@ from .tuner import FOLD, Native, Tuner, load_profile, oversubscribed, transport_
 from .wait import spin_seconds
 
 from gpurt.transports import shm_board, shm_direct  # noqa: E402  (after the core imports)
-from gpurt.transports.base import p2p_sig  # noqa: E402
+from gpurt.transports.base import LANE_P2P, p2p_sig  # noqa: E402
 from gpurt.transports.tcp import _settings as tcp_settings  # noqa: E402
 
 _PLAIN = shm_board.PLAIN   # the compiled check of x and out for allreduce's quick path
@@ -1987,10 +1987,29 @@ class Communicator:
             raise ValueError(f"rank {self.rank}: tag must be an int from 0 to 2**64-1, got "
                              f"{tag!r}")
         dev = b.kind != "host"
-        sig = p2p_sig(b.dtype, dev)
+        sig = _p2p_sigs.get((b.dtype, dev))
+        if sig is None:
+            sig = _p2p_sigs[(b.dtype, dev)] = p2p_sig(b.dtype, dev)
+        what = f"{kind} {'to' if kind == 'send' else 'from'} rank {peer}"
+        if not dev and stream is None and (kind != "send" or peer not in self.dev_endpoints):
+            # the common case, lean: one message on the peer's host endpoint
+            ep = self.endpoints.get(peer)
+            arr = b.array.view(b.dtype).view(np.uint8)
+            if ep is not None:
+                tag = int(tag)
+                fl = self.flight
+                if fl is None:
+                    finish = functools.partial(getattr, b, "owner")
+                else:
+                    rec = fl.start(tag, "p2p", (b.dtype.str, b.count, None, None),
+                                   f"{what} tag {tag}")
+                    finish = functools.partial(_p2p_done, rec, b)
+                req = Request(self.engine, what, tag, None, finish, p2p=True)
+                req.algorithm = "p2p"
+                return self.engine.submit_run(
+                    req, P2PRun(ep, kind == "send", arr, LANE_P2P, tag, sig, peer))
         sl = Slice("in" if kind == "send" else "out", 0, b.count)
         sched = Schedule(((Send(peer, sl) if kind == "send" else Recv(peer, sl),),))
-        from gpurt.transports import LANE_P2P
 
         if dev:
             be = self.dev
@@ -2018,7 +2037,6 @@ class Communicator:
             return _Run(sched, bufs, False, None, eps, LANE_P2P, int(tag), sig, dev=ctx,
                         dtype=b.dtype)
 
-        what = f"{kind} {'to' if kind == 'send' else 'from'} rank {peer}"
         fl = self.flight
         rec = fl.start(int(tag), "p2p", (b.dtype.str, b.count, None, None), f"{what} tag {tag}") \
             if fl is not None else None
@@ -2352,6 +2370,14 @@ def _agreement_schedule(p: int, r: int, n: int, m: int | None = None) -> Schedul
     upto = n > _HDR_WORDS
     return Schedule.build([[Send(q, Slice("out", r * n, m)) for q in others]
                            + [Recv(q, Slice("out", q * n, n), upto) for q in others]])
+
+
+_p2p_sigs: dict[tuple, int] = {}      # (dtype, device) -> p2p_sig
+
+
+def _p2p_done(rec, b: Buf) -> Any:
+    FlightRecorder.done(rec)
+    return b.owner
 
 
 def _pid_namespace() -> int:
