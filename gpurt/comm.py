@@ -18,7 +18,6 @@ Semantics shared by every collective
 from __future__ import annotations
 
 import atexit
-import contextlib
 import functools
 import itertools
 import logging
@@ -2557,15 +2556,25 @@ def _prefix(rank: int, e: BaseException) -> str:
     return msg if msg.startswith("rank ") else f"rank {rank}: {msg}"
 
 
-@contextlib.contextmanager
-def _ranked(rank: int, kinds: Any = (ValueError, TypeError), suffix: str = ""):
-    """Argument checks inside this block raise with the rank in front of their text
-    (``rank 3: ...``), the same class where it can be built from one string, else the
-    plain ``ValueError``/``TypeError`` it derives from; the caller's traceback only."""
-    try:
-        yield
-    except kinds as e:
-        text = _prefix(rank, e) + suffix
+class _ranked:
+    """``with _ranked(rank):`` argument checks inside the block raise with the rank in
+    front of their text (``rank 3: ...``), the same class where it can be built from one
+    string, else the plain ``ValueError``/``TypeError`` it derives from; the caller's
+    traceback only.  (A class, not a ``contextlib.contextmanager``: entering and leaving
+    a generator-based one cost ~1.5 us here, on every send and receive.)"""
+
+    __slots__ = ("rank", "kinds", "suffix")
+
+    def __init__(self, rank: int, kinds: Any = (ValueError, TypeError), suffix: str = ""):
+        self.rank, self.kinds, self.suffix = rank, kinds, suffix
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, typ, e, tb) -> bool:
+        if e is None or not isinstance(e, self.kinds):
+            return False
+        text = _prefix(self.rank, e) + self.suffix
         try:
             again = type(e)(text)
         except Exception:       # a class that wants more than a message (UnicodeError ...)
