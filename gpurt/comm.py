@@ -1993,7 +1993,7 @@ class Communicator:
         if not dev and stream is None and (kind != "send" or peer not in self.dev_endpoints):
             # the common case, lean: one message on the peer's host endpoint
             ep = self.endpoints.get(peer)
-            arr = b.array.view(b.dtype).view(np.uint8)
+            arr = b.array.view(np.uint8)      # (flat and contiguous: its bytes)
             if ep is not None:
                 tag = int(tag)
                 fl = self.flight
