@@ -935,10 +935,12 @@ class Engine:
             missing = self.pending_peers(naming=True)
             earlier = "" if req.p2p or not self.colls or self.colls[0] is req else \
                 f" in the earlier {self.colls[0].name} (call #{self.colls[0].seq})"
+            # (a point-to-point request's number is its tag, not a call number: seq -1)
             return CollectiveTimeout(
-                f"rank {self.rank}: {req.name} (call #{req.seq}) did not complete within "
+                f"rank {self.rank}: {req.name} "
+                f"({'tag ' if req.p2p else 'call #'}{req.seq}) did not complete within "
                 f"{t:g} s; still waiting for rank(s) {missing}{earlier}",
-                collective=req.name, seq=req.seq, missing=tuple(missing))
+                collective=req.name, seq=-1 if req.p2p else req.seq, missing=tuple(missing))
 
         try:
             self._drive(self.progress, lambda: req.done or req.error is not None,

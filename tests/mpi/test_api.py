@@ -422,6 +422,30 @@ def test_timeout_names_the_missing_ranks(comm):
         comm.mpi.Barrier()     # the others keep the communicator open until then
 
 
+def test_a_receive_that_times_out_names_its_tag_and_can_wait_again(comm):
+    """A point-to-point wait past its timeout: CollectiveTimeout naming the peer and the
+    tag ("(tag 5)", seq -1 — the message has no call number; it said "call #5"), the
+    request still in flight: the next wait completes with the data."""
+    p, r = comm.size, comm.rank
+    if p == 1:
+        pytest.skip("needs 2 ranks")
+    with scratch(comm) as c:
+        if r == 1:
+            got = np.zeros(3, np.int64)
+            req = c.irecv(got, 0, tag=5)
+            with pytest.raises(gpurt.CollectiveTimeout) as ei:
+                req.wait(timeout=0.3)
+            assert "rank 1: recv from rank 0 (tag 5) did not complete within 0.3 s" \
+                in str(ei.value), str(ei.value)
+            assert ei.value.seq == -1 and ei.value.missing == (0,)
+        comm.mpi.Barrier()
+        if r == 0:
+            c.send(np.arange(3, dtype=np.int64), 1, tag=5)
+        elif r == 1:
+            req.wait(timeout=30)
+            assert got.tolist() == [0, 1, 2]
+
+
 def test_split_dup_close(comm):
     p, r = comm.size, comm.rank
     sub = comm.split(r % 2, key=-r)          # reversed order inside each half
