@@ -630,18 +630,8 @@ class Engine:
         try:
             self.raise_if_poisoned()        # (read after enter(): see there)
             req.run, req._start = run, None
-            try:
-                run.advance()
-            except BaseException as e:
-                if self._stopped_by_poison(e):
-                    if req.error is None:
-                        req.error = _own(self.poisoned)
-                    return req
-                self._fail(e, req)
-                raise
-            if run.done:
-                req._complete()
-            else:
+            self._step(req)
+            if not req.done and req.error is None:
                 self.p2p.append(req)
         finally:
             self.leave(prev)
