@@ -488,14 +488,8 @@ class Communicator:
                     cost = Cost(cost.alpha, cost.beta * busiest, cost.gamma)
                 profile = load_profile(str(config.get("GPURT_PROFILE")), self.size,
                                        self.nnodes)
-                fold = int(config.get("GPURT_NET_FOLD"))
-                if not 0 <= fold <= _FOLD_MAX:
-                    raise ValueError(f"GPURT_NET_FOLD={fold} must be between 0 and "
-                                     f"{_FOLD_MAX} bytes")
+                fold = int(config.get("GPURT_NET_FOLD"))          # (ranges: config)
                 pair = int(config.get("GPURT_NET_FOLD_PAIR"))
-                if not 0 <= pair <= _PAIR_MAX:
-                    raise ValueError(f"GPURT_NET_FOLD_PAIR={pair} must be between 0 and "
-                                     f"{_PAIR_MAX} bytes")
                 if any(name == "tcp" for _, name in used):
                     stripes, smin = tcp_settings()
                     if stripes > 1:   # (an agreement message must stay one tcp frame)
@@ -2334,9 +2328,6 @@ _FOLD_RANKS = 8          # the most ranks for which agreement messages carry dat
 #: collectives whose size S (as nccl-tests and explain() count it) is the whole buffer
 _REDUCING = frozenset({"allreduce", "reduce", "reduce_scatter"})
 _BLOCKED = ("allgather", "reduce_scatter", "alltoall", "gather", "scatter")
-_FOLD_MAX = 64 << 10     # the most GPURT_NET_FOLD may be (an agreement message stays
-                         # one tcp frame: under its least stripe threshold)
-_PAIR_MAX = 4 << 20      # the most GPURT_NET_FOLD_PAIR may be (transports.base.UPTO_MAX)
 
 
 def _fold_bytes(coll: str, p: int, n: int, isz: int) -> int:

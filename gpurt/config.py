@@ -70,14 +70,44 @@ def _list(s: str) -> tuple[str, ...]:
 
 
 def _algo(s: str) -> dict[str, str]:
-    """``allreduce:ring,broadcast:tree`` -> {"allreduce": "ring", "broadcast": "tree"}."""
+    """``allreduce:ring,broadcast:tree`` -> {"allreduce": "ring", "broadcast": "tree"};
+    the collectives and algorithms must exist (``tuner.check_forced``: a bad name is a
+    problem ``gpurt info`` reports, not only an error at every communicator's creation)."""
     out: dict[str, str] = {}
     for item in _list(s):
         if ":" not in item:
             raise ValueError(f"GPURT_ALGO entry {item!r} is not COLLECTIVE:ALGORITHM")
         coll, name = item.split(":", 1)
         out[coll.strip()] = name.strip()
+    from gpurt.tuner import check_forced
+
+    check_forced(out)
     return out
+
+
+def _transports(s: str) -> tuple[str, ...]:
+    """Transport names, each one gpurt has (``transports.check_names``)."""
+    names = _list(s)
+    from gpurt.transports import check_names
+
+    check_names(names)
+    return names
+
+
+def _bytes_upto(hi: int) -> Callable[[str], int]:
+    """A size (``_bytes``) of at most ``hi`` bytes."""
+    def parse(s: str) -> int:
+        n = _bytes(s)
+        if n > hi:
+            raise ValueError(f"{n} bytes: must be between 0 and {hi} bytes")
+        return n
+    return parse
+
+
+# the most GPURT_NET_FOLD may be (an agreement message stays one tcp frame: under its
+# least stripe threshold), and GPURT_NET_FOLD_PAIR (transports.base.UPTO_MAX)
+NET_FOLD_MAX = 64 << 10
+NET_FOLD_PAIR_MAX = 4 << 20
 
 
 def _cost_names() -> tuple[str, ...]:
@@ -128,14 +158,14 @@ VARIABLES: tuple[Var, ...] = (
     Var("GPURT_CHECK", "1", _flag,
         "Before a collective moves data by a schedule, every rank checks that every rank "
         "made the same call (one shm-board round on one-node communicators); 0 skips it."),
-    Var("GPURT_NET_FOLD", "64K", _bytes,
+    Var("GPURT_NET_FOLD", "64K", _bytes_upto(NET_FOLD_MAX),
         "Several nodes, with GPURT_CHECK=1, up to 8 ranks: a collective whose data a rank "
         "would send to all the others in at most this many bytes ((ranks - 1) x its "
         "contribution) runs inside the agreement's exchange (agreement and data together, "
         "one round) instead of the agreement then a schedule; each agreement message is as "
         "long as its call needs (0: never, at most 64K; decided on rank 0). Within it, a "
         "GPURT_PROFILE that measured the call's size decides (gpurt tune times 'folded')."),
-    Var("GPURT_NET_FOLD_PAIR", "1M", _bytes,
+    Var("GPURT_NET_FOLD_PAIR", "1M", _bytes_upto(NET_FOLD_PAIR_MAX),
         "Two ranks on two nodes (or without the shm board), with GPURT_CHECK=1: an "
         "allreduce of at most this many bytes also runs inside the agreement's exchange "
         "(each rank's whole input crosses once and both reduce: the bytes of the two-step "
@@ -151,7 +181,7 @@ VARIABLES: tuple[Var, ...] = (
     Var("GPURT_PROFILE", "", str,
         "A profile written by `gpurt tune`: the tuner picks its measured winners for "
         "communicators of the same shape (GPURT_ALGO and algo= still override)."),
-    Var("GPURT_TRANSPORTS", "", _list,
+    Var("GPURT_TRANSPORTS", "", _transports,
         "Order and filter the transport registry, e.g. 'shm,tcp'. Empty: all, default order. "
         "Device buffers use cuda_ipc inside a node when this is empty or names it; set "
         "without it, they are staged through pinned host memory everywhere."),

@@ -51,6 +51,22 @@ DEFAULT_COSTS: dict[str, Cost] = {
 NATIVE_NAMES = frozenset({"shm_board", "shm_direct"})
 
 
+def check_forced(forced: dict[str, str]) -> None:
+    """GPURT_ALGO's names without a communicator: every collective exists, and every
+    algorithm is one of its registered schedules, a compiled one (``NATIVE_NAMES``: where
+    it does not apply the tuner chooses) or the hierarchical one; ValueError otherwise."""
+    for coll, name in forced.items():
+        if coll not in SPECS:
+            raise ValueError(f"GPURT_ALGO names unknown collective {coll!r} "
+                             f"(known: {', '.join(SPECS)})")
+        if name not in NATIVE_NAMES and name not in (hier.HIER, "hier"):
+            try:
+                lookup(coll, name)
+            except ValueError as e:
+                raise ValueError(f"GPURT_ALGO: {e}; also {', '.join(sorted(NATIVE_NAMES))}, "
+                                 f"{hier.HIER}") from None
+
+
 @dataclass(frozen=True)
 class Native:
     """A collective a transport runs by its own protocol rather than as a schedule (e.g.
@@ -193,10 +209,8 @@ class Tuner:
         self.forced: dict[str, str] = {}
         if forced is None:
             forced = config.get("GPURT_ALGO")
+        check_forced(forced)
         for coll, name in forced.items():
-            if coll not in SPECS:
-                raise ValueError(f"GPURT_ALGO names unknown collective {coll!r} "
-                                 f"(known: {', '.join(SPECS)})")
             if name in NATIVE_NAMES and name not in self.natives.get(coll, {}):
                 continue   # e.g. shm_board on a communicator spanning nodes: tuner's choice
             if name in (hier.HIER, "hier") and coll not in self.hier:

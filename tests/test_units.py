@@ -1106,3 +1106,38 @@ def test_a_launch_whose_mpi_is_not_mpi4pys_is_an_error_not_n_singletons(var):
     p = subprocess.run([sys.executable, "-c", code], env={**env, var: "1"},
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and "size 1" in p.stdout, p.stderr
+
+
+@pytest.mark.parametrize("var,value,words", [
+    ("GPURT_NET_FOLD", "128K", "131072 bytes: must be between 0 and 65536 bytes"),
+    ("GPURT_NET_FOLD_PAIR", "8M", "must be between 0 and 4194304 bytes"),
+    ("GPURT_ALGO", "allreduce:bogus", "unknown algorithm 'bogus' for allreduce"),
+    ("GPURT_ALGO", "allredux:ring", "unknown collective 'allredux'"),
+    ("GPURT_TRANSPORTS", "ib", "unknown transport 'ib'"),
+])
+def test_info_flags_a_value_every_communicator_would_refuse(monkeypatch, var, value, words):
+    """`gpurt info --env` (and config.problems()) lists a value that fails every
+    communicator's creation — ranges, algorithm, collective and transport names — and
+    exits 1; before, it said nothing and exited 0 while every rank of a job failed
+    (bug hunt).  Valid names still pass."""
+    from click.testing import CliRunner
+
+    from gpurt import config
+    from gpurt.launch.cli import main
+
+    monkeypatch.setenv(var, value)
+    config.reload()
+    try:
+        assert any(words in p for p in config.problems()), config.problems()
+        res = CliRunner().invoke(main, ["info", "--env"])
+        assert res.exit_code == 1 and words in res.output, res.output
+        monkeypatch.setenv("GPURT_ALGO", "allreduce:ring,broadcast:shm_board,"
+                                         "reduce:hierarchical")
+        monkeypatch.setenv("GPURT_TRANSPORTS", "shm,tcp,cuda_ipc")
+        monkeypatch.delenv(var) if var not in ("GPURT_ALGO", "GPURT_TRANSPORTS") else None
+        config.reload()
+        assert config.problems() == [], config.problems()
+    finally:
+        for v in (var, "GPURT_ALGO", "GPURT_TRANSPORTS"):
+            monkeypatch.delenv(v, raising=False)
+        config.reload()

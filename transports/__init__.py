@@ -37,7 +37,7 @@ PLANNED: dict[str, str] = {}
 DEVICE = ("cuda_ipc",)
 
 __all__ = ["LANE_COLL", "LANE_P2P", "Completion", "Endpoint", "Transport", "register",
-           "registered", "PLANNED", "DEVICE", "selected", "device_ipc_enabled"]
+           "registered", "PLANNED", "DEVICE", "selected", "check_names", "device_ipc_enabled"]
 
 
 def device_ipc_enabled() -> bool:
@@ -57,15 +57,18 @@ def selected() -> list[tuple[str, type]]:
     want = config.get("GPURT_TRANSPORTS")
     if not want:
         return [(n, loader()) for n, loader in registered()]
-    out = []
+    check_names(want)
+    return [(name, avail[name]()) for name in want if name not in DEVICE]
+
+
+def check_names(want) -> None:
+    """Every name in ``want`` (GPURT_TRANSPORTS) is a transport gpurt has: ValueError
+    naming the first that is not (planned, or unknown)."""
+    avail = {name for name, _ in registered()}
     for name in want:
-        if name in DEVICE:
+        if name in DEVICE or name in avail:
             continue
-        if name in avail:
-            out.append((name, avail[name]()))
-        elif name in PLANNED:
+        if name in PLANNED:
             raise ValueError(f"GPURT_TRANSPORTS names {name!r}: {PLANNED[name]}")
-        else:
-            known = ", ".join(list(avail) + list(DEVICE) + list(PLANNED))
-            raise ValueError(f"GPURT_TRANSPORTS names unknown transport {name!r} (known: {known})")
-    return out
+        known = ", ".join(sorted(avail) + list(DEVICE) + list(PLANNED))
+        raise ValueError(f"GPURT_TRANSPORTS names unknown transport {name!r} (known: {known})")
