@@ -161,7 +161,33 @@ def _dtype_name(text: str) -> str:
 
 
 def _what(r: dict) -> str:
-    return ", ".join(x for x in (r["args"], r["algorithm"]) if x)
+    return ", ".join(x for x in (r["args"], r.get("algorithm")) if x)
+
+
+_RECORD_KEYS = (("seq", int), ("kind", str), ("state", str), ("args", str))
+
+
+def _check_dump(d) -> None:
+    """A rank's dump as ``dump`` writes it, or ValueError/TypeError/KeyError saying what
+    is not (a file edited, cut short or of something else is skipped with that, not a
+    traceback half way through the line-up)."""
+    if not isinstance(d, dict):
+        raise TypeError(f"a JSON {type(d).__name__}, not an object")
+    if not isinstance(d["communicator"], str):
+        raise TypeError("'communicator' is not a string")
+    size, rank = d["size"], d["rank"]
+    if type(size) is not int or type(rank) is not int or size < 1 or not 0 <= rank < size:
+        raise ValueError(f"rank {rank!r} of size {size!r} is not a rank of a communicator")
+    if not isinstance(d["records"], list):
+        raise TypeError("'records' is not a list")
+    for r in d["records"]:
+        if not isinstance(r, dict):
+            raise TypeError(f"a record is a {type(r).__name__}, not an object")
+        for key, typ in _RECORD_KEYS:
+            if not isinstance(r[key], typ) or isinstance(r[key], bool):
+                raise TypeError(f"a record's {key!r} is {r[key]!r}")
+        if not isinstance(r.get("algorithm"), (str, type(None))):
+            raise TypeError(f"a record's 'algorithm' is {r['algorithm']!r}")
 
 
 def line_up(paths: list[str]) -> str:
@@ -175,8 +201,7 @@ def line_up(paths: list[str]) -> str:
         try:
             with open(p) as f:
                 d = json.load(f)
-            for key in ("communicator", "rank", "size", "records"):
-                d[key]          # noqa: B018 - (a file without them is not a dump)
+            _check_dump(d)
         except (OSError, ValueError, KeyError, TypeError) as e:
             out.append(f"skipped {p}: not a flight record ({type(e).__name__}: {e})")
             continue
@@ -220,7 +245,7 @@ def line_up(paths: list[str]) -> str:
         for d in sorted(dumps, key=lambda d: d["rank"]):
             for r in d["records"]:
                 if r["kind"] == "p2p" and r["state"] != "done":
-                    out.append(f"  rank {d['rank']}: {r['algorithm']} ({r['args']}) did not "
+                    out.append(f"  rank {d['rank']}: {r.get('algorithm')} ({r['args']}) did not "
                                f"complete: {r['state']}"
                                + (f"  ({r['site']})" if r.get("site") else ""))
         silent = sorted(set(range(size)) - set(have))
@@ -232,7 +257,8 @@ def line_up(paths: list[str]) -> str:
                 out.append(f"  rank {d['rank']}: {d['lost']} older unfinished call(s) not "
                            f"recorded (more in flight than its records hold): the first "
                            f"call above may be later than the first that hung")
-            out.append(f"  rank {d['rank']} (pid {d['pid']} on {d['host']}): {d['reason']}")
+            out.append(f"  rank {d['rank']} (pid {d.get('pid', '?')} on {d.get('host', '?')}): "
+                       f"{d.get('reason', '(no reason recorded)')}")
     return "\n".join(out)
 
 

@@ -1141,3 +1141,52 @@ def test_info_flags_a_value_every_communicator_would_refuse(monkeypatch, var, va
         for v in (var, "GPURT_ALGO", "GPURT_TRANSPORTS"):
             monkeypatch.delenv(v, raising=False)
         config.reload()
+
+
+@pytest.mark.parametrize("edit", ["records-none", "rank-str", "rank-out-of-range", "no-reason",
+                                  "record-without-kind", "a-list", "record-seq-str"])
+def test_flight_skips_a_malformed_dump_instead_of_a_traceback(tmp_path, edit):
+    """`gpurt flight DIR` with one dump edited or of something else: that file is skipped
+    with a line saying why, the others are lined up; before, a TypeError or KeyError
+    traceback ended it (bug hunt).  A dump without 'reason' is not malformed: it is
+    lined up, the reason said to be missing."""
+    from gpurt.flight import main
+
+    def rec(seq, kind, state):
+        return {"seq": seq, "kind": kind, "args": "float32 x 4 SUM", "algorithm": "ring",
+                "t_start": 1.0, "t_end": 0.0, "state": state, "site": ""}
+
+    dumps = [{"rank": r, "size": 3, "communicator": "9-0-aa", "pid": 1, "host": "h",
+              "lost": 0, "reason": "CollectiveTimeout: x",
+              "records": [rec(6, "allreduce", "running" if r else "done")]} for r in (0, 1)]
+    bad = dumps[1]
+    if edit == "records-none":
+        bad["records"] = None
+    elif edit == "rank-str":
+        bad["rank"] = "zero"
+    elif edit == "rank-out-of-range":
+        bad["rank"] = 7
+    elif edit == "no-reason":
+        del bad["reason"]
+    elif edit == "record-without-kind":
+        del bad["records"][0]["kind"]
+    elif edit == "record-seq-str":
+        bad["records"][0]["seq"] = "6"
+    elif edit == "a-list":
+        dumps[1] = [1, 2]
+    for i, d in enumerate(dumps):
+        (tmp_path / f"flight-9-0-aa-rank{i}.json").write_text(json.dumps(d))
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = main([str(tmp_path)])
+    out = buf.getvalue()
+    assert rc == 0 and "communicator 9-0-aa: 3 ranks" in out, out
+    if edit == "no-reason":
+        assert "rank 1 (pid 1 on h): (no reason recorded)" in out, out
+        assert "skipped" not in out, out
+    else:
+        assert "skipped " in out and "rank1.json: not a flight record" in out, out
+        assert "dumps from 1: [0]" in out, out
