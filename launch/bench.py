@@ -1023,20 +1023,32 @@ def _worker_main(argv: list[str]) -> int:
     return 0
 
 
-def _fail(cfg: dict, e: BaseException) -> None:
-    """Say what went wrong (a traceback only for what looks like a bug) and abort the
-    launch: the other ranks may be waiting in a collective for this one."""
+def _fail(cfg: dict, e: BaseException, together: float = 2.0) -> None:
+    """Say what went wrong (a traceback only for what looks like a bug), then end this
+    rank: where every rank fails within ``together`` seconds (the same bad argument on
+    all, or a failure gpurt told every peer of) they all return and MPI ends normally —
+    aborting left MPICH's shared-memory segment in /dev/shm each time; else abort the
+    launch, since the other ranks may be waiting in a collective for this one."""
     from gpurt.errors import GpurtError
     if isinstance(e, (ValueError, TypeError, GpurtError)):
         _log(f"gpurt bench: {cfg['lib']} on rank {launcher_rank()}: "
              f"{type(e).__name__}: {e}")
+    elif isinstance(e, MemoryError):
+        _log(f"gpurt bench: {cfg['lib']} on rank {launcher_rank()}: cannot allocate the "
+             f"buffers of a size of the sweep ({e or 'MemoryError'}): a smaller -e, or "
+             f"fewer ranks on this host")
     else:
         import traceback
         _log(f"gpurt bench: {cfg['lib']} on rank {launcher_rank()} failed:\n"
              + "".join(traceback.format_exception(e)))
     try:
         from mpi4py import MPI
-        MPI.COMM_WORLD.Abort(1)
+        req = MPI.COMM_WORLD.Ibarrier()
+        deadline = time.monotonic() + together
+        while not req.Test():
+            if time.monotonic() > deadline:
+                MPI.COMM_WORLD.Abort(1)
+            time.sleep(0.005)
     except Exception:  # noqa: BLE001
         pass
 
@@ -1507,9 +1519,22 @@ def check_writable_path(path: str, hint: str) -> None:
     p = Path(path).absolute()
     if not p.parent.is_dir():
         raise click.BadParameter(f"{path}: no directory {p.parent}", param_hint=hint)
-    if p.exists() and not os.access(p, os.W_OK) or \
-            not p.exists() and not os.access(p.parent, os.W_OK | os.X_OK):
-        raise click.BadParameter(f"{path}: not writable here", param_hint=hint)
+    if p.is_dir():
+        raise click.BadParameter(f"{path}: is a directory", param_hint=hint)
+    # tried, not asked (os.access says yes to root everywhere, /proc included): opened
+    # for appending where it exists (nothing written), else created and removed again
+    existed = p.exists()
+    try:
+        with open(p, "a" if existed else "x"):
+            pass
+    except OSError as e:
+        raise click.BadParameter(f"{path}: not writable here ({e.strerror or e})",
+                                 param_hint=hint) from None
+    if not existed:
+        try:
+            p.unlink()
+        except OSError:
+            pass
 
 
 def algo_names(coll: str) -> list[str]:

@@ -714,3 +714,44 @@ def test_baseline_refusals_are_before_the_launch(monkeypatch):
     for opt in ("--json", "--plot"):
         _usage_error(_invoke(["allgather", opt, "/nonexistent/dir/x.out"], monkeypatch),
                      f"'{opt}'", "no directory /nonexistent/dir")
+
+
+def _mpich_segments() -> set[str]:
+    return {f for f in os.listdir("/dev/shm") if f.startswith("mpich_shm_")}
+
+
+def test_a_bad_argument_on_every_rank_ends_the_job_without_a_leftover_segment():
+    """--algo shm_board past the board's size: every rank raises the same ValueError.
+    They now all end normally (exit 1, one line each) instead of MPI_Abort, which left
+    MPICH's shared-memory segment in /dev/shm every time (bug hunt)."""
+    before = _mpich_segments()
+    proc = run_bench(["allreduce", "-n", "2", "-b", "1M", "-e", "1M", "--algo", "shm_board",
+                      *QUICK], check=False)
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert "shm_board cannot take 1048576 bytes" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    new = _mpich_segments() - before
+    assert not new, f"left in /dev/shm: {sorted(new)}"
+
+
+def test_a_memory_error_is_one_line_not_a_traceback(capsys):
+    """A size of the sweep this host cannot allocate: a line saying so and what to do
+    (the whole NumPy traceback of every rank before; the bug hunt's -e 1T)."""
+    B._fail({"lib": "gpurt"}, MemoryError("Unable to allocate 1.00 TiB"), together=0.5)
+    err = capsys.readouterr().err
+    assert "cannot allocate the buffers of a size of the sweep (Unable to allocate 1.00 " \
+           "TiB): a smaller -e" in err and "Traceback" not in err, err
+
+
+def test_an_output_path_that_cannot_be_written_is_refused_before_the_launch(tmp_path):
+    """--json into /proc (os.access says yes to root there): the write is tried before
+    the sweep, not after it (the measurements were lost to a FileNotFoundError)."""
+    proc = run_bench(["allreduce", "-n", "1", "-e", "64", "--json", "/proc/gpurt-x.json"],
+                     check=False)
+    assert proc.returncode == 2 and "not writable here" in proc.stderr, proc.stderr
+    ok = tmp_path / "r.json"
+    B.check_writable_path(str(ok), "--json")       # creatable: passes, leaves nothing
+    assert not ok.exists()
+    ok.write_text("keep")
+    B.check_writable_path(str(ok), "--json")       # existing: passes, untouched
+    assert ok.read_text() == "keep"
