@@ -754,7 +754,6 @@ def run_job(launcher: Launcher, nranks: int, program: Sequence[str], *,
             for s, h in old.items():
                 signal.signal(s, h)
         launcher_rc = proc.wait()
-        killed_group = launcher_rc == -signal.SIGKILL
         # whatever of the job is still here (a rank that ignored every signal, a daemon it
         # left): the launcher's session is ours, end it
         if _group_alive(pgid):
@@ -762,7 +761,6 @@ def run_job(launcher: Launcher, nranks: int, program: Sequence[str], *,
             if _group_alive(pgid):
                 try:
                     os.killpg(pgid, signal.SIGKILL)
-                    killed_group = True
                 except ProcessLookupError:
                     pass
         for t in pumps:
@@ -792,15 +790,17 @@ def run_job(launcher: Launcher, nranks: int, program: Sequence[str], *,
                f" and no rank reported a failure")
     if first is not None and reason in ("done", "failed"):
         report(failure_report(first, res.records, nranks))
-    killed = killed_group or any(r.get("signal") == "SIGKILL" for r in res.records) or (
-        first is None and launcher_rc not in (0, None))
-    if res.returncode != 0 and killed:
+    # (after any failed ending: a rank killed by SIGKILL, or ranks the MPI launcher
+    # SIGKILLed after one crashed — they leave no record saying so — or the job stopped on
+    # a timeout or Ctrl-C)
+    if res.returncode != 0:
         left = [f for f in _mpi_shm_files() if f not in shm_before]
         if left:
             report(f"gpurt launch: note: /dev/shm holds the MPI library's segments "
                    f"({', '.join(left[:5])}"
-                   f"{' ...' if len(left) > 5 else ''}); a rank killed by SIGKILL can leave "
-                   f"them (gpurt's own segments never stay)")
+                   f"{' ...' if len(left) > 5 else ''}), new since the launch; ranks killed "
+                   f"(SIGKILL, or stopped by the launcher) can leave them (gpurt's own "
+                   f"segments never stay)")
     return res
 
 

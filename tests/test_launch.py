@@ -337,6 +337,35 @@ def test_rank_killed_by_sigkill(tmp_path):
     assert_nothing_left(str(tmp_path))
 
 
+def test_a_crash_names_the_mpi_segments_its_killed_peers_left(tmp_path):
+    """Rank 2 segfaults after MPI has set up its shared memory; hydra SIGKILLs ranks 0
+    and 1, which leave no record, and MPICH's segment stays in /dev/shm: the launcher
+    names it (it said nothing: only a SIGKILL on record led to the note — bug hunt)."""
+    s = script(tmp_path, "segv.py", """
+        import signal
+        import numpy as np
+        import gpurt
+        c = gpurt.init()
+        c.allreduce(np.ones(4))
+        if c.rank == 2:
+            os.kill(os.getpid(), signal.SIGSEGV)
+        time.sleep(60)
+        """)
+    before = {f for f in os.listdir("/dev/shm") if f.startswith("mpich_shm_")}
+    p = run(["launch", "-n", "3", s], timeout=40)
+    left = {f for f in os.listdir("/dev/shm") if f.startswith("mpich_shm_")} - before
+    try:
+        assert p.returncode != 0 and "signal SIGSEGV" in p.stderr, both(p)
+        for f in left:      # (what this job left: named)
+            assert f in p.stderr and "new since the launch" in p.stderr, (left, p.stderr)
+    finally:
+        for f in left:
+            try:
+                os.unlink(os.path.join("/dev/shm", f))
+            except OSError:
+                pass
+
+
 def test_rank_killed_by_a_realtime_signal(tmp_path):
     """A rank ended by signal 36 (a realtime signal, no name in signal.Signals): the
     rank's wrapper died on ValueError writing its record, so the launch said no rank
