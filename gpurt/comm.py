@@ -494,11 +494,7 @@ class Communicator:
                     stripes, smin = tcp_settings()
                     if stripes > 1:   # (an agreement message must stay one tcp frame)
                         pair = min(pair, smin - 8 * _HDR_WORDS - 8)
-                forced = dict(config.get("GPURT_ALGO"))
-                for coll, name in forced.items():
-                    if name == shm_direct.NAME and coll not in shm_direct.COLLS:
-                        raise ValueError(f"GPURT_ALGO={coll}:{name}: shm_direct is for "
-                                         f"{', '.join(shm_direct.COLLS)}")
+                forced = dict(config.get("GPURT_ALGO"))      # (names: tuner.check_forced)
                 inputs = (cost, levels, forced, profile,
                           bool(config.get("GPURT_CHECK")), (fold, pair))
             except Exception as e:  # noqa: BLE001 - told to every rank, never only here

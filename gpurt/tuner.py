@@ -59,7 +59,13 @@ def check_forced(forced: dict[str, str]) -> None:
         if coll not in SPECS:
             raise ValueError(f"GPURT_ALGO names unknown collective {coll!r} "
                              f"(known: {', '.join(SPECS)})")
-        if name not in NATIVE_NAMES and name not in (hier.HIER, "hier"):
+        if name == "shm_direct":
+            from gpurt.transports import shm_direct
+
+            if coll not in shm_direct.COLLS:
+                raise ValueError(f"GPURT_ALGO={coll}:{name}: shm_direct is for "
+                                 f"{', '.join(shm_direct.COLLS)}")
+        elif name not in NATIVE_NAMES and name not in (hier.HIER, "hier"):
             try:
                 lookup(coll, name)
             except ValueError as e:

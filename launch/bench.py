@@ -1043,14 +1043,20 @@ def _fail(cfg: dict, e: BaseException, together: float = 2.0) -> None:
              + "".join(traceback.format_exception(e)))
     try:
         from mpi4py import MPI
+    except Exception:  # noqa: BLE001 - no MPI: nobody to wait for
+        return
+    try:
         req = MPI.COMM_WORLD.Ibarrier()
         deadline = time.monotonic() + together
         while not req.Test():
             if time.monotonic() > deadline:
                 MPI.COMM_WORLD.Abort(1)
             time.sleep(0.005)
-    except Exception:  # noqa: BLE001
-        pass
+    except Exception:  # noqa: BLE001 - the barrier failed: the others may wait for us
+        try:
+            MPI.COMM_WORLD.Abort(1)
+        except Exception:  # noqa: BLE001
+            pass
 
 
 # ---------------------------------------------------------------------------------------
@@ -1516,25 +1522,30 @@ def check_writable_path(path: str, hint: str) -> None:
     """An output file the run will write at its end (bench's --json/--plot, tune's -o):
     refused before the launch when it cannot be written — else the whole sweep ran and
     its write ended in a traceback, the measurements lost."""
-    p = Path(path).absolute()
+    if launcher_rank() != 0:
+        return      # (in place under a launch: rank 0 checks, and writes, alone)
+    p = Path(os.path.realpath(path))        # (a symlink: where the write will go)
     if not p.parent.is_dir():
         raise click.BadParameter(f"{path}: no directory {p.parent}", param_hint=hint)
     if p.is_dir():
         raise click.BadParameter(f"{path}: is a directory", param_hint=hint)
-    # tried, not asked (os.access says yes to root everywhere, /proc included): opened
-    # for appending where it exists (nothing written), else created and removed again
-    existed = p.exists()
+    # tried, not asked where it can be (os.access says yes to root everywhere, /proc
+    # included): an existing regular file opened for appending (nothing written, never
+    # created), a missing one by a temporary file beside it (the path itself untouched);
+    # anything else (a FIFO, a device) asked, since opening it may block or act
     try:
-        with open(p, "a" if existed else "x"):
-            pass
+        if p.is_file():
+            os.close(os.open(p, os.O_WRONLY | os.O_APPEND))
+        elif p.exists():
+            if not os.access(p, os.W_OK):
+                raise PermissionError(13, "Permission denied")
+        else:
+            fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=".gpurt-check-")
+            os.close(fd)
+            os.unlink(tmp)
     except OSError as e:
         raise click.BadParameter(f"{path}: not writable here ({e.strerror or e})",
                                  param_hint=hint) from None
-    if not existed:
-        try:
-            p.unlink()
-        except OSError:
-            pass
 
 
 def algo_names(coll: str) -> list[str]:

@@ -794,7 +794,7 @@ def run_job(launcher: Launcher, nranks: int, program: Sequence[str], *,
     # SIGKILLed after one crashed — they leave no record saying so — or the job stopped on
     # a timeout or Ctrl-C)
     if res.returncode != 0:
-        left = [f for f in _mpi_shm_files() if f not in shm_before]
+        left = _orphaned([f for f in _mpi_shm_files() if f not in shm_before])
         if left:
             report(f"gpurt launch: note: /dev/shm holds the MPI library's segments "
                    f"({', '.join(left[:5])}"
@@ -843,6 +843,37 @@ def _mpi_shm_files() -> list[str]:
         return sorted(f for f in os.listdir("/dev/shm") if f.startswith(_MPI_SHM_PREFIXES))
     except OSError:
         return []
+
+
+def _orphaned(names: list[str]) -> list[str]:
+    """Those of the /dev/shm files ``names`` that this user owns and no live process
+    maps (another job's segment, still in use, is not this job's leftover)."""
+    uid, mine = os.getuid(), []
+    for f in names:
+        try:
+            if os.stat(os.path.join("/dev/shm", f)).st_uid == uid:
+                mine.append(f)
+        except OSError:
+            pass
+    if not mine:
+        return []
+    paths = {f"/dev/shm/{f}": f for f in mine}
+    used: set[str] = set()
+    try:
+        pids = [d for d in os.listdir("/proc") if d.isdigit()]
+    except OSError:
+        return mine
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps", errors="replace") as fh:
+                for line in fh:
+                    if "/dev/shm/" in line:
+                        path = line.rstrip("\n").split(maxsplit=5)[-1]
+                        if path in paths:
+                            used.add(paths[path])
+        except OSError:
+            continue
+    return [f for f in mine if f not in used]
 
 
 def _stop(proc: subprocess.Popen, pgid: int, first_signal: int) -> None:

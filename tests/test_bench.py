@@ -755,3 +755,11 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_the_launch(tmp_
     ok.write_text("keep")
     B.check_writable_path(str(ok), "--json")       # existing: passes, untouched
     assert ok.read_text() == "keep"
+    fifo = tmp_path / "fifo"                        # no reader: not opened (it would block)
+    os.mkfifo(fifo)
+    B.check_writable_path(str(fifo), "--json")
+    link = tmp_path / "link.json"                   # dangling: where the write would go
+    link.symlink_to(tmp_path / "target.json")
+    B.check_writable_path(str(link), "--json")
+    assert not (tmp_path / "target.json").exists()
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["fifo", "link.json", "r.json"]

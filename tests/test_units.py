@@ -1114,6 +1114,7 @@ def test_a_launch_whose_mpi_is_not_mpi4pys_is_an_error_not_n_singletons(var):
     ("GPURT_ALGO", "allreduce:bogus", "unknown algorithm 'bogus' for allreduce"),
     ("GPURT_ALGO", "allredux:ring", "unknown collective 'allredux'"),
     ("GPURT_TRANSPORTS", "ib", "unknown transport 'ib'"),
+    ("GPURT_ALGO", "barrier:shm_direct", "shm_direct is for allreduce"),
 ])
 def test_info_flags_a_value_every_communicator_would_refuse(monkeypatch, var, value, words):
     """`gpurt info --env` (and config.problems()) lists a value that fails every
