@@ -105,34 +105,22 @@ def is_hydra() -> bool:
     return "HYDRA" in out.upper()
 
 
-def mapped_anywhere(name: str) -> bool:
-    """Is /dev/shm/NAME mapped by any live process (so: in use)?"""
-    needle = f"/dev/shm/{name}".encode()
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/maps", "rb") as f:
-                if needle in f.read():
-                    return True
-        except OSError:
-            continue
-    return False
-
-
 def remove_leaked_mpich_segments(before: set[str]) -> list[str]:
     """MPICH leaks its own ``mpich_shm_*`` segments when ranks are killed (FIELD-NOTES),
     Open MPI its ``sm_segment.*`` ones; gpurt's never leak.  Remove those that appeared
     since ``before`` and that no live process maps any more — never a segment some
-    running job still uses."""
+    running job still uses (``gpurt launch``'s own test of that: launcher._orphaned)."""
+    from gpurt.launch.launcher import _MPI_SHM_PREFIXES, _orphaned
+
     removed = []
-    for f in sorted(set(os.listdir("/dev/shm")) - before):
-        if f.startswith(("mpich_shm_", "sm_segment.")) and not mapped_anywhere(f):
-            try:
-                os.unlink(os.path.join("/dev/shm", f))
-                removed.append(f)
-            except OSError:
-                pass
+    new = sorted(f for f in set(os.listdir("/dev/shm")) - before
+                 if f.startswith(_MPI_SHM_PREFIXES))
+    for f in _orphaned(new):
+        try:
+            os.unlink(os.path.join("/dev/shm", f))
+            removed.append(f)
+        except OSError:
+            pass
     return removed
 
 
