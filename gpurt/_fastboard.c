@@ -71,7 +71,7 @@ enum { DONE = 0, PUBLISHED = 1, NOTHING = 2, HANDBACK = 3, REDUCED = 4,
 #define D_COPY (2 << 20)        /* direct(): bytes copied between checks of the peers */
 #define STAGE_PIECE (64 << 10)  /* bytes reduced at a time (they stay in the core's L2) */
 #define ALIGN_BYTES 4096        /* shm_direct.blocks: blocks split on 4 KiB boundaries */
-#define ABI 8                   /* bumped whenever Python's use of this module changes */
+#define ABI 9                   /* bumped whenever Python's use of this module changes */
 
 static PyTypeObject *ndarray_type;  /* numpy.ndarray, given by set_ndarray (run checks it) */
 
@@ -1219,6 +1219,140 @@ static PyObject *data_address(PyObject *mod, PyObject *arr) {
     return PyLong_FromVoidPtr(((np_head *)arr)->data);
 }
 
+/* ---- point to point: one shm ring's common case (transports/shm.py, _Ring) --------------
+ * A P2PRing is one direction of one lane between two local ranks, seen from one end, over
+ * the segment's bytes (it keeps the segment's array alive, so its mapping stays while this
+ * object does).  put() is _Ring._push for a message that fits one slot when a slot is free
+ * (the same header words, then the bytes, then the head with release); get() is
+ * _Ring._pull for the next message when it is exactly the posted receive's single-slot
+ * message (tag, signature, size; no single-copy address), waiting up to a spin budget for
+ * it.  Anything else returns to Python, which takes the general path (and raises there):
+ * no error of the protocol is decided here.  Both return the end's new counter (the ring's
+ * head or tail, always >= 1 after a message), 0 for "not now", and get -1 for "here, but
+ * not the common case".  The GIL is held throughout (the spin is bounded and short), so no
+ * other thread of this process moves the ring meanwhile. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *keep;         /* the segment's array */
+    uint64_t *q;
+    char *u8;
+    Py_ssize_t head_i, tail_i, err_i, slot0, stride, nslots, slot;
+} P2PRing;
+
+static int pr_init(P2PRing *r, PyObject *args, PyObject *kw) {
+    PyObject *seg;
+    if (!PyArg_ParseTuple(args, "Onnnnnnn", &seg, &r->head_i, &r->tail_i, &r->err_i,
+                          &r->slot0, &r->stride, &r->nslots, &r->slot))
+        return -1;
+    if (!ndarray_type || Py_TYPE(seg) != ndarray_type) {
+        PyErr_SetString(PyExc_TypeError, "P2PRing: the segment as a numpy.ndarray");
+        return -1;
+    }
+    char *base = ((np_head *)seg)->data;
+    if (((uintptr_t)base & 7) || r->nslots < 1 || r->slot < 0 || r->slot0 & 7 ||
+            r->stride & 7 || r->stride < r->slot + 64) {
+        PyErr_SetString(PyExc_ValueError, "P2PRing: a ring layout that is not _Ring's");
+        return -1;
+    }
+    Py_INCREF(seg);
+    Py_XSETREF(r->keep, seg);
+    r->u8 = base;
+    r->q = (uint64_t *)base;
+    return 0;
+}
+
+static void pr_dealloc(P2PRing *r) {
+    Py_XDECREF(r->keep);
+    Py_TYPE(r)->tp_free((PyObject *)r);
+}
+
+static int u64_arg(PyObject *o, uint64_t *v) {
+    *v = PyLong_AsUnsignedLongLong(o);
+    return !(*v == (uint64_t)-1 && PyErr_Occurred());
+}
+
+/* put(x, nbytes, tag, sig): x a C-contiguous numpy.ndarray of nbytes bytes */
+static PyObject *pr_put(P2PRing *r, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "put(x, nbytes, tag, sig)");
+        return NULL;
+    }
+    uint64_t tag, sig;
+    Py_ssize_t nb = PyLong_AsSsize_t(args[1]);
+    if ((nb == -1 && PyErr_Occurred()) || !u64_arg(args[2], &tag) || !u64_arg(args[3], &sig))
+        return NULL;
+    if (!r->keep || Py_TYPE(args[0]) != ndarray_type ||
+            !(((const np_fields *)args[0])->flags & NP_C_CONTIGUOUS) || nb < 0 || nb > r->slot)
+        return PyLong_FromLong(0);
+    uint64_t *q = r->q;
+    if (load_acq(&q[r->err_i]))
+        return PyLong_FromLong(0);      /* the peer failed or closed: Python says what */
+    uint64_t count = q[r->head_i];      /* (this end's own word) */
+    if (count - load_acq(&q[r->tail_i]) >= (uint64_t)r->nslots)
+        return PyLong_FromLong(0);
+    char *s = r->u8 + r->slot0 + (Py_ssize_t)(count % (uint64_t)r->nslots) * r->stride;
+    uint64_t *h = (uint64_t *)s;
+    h[0] = tag; h[1] = sig; h[2] = (uint64_t)nb; h[3] = 0; h[4] = (uint64_t)nb; h[5] = 0;
+    if (nb) memcpy(s + 64, ((const np_head *)args[0])->data, (size_t)nb);
+    store_rel(&q[r->head_i], count + 1);
+    return PyLong_FromUnsignedLongLong(count + 1);
+}
+
+/* get(out, nbytes, tag, sig, spin_ns): out a C-contiguous, writeable numpy.ndarray */
+static PyObject *pr_get(P2PRing *r, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "get(out, nbytes, tag, sig, spin_ns)");
+        return NULL;
+    }
+    uint64_t tag, sig;
+    Py_ssize_t nb = PyLong_AsSsize_t(args[1]);
+    long long spin = PyLong_AsLongLong(args[4]);
+    if ((nb == -1 && PyErr_Occurred()) || (spin == -1 && PyErr_Occurred()) ||
+            !u64_arg(args[2], &tag) || !u64_arg(args[3], &sig))
+        return NULL;
+    if (!r->keep || Py_TYPE(args[0]) != ndarray_type || nb < 0 ||
+            (((const np_fields *)args[0])->flags & (NP_C_CONTIGUOUS | NP_WRITEABLE)) !=
+            (NP_C_CONTIGUOUS | NP_WRITEABLE))
+        return PyLong_FromLong(-1);
+    uint64_t *q = r->q;
+    uint64_t count = q[r->tail_i];      /* (this end's own word) */
+    if (load_acq(&q[r->head_i]) == count) {
+        if (spin <= 0) return PyLong_FromLong(0);
+        int64_t start = now_ns();
+        for (;;) {
+            for (int i = 0; i < 64; i++) cpu_relax();
+            if (load_acq(&q[r->head_i]) != count) break;
+            if (now_ns() - start >= spin) return PyLong_FromLong(0);
+        }
+    }
+    const char *s = r->u8 + r->slot0 + (Py_ssize_t)(count % (uint64_t)r->nslots) * r->stride;
+    const uint64_t *h = (const uint64_t *)s;
+    if (h[0] != tag || h[1] != sig || h[2] != (uint64_t)nb || h[3] || h[4] != (uint64_t)nb || h[5])
+        return PyLong_FromLong(-1);
+    if (nb) memcpy(((np_head *)args[0])->data, s + 64, (size_t)nb);
+    store_rel(&q[r->tail_i], count + 1);
+    return PyLong_FromUnsignedLongLong(count + 1);
+}
+
+static PyMethodDef pr_methods[] = {
+    {"put", (PyCFunction)(void (*)(void))pr_put, METH_FASTCALL, "put(x, nbytes, tag, sig)"},
+    {"get", (PyCFunction)(void (*)(void))pr_get, METH_FASTCALL,
+     "get(out, nbytes, tag, sig, spin_ns)"},
+    {NULL}
+};
+
+static PyTypeObject P2PRingType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "gpurt._fastboard.P2PRing",
+    .tp_basicsize = sizeof(P2PRing),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)pr_init,
+    .tp_dealloc = (destructor)pr_dealloc,
+    .tp_methods = pr_methods,
+    .tp_doc = "One shm ring's common point-to-point case, compiled (see the module's source).",
+};
+
 static PyMethodDef fb_methods[] = {
     {"run", (PyCFunction)(void (*)(void))fb_run, METH_FASTCALL, "run(plan, seq, last, x, out)"},
     {"complete", (PyCFunction)(void (*)(void))fb_complete, METH_FASTCALL,
@@ -1275,7 +1409,8 @@ static PyMethodDef mod_methods[] = {
 static struct PyModuleDef mod = {PyModuleDef_HEAD_INIT, "gpurt._fastboard", NULL, -1, mod_methods};
 
 PyMODINIT_FUNC PyInit__fastboard(void) {
-    if (PyType_Ready(&FastBoardType) < 0 || PyType_Ready(&PlanType) < 0) return NULL;
+    if (PyType_Ready(&FastBoardType) < 0 || PyType_Ready(&PlanType) < 0 ||
+        PyType_Ready(&P2PRingType) < 0) return NULL;
     PyObject *m = PyModule_Create(&mod);
     if (!m) return NULL;
     PyObject *colls = Py_BuildValue("(sssssssss)", "allreduce", "reduce", "broadcast",
@@ -1287,6 +1422,7 @@ PyMODINIT_FUNC PyInit__fastboard(void) {
                                   "bxor");
     if (!colls || !types || !ops ||
         PyModule_AddObjectRef(m, "FastBoard", (PyObject *)&FastBoardType) < 0 ||
+        PyModule_AddObjectRef(m, "P2PRing", (PyObject *)&P2PRingType) < 0 ||
         PyModule_AddObjectRef(m, "COLLS", colls) < 0 ||
         PyModule_AddObjectRef(m, "TYPES", types) < 0 ||
         PyModule_AddObjectRef(m, "OPS", ops) < 0 ||

@@ -41,9 +41,11 @@ from .buffers import Buf, as_buf, check_writable, empty_like, overlaps, same
 from .errors import (CollectiveMismatchError, CollectiveTimeout, CommunicatorClosed,
                      GpurtError, ResourceError, relay_text,
                      TransportError)
-from .executor import Chain, Engine, P2PRun, Request, RowsRun, _Run, check_timeout, wait_mpi
+from .executor import (Chain, Completed, Engine, P2PRun, QuickRecv, Request, RowsRun,
+                       _CopySink, _Run, check_timeout, wait_mpi)
 from .flight import FlightRecorder
-from .ops import FAST_OPS as _FAST_OPS, Op, as_op, check_op, host_finalize, reducer, supported
+from .ops import FAST_OPS as _FAST_OPS, Op, _SUPPORTED, as_op, check_op, host_finalize, reducer, \
+    supported
 from .schedule import Copy, Recv, Schedule, Send, Slice
 from .algorithms import REGISTRY, Cost
 from .hier import HIER, Shape
@@ -53,6 +55,7 @@ from .wait import spin_seconds
 
 from gpurt.transports import shm_board, shm_direct  # noqa: E402  (after the core imports)
 from gpurt.transports.base import LANE_P2P, p2p_sig  # noqa: E402
+from gpurt.transports.shm import _SEND_CHECK, _Msg  # noqa: E402
 from gpurt.transports.tcp import _settings as tcp_settings  # noqa: E402
 
 _PLAIN = shm_board.PLAIN   # the compiled check of x and out for allreduce's quick path
@@ -212,6 +215,9 @@ class Communicator:
         self._scratch = np.empty(0, np.uint8)
         self.board = None
         self._quick: tuple = ()   # allreduce's last board plans (op, dtype, count, plan, bytes)
+        #: send/recv's quick path: per local peer on shm, its rings (_p2p_quick_table)
+        self._qt: dict | None = None
+        self._qspin = 0           # a quick blocking recv's spin budget (ns)
         self._direct: shm_direct.Access | None = None
         # per collective, shm_direct from S bytes (0: never) for shared arrays, others
         self._direct_min: dict[str, tuple[int, int, int]] = {}
@@ -269,6 +275,7 @@ class Communicator:
             self._tuner_in = (cost, levels, forced, profile, check, fold)
             _learn_algorithm_names()
             devpath.setup(self)      # device backend, device endpoints (collective)
+            self._qt = self._p2p_quick_table()
         except BaseException:
             self._release()
             raise
@@ -2039,19 +2046,135 @@ class Communicator:
         req.algorithm = "p2p"
         return self.engine.submit(req)
 
+    def _p2p_quick_table(self) -> dict:
+        """Per local peer on shm (host endpoints; none with a device endpoint, whose
+        staged sends a host send must stay behind): the p2p lane's two rings and their
+        compiled ends (``_fastboard.P2PRing``), for ``_qsend``/``_qrecv``."""
+        from gpurt.transports.shm import ShmEndpoint, _SLOT_HDR
+        table: dict = {}
+        if _PLAIN is None or not shm_board.native_enabled():
+            return table
+        ring_type = shm_board.NATIVE.P2PRing
+        for peer, ep in self.endpoints.items():
+            if type(ep) is not ShmEndpoint or peer in self.dev_endpoints:
+                continue
+            tx, rx = ep.tx[LANE_P2P], ep.rx[LANE_P2P]
+            seg = ep.owner.seg
+            lim = tx.slot     # (larger messages, and single-copy ones, take the general path)
+            for m in (tx.cma_min, tx.map_min):
+                if m:
+                    lim = min(lim, m - 1)
+            stride = tx.slot + _SLOT_HDR
+            txf = ring_type(seg.u8, tx.head_i, tx.tail_i, ep.err_i, tx.hdr_i[0] * 8, stride,
+                            tx.nslots, tx.slot)
+            rxf = ring_type(seg.u8, rx.head_i, rx.tail_i, ep.err_i, rx.hdr_i[0] * 8, stride,
+                            rx.nslots, rx.slot)
+            table[peer] = (ep, tx, txf, rx, rxf, lim, f"send to rank {peer} tag ",
+                           f"recv from rank {peer} tag ", f"send to rank {peer}",
+                           f"recv from rank {peer}")
+        self._qspin = int((self.engine.spin or 0.0) * 1e9)
+        return table
+
+    def _qsend(self, e: tuple, x: np.ndarray, tag: int) -> bool:
+        """The quick path of a host send to a local peer: a message that fits one slot of
+        the p2p ring, written by the compiled ring end at once when nothing is queued
+        before it on that ring — no Request, no run.  False: take the general path (which
+        also raises every error)."""
+        eng, ring = self.engine, e[1]
+        if self._closed or eng.poisoned is not None or eng.busy or eng.owner or ring.queue:
+            return False
+        nb = x.nbytes
+        if nb > e[5]:
+            return False
+        s = _QSIGS.get(x.dtype)
+        if s is None:
+            return False
+        p = e[0]._proc      # (the peer's liveness read, as ShmEndpoint.send does)
+        if p is None or p.gone or time.monotonic() - p.checked > _SEND_CHECK:
+            return False
+        c = e[2].put(x, nb, tag, s[0])
+        if not c:
+            return False
+        ring.count = c
+        fl = self.flight
+        if fl is not None:
+            fl.finished(tag, "p2p", (s[1], x.size, None, None), e[6] + str(tag))
+        return True
+
+    def _qrecv(self, e: tuple, out: np.ndarray, tag: int, spin: int):
+        """The quick path of a host receive from a local peer: the ring's next message,
+        read by the compiled ring end when it is exactly this receive's single-slot
+        message (waiting up to ``spin`` ns for it): True.  False: take the general path
+        (which raises a mismatch, or waits under the deadlines and liveness checks).  A
+        message not there yet is posted as a ``QuickRecv``: that Request, not complete
+        (the caller waits on it, or returns it)."""
+        eng, ring = self.engine, e[3]
+        if self._closed or eng.poisoned is not None or eng.busy or eng.owner or ring.queue:
+            return False
+        s = _QSIGS.get(out.dtype)
+        if s is None:
+            return False
+        nb = out.nbytes
+        c = e[4].get(out, nb, tag, s[0], spin)
+        if c < 0:
+            return False
+        if c == 0:
+            if not _PLAIN(out, out, nb):
+                return False
+            # irecv: posted as any receive is (its record queued on the ring), then read
+            # by the compiled end while it is the ring's next message (QuickRecv)
+            m = _Msg(ring, e[0].peer, LANE_P2P, nb, tag, s[0],
+                     sink=_CopySink(out.reshape(-1).view(np.uint8)))
+            ring.queue.append(m)
+            fl = self.flight
+            rec = fl.start(tag, "p2p", (s[1], out.size, None, None), e[7] + str(tag)) \
+                if fl is not None else None
+            req = Request(eng, e[9], tag, None,
+                          functools.partial(_p2p_done, rec, out) if rec is not None else
+                          functools.partial(_same, out), p2p=True)
+            req.algorithm = "p2p"
+            req.run = QuickRecv(e[0], m, e[4], out, self._qspin, e[0].peer)
+            eng.p2p.append(req)
+            return req
+        ring.count = ring.seen = c
+        fl = self.flight
+        if fl is not None:
+            fl.finished(tag, "p2p", (s[1], out.size, None, None), e[7] + str(tag))
+        return True
+
     def isend(self, x: Any, peer: int, tag: int = 0, *, stream: Any = None) -> Request:
         """Send ``x`` to ``peer``.  Messages between two ranks are matched in order; the
         tag, dtype and size are checked against the receive, not used to reorder."""
+        qt = self._qt
+        if qt and type(x) is np.ndarray and type(peer) is int and type(tag) is int and \
+                stream is None:
+            e = qt.get(peer)
+            if e is not None and 0 <= tag <= _TAG_MAX and self._qsend(e, x, tag):
+                return Completed(self.engine, e[8], tag, x)
         self._check_open()
         return self._p2p("send", self._in(x), self._peer(peer, "send"), tag, stream)
 
     def send(self, x: Any, peer: int, tag: int = 0, *, timeout: float | None = None,
              stream: Any = None) -> None:
+        qt = self._qt
+        if qt and type(x) is np.ndarray and type(peer) is int and type(tag) is int and \
+                timeout is None and stream is None:
+            e = qt.get(peer)
+            if e is not None and 0 <= tag <= _TAG_MAX and self._qsend(e, x, tag):
+                return
         timeout = self._timeout_arg(timeout)
         self._blocking(self.isend(x, peer, tag, stream=stream), timeout)
 
     def irecv(self, out: Any, peer: int, tag: int = 0, *, stream: Any = None) -> Request:
         """Receive the next message from ``peer`` into ``out`` (same size and dtype)."""
+        qt = self._qt
+        if qt and type(out) is np.ndarray and type(peer) is int and type(tag) is int and \
+                stream is None:
+            e = qt.get(peer)
+            if e is not None and 0 <= tag <= _TAG_MAX:
+                r = self._qrecv(e, out, tag, 0)
+                if r is not False:
+                    return Completed(self.engine, e[9], tag, out) if r is True else r
         self._check_open()
         with _ranked(self.rank):
             ob = self._host(as_buf(out, "out"), "out")
@@ -2060,6 +2183,16 @@ class Communicator:
 
     def recv(self, out: Any, peer: int, tag: int = 0, *, timeout: float | None = None,
              stream: Any = None) -> Any:
+        qt = self._qt
+        if qt and type(out) is np.ndarray and type(peer) is int and type(tag) is int and \
+                timeout is None and stream is None:
+            e = qt.get(peer)
+            if e is not None and 0 <= tag <= _TAG_MAX:
+                r = self._qrecv(e, out, tag, self._qspin)
+                if r is True:
+                    return out
+                if r is not False:
+                    return self._blocking(r, None)
         timeout = self._timeout_arg(timeout)
         return self._blocking(self.irecv(out, peer, tag, stream=stream), timeout)
 
@@ -2185,6 +2318,7 @@ class Communicator:
                 pass
         self._transports = []
         self.endpoints = {}
+        self._qt = None
         MPI = _mpi()
         fin = getattr(self, "_mpi_fin", None)
         if fin is not None:
@@ -2295,6 +2429,8 @@ def _mpi_comms(mpi_comm: Any, owned: bool) -> tuple[Any, Any]:
 
 _INT_MAX = 2**31 - 1
 _TAG_MAX = 2**64 - 1     # (the transports carry a tag in 64 bits)
+#: the quick send/recv's dtypes (the host ones every call accepts): (p2p signature, str)
+_QSIGS: dict = {dt: (p2p_sig(dt, False) & (2**64 - 1), dt.str) for dt in _SUPPORTED}
 
 
 def _nbytes(nbytes: Any) -> int:
@@ -2361,9 +2497,13 @@ def _agreement_schedule(p: int, r: int, n: int, m: int | None = None) -> Schedul
 _p2p_sigs: dict[tuple, int] = {}      # (dtype, device) -> p2p_sig
 
 
-def _p2p_done(rec, b: Buf) -> Any:
+def _p2p_done(rec, b: Buf | np.ndarray) -> Any:
     FlightRecorder.done(rec)
-    return b.owner
+    return b.owner if type(b) is Buf else b
+
+
+def _same(x: Any) -> Any:
+    return x
 
 
 def _pid_namespace() -> int:

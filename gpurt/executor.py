@@ -108,6 +108,53 @@ class P2PRun:
         return [self.peer] if self.pending and not self.pending[0].done else []
 
 
+class QuickRecv(P2PRun):
+    """A host receive that ``Communicator.irecv``'s quick path posted before its message
+    arrived: its message record is queued on the shm ring like any receive's (so later
+    receives from that peer queue behind it), and while it is the ring's next message and
+    untouched, the compiled ring end reads it when it is exactly this receive's
+    (``_fastboard.P2PRing.get``); anything else — a mismatch, a larger or single-copy
+    message, one the ring's Python protocol already took up — is the general run's
+    ``_Msg.test``, which raises the errors."""
+
+    __slots__ = ("fast", "out", "spin")
+
+    def __init__(self, ep, m, fast, out: np.ndarray, spin: int, peer: int):
+        self.ep, self.send, self.arr, self.peer = ep, False, out, peer
+        self.lane, self.tag, self.sig = m.lane, m.tag, m.sig
+        self.pending, self.k = [m], 1
+        self.fast, self.out, self.spin = fast, out, spin
+
+    def quick(self, spin: int) -> int:
+        """The compiled read (waiting up to ``spin`` ns): 1 done, 0 not there yet, -1 for
+        the general run (never raises)."""
+        m = self.pending[0] if self.pending else None
+        if m is None or m.done or m.off or m.remote:
+            return -1
+        ring = m.ring
+        if not ring.queue or ring.queue[0] is not m:
+            return -1
+        c = self.fast.get(self.out, m.total, m.tag, m.sig, spin)
+        if c <= 0:
+            return c
+        ring.count = ring.seen = c
+        ring.queue.popleft()
+        m.done, m.sink = True, None
+        self.pending = []
+        return 1
+
+    def advance(self) -> bool:
+        if not self.pending:
+            return False
+        c = self.quick(0)
+        if c >= 0:
+            return c > 0
+        if self.pending[0].test():
+            self.pending = []
+            return True
+        return False
+
+
 class _Run:
     """One schedule executing on bound buffers."""
 
@@ -387,6 +434,18 @@ class Request:
         return self.done
 
     def wait(self, timeout: float | None = None):
+        run = self.run
+        if type(run) is QuickRecv and timeout is None and self.error is None:
+            # a quick receive's wait: the compiled ring end spins for its message first
+            eng = self.engine
+            if not (eng.busy or eng.owner or eng.poisoned is not None) and \
+                    run.quick(run.spin) > 0:
+                self._complete()
+                try:
+                    eng.p2p.remove(self)
+                except ValueError:
+                    pass
+                return self.result
         try:
             t = check_timeout(timeout)
         except ValueError as e:
@@ -397,6 +456,17 @@ class Request:
     def __repr__(self) -> str:
         state = "done" if self.done else "in flight"
         return f"<gpurt.Request {self.name} #{self.seq} {state}>"
+
+
+class Completed(Request):
+    """A point-to-point request that completed as it was posted (a quick send, or a
+    receive whose message was there): a Request whose state is its class's."""
+
+    done, p2p, algorithm = True, True, "p2p"
+    _start = _finish = run = error = None
+
+    def __init__(self, engine: "Engine", name: str, seq: int, result: object):
+        self.engine, self.name, self.seq, self.result = engine, name, seq, result
 
 
 #: every engine of this process: a wait that stalls advances the others too (``lend``)

@@ -362,3 +362,21 @@ def test_plain_agrees_with_the_python_check():
     assert shm_board.PLAIN(base, base.tolist(), 8) is False     # not an ndarray
     with pytest.raises(TypeError):
         shm_board.PLAIN(base, base)
+
+
+@pytest.mark.parametrize("mode", ["quick", "mixed"])
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_quick_send_recv_against_the_ring_protocol(n, mode):
+    """send/recv's quick path (the compiled shm ring end) moves messages exactly as the
+    ring's Python protocol does and interoperates with it (``mixed``: the odd ranks use
+    the Python protocol only): every size class and dtype, blocking and non-blocking in
+    several orders, bursts that fill the ring, receives posted before their message and
+    a larger one queued behind them; after it is warm, every mismatch kind still raises
+    on the receiver and poisons it, a receive posted early times out (and then
+    completes), and test() polls one to completion.  tests/quick_p2p_cases.py; the quick
+    path must have carried messages (counted).  With more ranks than cores a blocking
+    receive does not spin: it is posted, then waited (the case that once returned before
+    its message had come)."""
+    _need_native()
+    out = run_mpi(n, ["tests/quick_p2p_cases.py", mode], timeout=300).stdout
+    assert f"checks on {n} ranks ({mode})" in out and "\nok " in "\n" + out, out

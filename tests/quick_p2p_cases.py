@@ -1,0 +1,229 @@
+"""send/recv's quick path (Communicator._qsend/_qrecv, executor.QuickRecv: the compiled
+shm ring end, _fastboard.P2PRing) against the ring's Python protocol, under mpiexec:
+
+    python tests/quick_p2p_cases.py quick|mixed
+
+``quick``: every rank takes the quick path where it applies; ``mixed``: the odd ranks
+take the Python protocol only (their quick table emptied), so each ring has a compiled
+end and a Python end.  Every rank sends to its right neighbour and receives from its left
+one: a stream of messages of every size class (empty, one slot, past the quick limit,
+several slots, single copy) and dtype, blocking and non-blocking in several orders,
+bursts that fill the ring, receives posted before their message; exact values.  Then the
+errors: a mismatch after the quick path is warm (dtype, tag, size; blocking and posted
+early), a timeout on a receive posted early, test() polling.  Rank 0 prints the verdict."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from casekit import Checks, start, verdict
+
+import gpurt
+
+MODE = sys.argv[1]
+DTYPES = [np.float32, np.int64, np.uint8, np.float64, np.complex64, np.bool_, np.int16]
+SIZES = [0, 1, 7, 64, 1000, 4096, 16384, 60000, 300_000, 2_000_000]   # bytes (about)
+
+
+class Counting:
+    """A P2PRing's stand-in that counts the messages it moved (put/get answers > 0)."""
+
+    def __init__(self, ring):
+        self.ring, self.moved = ring, 0
+
+    def put(self, *a):
+        c = self.ring.put(*a)
+        self.moved += c > 0
+        return c
+
+    def get(self, *a):
+        c = self.ring.get(*a)
+        self.moved += c > 0
+        return c
+
+
+def spy(comm) -> list[Counting]:
+    spies = []
+    for peer, e in list(comm._qt.items()):
+        tx, rx = Counting(e[2]), Counting(e[4])
+        comm._qt[peer] = e[:2] + (tx,) + e[3:4] + (rx,) + e[5:]
+        spies += [tx, rx]
+    return spies
+
+
+def payload(src: int, i: int, nbytes: int, dtype) -> np.ndarray:
+    dt = np.dtype(dtype)
+    n = max(0, nbytes // dt.itemsize)
+    if dt == np.bool_:
+        return (np.arange(n) + src + i) % 3 == 0
+    v = (np.arange(n, dtype=np.int64) * 7 + 1000 * src + i) % 251
+    return v.astype(dt) + (1j if dt.kind == "c" else 0)
+
+
+world, comm, r, p, chk = start()
+if MODE == "python" or MODE == "mixed" and r % 2:
+    comm._qt = {}
+spies = spy(comm) if comm._qt else []
+right, left = (r + 1) % p, (r - 1) % p
+modes = ["block", "irecv-first", "isend-first", "burst", "early-then-late"]
+sent_tags = []
+i = 0
+for rnd in range(6):
+    for size in SIZES:
+        for mode in modes:
+            i += 1
+            dt = DTYPES[i % len(DTYPES)]
+            x, want = payload(r, i, size, dt), payload(left, i, size, dt)
+            got = np.full_like(want, 1) if want.size else np.empty_like(want)
+            tag = i % 5
+            if mode == "block":
+                if r % 2 == 0:
+                    comm.send(x, right, tag)
+                    comm.recv(got, left, tag)
+                else:
+                    comm.recv(got, left, tag)
+                    comm.send(x, right, tag)
+                chk.expect(f"#{i} {mode} {size}B {dt.__name__}", got, want)
+            elif mode == "irecv-first":
+                a = comm.irecv(got, left, tag)
+                b = comm.isend(x, right, tag)
+                (b.wait(), a.wait()) if i % 2 else (a.wait(), b.wait())
+                chk.expect(f"#{i} {mode} {size}B {dt.__name__}", got, want)
+            elif mode == "isend-first":
+                b = comm.isend(x, right, tag)
+                comm.recv(got, left, tag)
+                b.wait()
+                chk.expect(f"#{i} {mode} {size}B {dt.__name__}", got, want)
+            elif mode == "burst" and size <= 16384:
+                # more messages than the ring has slots: the later ones queue behind
+                k = 12
+                xs = [payload(r, i + j, size, dt) for j in range(k)]
+                ws = [payload(left, i + j, size, dt) for j in range(k)]
+                gs = [np.empty_like(w) for w in ws]
+                sends = [comm.isend(xs[j], right, j) for j in range(k)]
+                if i % 2:
+                    for j in range(k):
+                        comm.recv(gs[j], left, j)
+                else:
+                    recvs = [comm.irecv(gs[j], left, j) for j in range(k)]
+                    for q in reversed(recvs):
+                        q.wait()
+                for q in sends:
+                    q.wait()
+                for j in range(k):
+                    chk.expect(f"#{i}.{j} {mode} {size}B {dt.__name__}", gs[j], ws[j])
+            elif mode == "early-then-late":
+                # a small receive posted early (quick), a large one queued behind it on
+                # the same ring, the sends in order; waited in the opposite order
+                small_w = payload(left, i, 64, np.float32)
+                small = np.empty_like(small_w)
+                big_w = payload(left, i + 1, 300_000, np.float64)
+                big = np.empty_like(big_w)
+                a = comm.irecv(small, left, 11)
+                b = comm.irecv(big, left, 12)
+                s1 = comm.isend(payload(r, i, 64, np.float32), right, 11)
+                s2 = comm.isend(payload(r, i + 1, 300_000, np.float64), right, 12)
+                b.wait()
+                while not a.test():
+                    pass
+                s1.wait()
+                s2.wait()
+                chk.expect(f"#{i} {mode} small", small, small_w)
+                chk.expect(f"#{i} {mode} big", big, big_w)
+
+moved = sum(s.moved for s in spies)
+if MODE == "quick" or r % 2 == 0:
+    # the quick path carried messages (both ends of each ring here, or this end)
+    chk.count += 1
+    if moved < 200:
+        chk.bad.append(f"rank {r}: the quick path moved only {moved} messages")
+else:
+    chk.count += 1
+    if spies:
+        chk.bad.append(f"rank {r}: the Python-only rank has a quick table")
+
+# flight records of quick calls: done, named as the general path names them
+fl = comm.flight
+if fl is not None:
+    chk.count += 1
+    names = {e[3] for e in fl.events if e[1] == "p2p" and e[6] == "done"}
+    if f"send to rank {right} tag 0" not in names and f"send to rank {right} tag 1" \
+            not in names:
+        chk.bad.append(f"rank {r}: no done flight record of a send: {sorted(names)[:5]}")
+
+
+def outcome(fn) -> str:
+    try:
+        fn()
+        return "ok"
+    except gpurt.GpurtError as e:
+        return f"{type(e).__name__}: {e}"
+
+
+# errors after the quick path is warm: every one on a dup, between ranks 0 and 1
+for case in ("dtype", "tag", "size", "dtype-early"):
+    c = comm.dup()
+    if r in (0, 1):
+        for j in range(3):      # warm: the same dtype, quick on both sides
+            if r == 0:
+                c.send(np.full(4, j, np.float32), 1, 3)
+            else:
+                g = np.empty(4, np.float32)
+                c.recv(g, 0, 3)
+                chk.expect(f"warm {case} {j}", g, np.full(4, j, np.float32))
+        if r == 0:
+            c.send(np.ones(4, np.float32), 1, 3)
+        if r == 1:
+            if case == "dtype":
+                text = outcome(lambda: c.recv(np.empty(4, np.int32), 0, 3))
+                want = "tag 3 but the message is float32 x 4 (16 bytes) and the receive int32 x 4"
+            elif case == "tag":
+                text = outcome(lambda: c.recv(np.empty(4, np.float32), 0, 4))
+                want = "tag 3"
+            elif case == "size":
+                text = outcome(lambda: c.recv(np.empty(5, np.float32), 0, 3))
+                want = "rank 0"
+            else:
+                text = outcome(lambda: c.irecv(np.empty(4, np.int32), 0, 3).wait())
+                want = "float32 x 4 (16 bytes) and the receive int32 x 4"
+            chk.count += 1
+            if not text.startswith("CollectiveMismatchError: rank 1:") or want not in text:
+                chk.bad.append(f"rank 1: {case} mismatch: {text}")
+            chk.count += 1
+            after = outcome(lambda: c.send(np.ones(1), 0))
+            if not after.startswith("CommunicatorClosed"):
+                chk.bad.append(f"rank 1: after the {case} mismatch: {after}")
+    world.Barrier()
+    c.abort() if r in (0, 1) else None
+    c.close()
+
+# a receive posted early times out (still in flight), then completes
+c = comm.dup()
+if p >= 2 and r in (0, 1):
+    if r == 1:
+        c.recv(np.empty(2, np.float64), 0, 8)     # (warm)
+        q = c.irecv(got := np.empty(3, np.float64), 0, 9)
+        text = outcome(lambda: q.wait(timeout=0.3))
+        chk.count += 1
+        if not text.startswith("CollectiveTimeout: rank 1: recv from rank 0 (tag 9) did not "
+                               "complete within 0.3 s; still waiting for rank(s) [0]"):
+            chk.bad.append(f"rank 1: early receive's timeout: {text}")
+        world.send(None, 0)
+        q.wait()
+        chk.expect("after the timeout", got, np.arange(3.0))
+        q2 = c.irecv(got2 := np.empty(3, np.float64), 0, 10)
+        world.send(None, 0)
+        while not q2.test():
+            pass
+        chk.expect("polled", got2, np.arange(3.0) + 1)
+    else:
+        c.send(np.zeros(2), 1, 8)
+        world.recv(source=1)
+        c.send(np.arange(3.0), 1, 9)
+        world.recv(source=1)
+        c.send(np.arange(3.0) + 1, 1, 10)
+world.Barrier()
+c.close()
+verdict(world, comm, chk, f"({MODE})")
