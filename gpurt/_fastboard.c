@@ -1221,7 +1221,7 @@ static PyObject *data_address(PyObject *mod, PyObject *arr) {
 
 /* ---- point to point: one shm ring's common case (transports/shm.py, _Ring) --------------
  * A P2PRing is one direction of one lane between two local ranks, seen from one end, over
- * the segment's bytes (it keeps the segment's array alive, so its mapping stays while this
+ * the segment's bytes (it holds a buffer of the segment's array, so its mapping stays while this
  * object does).  put() is _Ring._push for a message that fits one slot when a slot is free
  * (the same header words, then the bytes, then the head with release); get() is
  * _Ring._pull for the next message when it is exactly the posted receive's single-slot
@@ -1233,36 +1233,46 @@ static PyObject *data_address(PyObject *mod, PyObject *arr) {
  * other thread of this process moves the ring meanwhile. */
 typedef struct {
     PyObject_HEAD
-    PyObject *keep;         /* the segment's array */
+    Py_buffer seg;          /* the segment (held: its mapping stays while this object does) */
+    int held;
     uint64_t *q;
     char *u8;
     Py_ssize_t head_i, tail_i, err_i, slot0, stride, nslots, slot;
 } P2PRing;
 
+/* P2PRing(segment, head_i, tail_i, err_i, slot0, stride, nslots, slot): word indices of
+ * the ring's head and tail and of the peer's error record, the byte offset of slot 0's
+ * header, the distance between slots, their count and their data bytes — all checked to
+ * lie inside the segment (a writable buffer, 8-byte aligned) */
 static int pr_init(P2PRing *r, PyObject *args, PyObject *kw) {
     PyObject *seg;
-    if (!PyArg_ParseTuple(args, "Onnnnnnn", &seg, &r->head_i, &r->tail_i, &r->err_i,
-                          &r->slot0, &r->stride, &r->nslots, &r->slot))
+    Py_buffer v;
+    Py_ssize_t h, t, e, s0, st, ns, sl;
+    if (!PyArg_ParseTuple(args, "Onnnnnnn", &seg, &h, &t, &e, &s0, &st, &ns, &sl))
         return -1;
-    if (!ndarray_type || Py_TYPE(seg) != ndarray_type) {
-        PyErr_SetString(PyExc_TypeError, "P2PRing: the segment as a numpy.ndarray");
+    if (PyObject_GetBuffer(seg, &v, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    Py_ssize_t words = v.len / 8;
+    if (((uintptr_t)v.buf & 7) || ns < 1 || sl < 0 || s0 < 0 || (s0 & 7) || (st & 7) ||
+            st < sl + 64 || h < 0 || h >= words || t < 0 || t >= words || e < 0 ||
+            e >= words || s0 > v.len || (v.len - s0) / st < ns - 1 ||
+            v.len - s0 - (ns - 1) * st < sl + 64) {
+        PyBuffer_Release(&v);
+        PyErr_SetString(PyExc_ValueError, "P2PRing: a ring layout that does not fit the segment");
         return -1;
     }
-    char *base = ((np_head *)seg)->data;
-    if (((uintptr_t)base & 7) || r->nslots < 1 || r->slot < 0 || r->slot0 & 7 ||
-            r->stride & 7 || r->stride < r->slot + 64) {
-        PyErr_SetString(PyExc_ValueError, "P2PRing: a ring layout that is not _Ring's");
-        return -1;
-    }
-    Py_INCREF(seg);
-    Py_XSETREF(r->keep, seg);
-    r->u8 = base;
-    r->q = (uint64_t *)base;
+    if (r->held) PyBuffer_Release(&r->seg);
+    r->seg = v;
+    r->held = 1;
+    r->head_i = h; r->tail_i = t; r->err_i = e; r->slot0 = s0; r->stride = st;
+    r->nslots = ns; r->slot = sl;
+    r->u8 = (char *)v.buf;
+    r->q = (uint64_t *)v.buf;
     return 0;
 }
 
 static void pr_dealloc(P2PRing *r) {
-    Py_XDECREF(r->keep);
+    if (r->held) PyBuffer_Release(&r->seg);
     Py_TYPE(r)->tp_free((PyObject *)r);
 }
 
@@ -1271,7 +1281,8 @@ static int u64_arg(PyObject *o, uint64_t *v) {
     return !(*v == (uint64_t)-1 && PyErr_Occurred());
 }
 
-/* put(x, nbytes, tag, sig): x a C-contiguous numpy.ndarray of nbytes bytes */
+/* put(x, nbytes, tag, sig): x a C-contiguous numpy.ndarray of nbytes bytes (its nbytes:
+ * the caller's to give right) */
 static PyObject *pr_put(P2PRing *r, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 4) {
         PyErr_SetString(PyExc_TypeError, "put(x, nbytes, tag, sig)");
@@ -1281,7 +1292,7 @@ static PyObject *pr_put(P2PRing *r, PyObject *const *args, Py_ssize_t nargs) {
     Py_ssize_t nb = PyLong_AsSsize_t(args[1]);
     if ((nb == -1 && PyErr_Occurred()) || !u64_arg(args[2], &tag) || !u64_arg(args[3], &sig))
         return NULL;
-    if (!r->keep || Py_TYPE(args[0]) != ndarray_type ||
+    if (!r->held || Py_TYPE(args[0]) != ndarray_type ||
             !(((const np_fields *)args[0])->flags & NP_C_CONTIGUOUS) || nb < 0 || nb > r->slot)
         return PyLong_FromLong(0);
     uint64_t *q = r->q;
@@ -1298,7 +1309,8 @@ static PyObject *pr_put(P2PRing *r, PyObject *const *args, Py_ssize_t nargs) {
     return PyLong_FromUnsignedLongLong(count + 1);
 }
 
-/* get(out, nbytes, tag, sig, spin_ns): out a C-contiguous, writeable numpy.ndarray */
+/* get(out, nbytes, tag, sig, spin_ns): out a C-contiguous, writeable numpy.ndarray of
+ * nbytes bytes (as put's x) */
 static PyObject *pr_get(P2PRing *r, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 5) {
         PyErr_SetString(PyExc_TypeError, "get(out, nbytes, tag, sig, spin_ns)");
@@ -1310,7 +1322,7 @@ static PyObject *pr_get(P2PRing *r, PyObject *const *args, Py_ssize_t nargs) {
     if ((nb == -1 && PyErr_Occurred()) || (spin == -1 && PyErr_Occurred()) ||
             !u64_arg(args[2], &tag) || !u64_arg(args[3], &sig))
         return NULL;
-    if (!r->keep || Py_TYPE(args[0]) != ndarray_type || nb < 0 ||
+    if (!r->held || Py_TYPE(args[0]) != ndarray_type || nb < 0 || nb > r->slot ||
             (((const np_fields *)args[0])->flags & (NP_C_CONTIGUOUS | NP_WRITEABLE)) !=
             (NP_C_CONTIGUOUS | NP_WRITEABLE))
         return PyLong_FromLong(-1);

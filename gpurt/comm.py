@@ -2060,10 +2060,10 @@ class Communicator:
                 continue
             tx, rx = ep.tx[LANE_P2P], ep.rx[LANE_P2P]
             seg = ep.owner.seg
-            lim = tx.slot     # (larger messages, and single-copy ones, take the general path)
-            for m in (tx.cma_min, tx.map_min):
-                if m:
-                    lim = min(lim, m - 1)
+            # larger messages, and single-copy ones, take the general path: those from
+            # process_vm_readv's threshold on, and shared arrays (gpurt.empty) from the
+            # mapping's
+            lim = min(tx.slot, tx.cma_min - 1) if tx.cma_min else tx.slot
             stride = tx.slot + _SLOT_HDR
             txf = ring_type(seg.u8, tx.head_i, tx.tail_i, ep.err_i, tx.hdr_i[0] * 8, stride,
                             tx.nslots, tx.slot)
@@ -2071,8 +2071,9 @@ class Communicator:
                             rx.nslots, rx.slot)
             table[peer] = (ep, tx, txf, rx, rxf, lim, f"send to rank {peer} tag ",
                            f"recv from rank {peer} tag ", f"send to rank {peer}",
-                           f"recv from rank {peer}")
-        self._qspin = int((self.engine.spin or 0.0) * 1e9)
+                           f"recv from rank {peer}", tx.map_min or 1 << 62)
+        # (the compiled end spins holding the GIL: at most 100 µs of GPURT_SPIN_US)
+        self._qspin = min(int((self.engine.spin or 0.0) * 1e9), 100_000)
         return table
 
     def _qsend(self, e: tuple, x: np.ndarray, tag: int) -> bool:
@@ -2081,25 +2082,48 @@ class Communicator:
         before it on that ring — no Request, no run.  False: take the general path (which
         also raises every error)."""
         eng, ring = self.engine, e[1]
+        me = _get_ident()
         if self._closed or eng.poisoned is not None or eng.busy or eng.owner or ring.queue:
             return False
-        nb = x.nbytes
-        if nb > e[5]:
-            return False
-        s = _QSIGS.get(x.dtype)
-        if s is None:
-            return False
-        p = e[0]._proc      # (the peer's liveness read, as ShmEndpoint.send does)
-        if p is None or p.gone or time.monotonic() - p.checked > _SEND_CHECK:
-            return False
-        c = e[2].put(x, nb, tag, s[0])
-        if not c:
-            return False
-        ring.count = c
-        fl = self.flight
-        if fl is not None:
-            fl.finished(tag, "p2p", (s[1], x.size, None, None), e[6] + str(tag))
-        return True
+        eng.busy = me       # (a test and set, as in Engine.enter: another thread's call
+        try:                # meanwhile is the two-threads error, not two writers)
+            nb = x.nbytes
+            if eng.poisoned is not None or nb > e[5] or nb >= e[10] and \
+                    sharedmem.lookup(shm_board.NATIVE.data_address(x), nb) is not None:
+                return False
+            s = _QSIGS.get(x.dtype)
+            if s is None:
+                return False
+            p = e[0]._proc      # (the peer's liveness read, as ShmEndpoint.send does)
+            if p is None or p.gone or time.monotonic() - p.checked > _SEND_CHECK:
+                return False
+            try:
+                c = e[2].put(x, nb, tag, s[0])
+                if not c:
+                    return False
+                ring.count = c
+            except BaseException as exc:
+                self._quick_broke(ring, ring.head_i, exc)
+                raise
+            fl = self.flight
+            if fl is not None:
+                fl.finished(tag, "p2p", (s[1], x.size, None, None), e[6] + str(tag))
+            return True
+        finally:
+            eng.leave(0)
+
+    def _quick_broke(self, ring, word: int, exc: BaseException) -> None:
+        """An exception (a Ctrl-C) right around a compiled ring call: if the ring's
+        counter in the segment (``word``: its head or tail, this end's) moved without the
+        Python ring knowing, the message went (or was taken) and the call did not finish —
+        the counters are set from the segment and the communicator is poisoned, as after
+        any failure inside a transfer."""
+        w = int(ring.seg.q[word])
+        if w != ring.count:
+            ring.count = w
+            if not ring.sender:
+                ring.seen = w
+            self.engine.poison(exc)
 
     def _qrecv(self, e: tuple, out: np.ndarray, tag: int, spin: int):
         """The quick path of a host receive from a local peer: the ring's next message,
@@ -2109,38 +2133,55 @@ class Communicator:
         message not there yet is posted as a ``QuickRecv``: that Request, not complete
         (the caller waits on it, or returns it)."""
         eng, ring = self.engine, e[3]
+        me = _get_ident()
         if self._closed or eng.poisoned is not None or eng.busy or eng.owner or ring.queue:
             return False
-        s = _QSIGS.get(out.dtype)
-        if s is None:
-            return False
-        nb = out.nbytes
-        c = e[4].get(out, nb, tag, s[0], spin)
-        if c < 0:
-            return False
-        if c == 0:
-            if not _PLAIN(out, out, nb):
-                return False
-            # irecv: posted as any receive is (its record queued on the ring), then read
-            # by the compiled end while it is the ring's next message (QuickRecv)
-            m = _Msg(ring, e[0].peer, LANE_P2P, nb, tag, s[0],
-                     sink=_CopySink(out.reshape(-1).view(np.uint8)))
-            ring.queue.append(m)
+        eng.busy = me       # (a test and set: see _qsend)
+        try:
+            nb = out.nbytes
+            s = _QSIGS.get(out.dtype)
+            if s is None or nb > e[5] or eng.poisoned is not None:
+                return False        # (a larger message is never the compiled end's)
+            try:
+                c = e[4].get(out, nb, tag, s[0], spin)
+                if c < 0:
+                    return False
+                if c:
+                    ring.count = ring.seen = c
+            except BaseException as exc:
+                self._quick_broke(ring, ring.tail_i, exc)
+                raise
+            if c == 0:
+                if not _PLAIN(out, out, nb):
+                    return False
+                # posted as any receive is (its record queued on the ring), then read by
+                # the compiled end while it is the ring's next message (QuickRecv)
+                try:
+                    m = _Msg(ring, e[0].peer, LANE_P2P, nb, tag, s[0],
+                             sink=_CopySink(out.reshape(-1).view(np.uint8)))
+                    fl = self.flight
+                    rec = fl.start(tag, "p2p", (s[1], out.size, None, None),
+                                   e[7] + str(tag)) if fl is not None else None
+                    req = Request(eng, e[9], tag, None,
+                                  functools.partial(_p2p_done, rec, out) if rec is not None
+                                  else functools.partial(_same, out), p2p=True)
+                    req.algorithm = "p2p"
+                    # (a blocking recv spun already: its wait does not spin again)
+                    req.run = QuickRecv(e[0], m, e[4], out, 0 if spin else self._qspin,
+                                        e[0].peer)
+                    ring.queue.append(m)
+                    eng.p2p.append(req)
+                    eng.user = me       # (its requests are advanced by waits elsewhere)
+                except BaseException as exc:
+                    eng.poison(exc)     # (interrupted between queueing and posting)
+                    raise
+                return req
             fl = self.flight
-            rec = fl.start(tag, "p2p", (s[1], out.size, None, None), e[7] + str(tag)) \
-                if fl is not None else None
-            req = Request(eng, e[9], tag, None,
-                          functools.partial(_p2p_done, rec, out) if rec is not None else
-                          functools.partial(_same, out), p2p=True)
-            req.algorithm = "p2p"
-            req.run = QuickRecv(e[0], m, e[4], out, self._qspin, e[0].peer)
-            eng.p2p.append(req)
-            return req
-        ring.count = ring.seen = c
-        fl = self.flight
-        if fl is not None:
-            fl.finished(tag, "p2p", (s[1], out.size, None, None), e[7] + str(tag))
-        return True
+            if fl is not None:
+                fl.finished(tag, "p2p", (s[1], out.size, None, None), e[7] + str(tag))
+            return True
+        finally:
+            eng.leave(0)
 
     def isend(self, x: Any, peer: int, tag: int = 0, *, stream: Any = None) -> Request:
         """Send ``x`` to ``peer``.  Messages between two ranks are matched in order; the
@@ -2430,6 +2471,7 @@ def _mpi_comms(mpi_comm: Any, owned: bool) -> tuple[Any, Any]:
 _INT_MAX = 2**31 - 1
 _TAG_MAX = 2**64 - 1     # (the transports carry a tag in 64 bits)
 #: the quick send/recv's dtypes (the host ones every call accepts): (p2p signature, str)
+_get_ident = threading.get_ident
 _QSIGS: dict = {dt: (p2p_sig(dt, False) & (2**64 - 1), dt.str) for dt in _SUPPORTED}
 
 

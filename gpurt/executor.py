@@ -438,14 +438,24 @@ class Request:
         if type(run) is QuickRecv and timeout is None and self.error is None:
             # a quick receive's wait: the compiled ring end spins for its message first
             eng = self.engine
-            if not (eng.busy or eng.owner or eng.poisoned is not None) and \
-                    run.quick(run.spin) > 0:
-                self._complete()
+            me = threading.get_ident()
+            if not (eng.busy or eng.owner or eng.poisoned is not None):
+                eng.busy = me       # (a test and set, as in Engine.enter)
                 try:
-                    eng.p2p.remove(self)
-                except ValueError:
-                    pass
-                return self.result
+                    if eng.poisoned is None and run.quick(run.spin) > 0:
+                        self._complete()
+                        try:
+                            eng.p2p.remove(self)
+                        except ValueError:
+                            pass
+                        return self.result
+                except BaseException as e:
+                    # (a Ctrl-C with the message half taken: unusable, as after any
+                    # failure inside a transfer)
+                    eng.poison(e)
+                    raise
+                finally:
+                    eng.leave(0)
         try:
             t = check_timeout(timeout)
         except ValueError as e:

@@ -24,7 +24,8 @@ import gpurt
 
 MODE = sys.argv[1]
 DTYPES = [np.float32, np.int64, np.uint8, np.float64, np.complex64, np.bool_, np.int16]
-SIZES = [0, 1, 7, 64, 1000, 4096, 16384, 60000, 300_000, 2_000_000]   # bytes (about)
+# bytes (about): up to a slot (256 KiB) quick, then several slots, then single copy
+SIZES = [0, 1, 7, 64, 1000, 4096, 16384, 60000, 200_000, 262_144, 300_000, 2_000_000]
 
 
 class Counting:
@@ -133,6 +134,25 @@ for rnd in range(6):
                 chk.expect(f"#{i} {mode} small", small, small_w)
                 chk.expect(f"#{i} {mode} big", big, big_w)
 
+# shared arrays (comm.empty) of at least the mapping's threshold take the general path (a
+# single copy through a mapping of the sender's memory): exact, whatever the destination
+for j, n in enumerate((1000, 40_000, 65_536, 100_000)):
+    for dest in ("numpy", "shared"):
+        x = comm.empty(n, np.float32)
+        x[:] = payload(r, j, 4 * n, np.float32)
+        got = comm.empty(n, np.float32) if dest == "shared" else np.empty(n, np.float32)
+        q = comm.irecv(got, left, 7)
+        tx = comm._qt[right][2] if comm._qt else None
+        before = tx.moved if tx is not None else 0
+        comm.send(x, right, 7)
+        if tx is not None and n == 65_536 and comm._qt[right][10] <= 4 * n:
+            chk.count += 1      # one slot, but from a shared array: read through a mapping
+            if tx.moved != before:
+                chk.bad.append(f"rank {r}: a shared array's {4 * n} B went the quick way")
+        q.wait()
+        chk.expect(f"shared {4 * n}B into {dest}", got, payload(left, j, 4 * n, np.float32))
+        del x, got
+
 moved = sum(s.moved for s in spies)
 if MODE == "quick" or r % 2 == 0:
     # the quick path carried messages (both ends of each ring here, or this end)
@@ -197,6 +217,106 @@ for case in ("dtype", "tag", "size", "dtype-early"):
                 chk.bad.append(f"rank 1: after the {case} mismatch: {after}")
     world.Barrier()
     c.abort() if r in (0, 1) else None
+    c.close()
+
+# a receive posted early is advanced by a wait on another communicator (MPI's progress
+# rule): rank 1 fills the ring past its slots, so its last send needs rank 0's receive
+# to move while rank 0 waits in c2's barrier (it hung until both timed out: the quick
+# post did not mark the engine as this thread's)
+c1, c2 = comm.dup(), comm.dup()
+if r in (0, 1):
+    nslots = c1.endpoints[1 - r].tx[1].nslots
+    if r == 0:
+        first = np.zeros(8, np.uint8)
+        q = c1.irecv(first, 1)
+        text = outcome(lambda: c2.barrier(timeout=20))
+        chk.count += 1
+        if text != "ok":
+            chk.bad.append(f"rank 0: barrier with a receive posted early: {text}")
+        q.wait()
+        chk.expect("early receive, advanced elsewhere", first, np.full(8, 0, np.uint8))
+        for j in range(1, nslots + 1):
+            g = np.zeros(8, np.uint8)
+            c1.recv(g, 1)
+            chk.expect(f"after it, #{j}", g, np.full(8, j, np.uint8))
+    else:
+        import time
+        time.sleep(0.3)                 # (rank 0 is in the barrier by then)
+        for j in range(nslots + 1):
+            c1.send(np.full(8, j, np.uint8), 0)
+        text = outcome(lambda: c2.barrier(timeout=20))
+        chk.count += 1
+        if text != "ok":
+            chk.bad.append(f"rank 1: barrier after filling the ring: {text}")
+else:
+    c2.barrier(timeout=20)
+world.Barrier()
+c1.close()
+c2.close()
+
+
+class Interrupting:
+    """A ring end that raises KeyboardInterrupt right after a call that moved a message,
+    as Python raises a Ctrl-C that came during the compiled call."""
+
+    def __init__(self, ring):
+        self.ring = ring
+
+    def put(self, *a):
+        c = self.ring.put(*a)
+        if c > 0:
+            raise KeyboardInterrupt
+        return c
+
+    def get(self, *a):
+        c = self.ring.get(*a)
+        if c > 0:
+            raise KeyboardInterrupt
+        return c
+
+
+# a Ctrl-C right after the compiled end moved a message poisons the communicator (as one
+# inside any transfer does): it delivered the message twice before
+def interrupted(fn) -> str:
+    try:
+        fn()
+        return "ok"
+    except KeyboardInterrupt:
+        return "KeyboardInterrupt"
+    except gpurt.GpurtError as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+for side in ("recv", "send", "wait"):
+    c = comm.dup()
+    armed = r in (0, 1) and bool(c._qt)
+    if armed:
+        e = c._qt[1 - r]
+        c._qt[1 - r] = e[:2] + (Interrupting(e[2]),) + e[3:4] + (Interrupting(e[4]),) + e[5:]
+    text = "-"
+    if armed and r == 0:
+        q = c.irecv(np.zeros(2, np.int64), 1) if side == "wait" else None
+        world.Barrier()
+        world.Barrier()                 # (rank 1 sent meanwhile)
+        text = interrupted(q.wait if q is not None else
+                           lambda: c.recv(np.zeros(2, np.int64), 1))
+    elif armed and r == 1:
+        world.Barrier()
+        import time
+        c.endpoints[0]._process().state(time.monotonic())   # (fresh: the send is quick)
+        text = interrupted(lambda: c.send(np.arange(2), 0))
+        world.Barrier()
+    else:
+        world.Barrier()
+        world.Barrier()
+    if armed and (r == 1) == (side == "send"):
+        chk.count += 1
+        after = interrupted(lambda: c.send(np.ones(1), 1 - r))
+        if text != "KeyboardInterrupt" or not after.startswith("CommunicatorClosed"):
+            chk.bad.append(f"rank {r}: Ctrl-C in a quick {side}: {text}; then {after}")
+    world.Barrier()
+    if r in (0, 1):
+        c.abort()
     c.close()
 
 # a receive posted early times out (still in flight), then completes
