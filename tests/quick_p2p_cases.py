@@ -8,9 +8,11 @@ take the Python protocol only (their quick table emptied), so each ring has a co
 end and a Python end.  Every rank sends to its right neighbour and receives from its left
 one: a stream of messages of every size class (empty, one slot, past the quick limit,
 several slots, single copy) and dtype, blocking and non-blocking in several orders,
-bursts that fill the ring, receives posted before their message; exact values.  Then the
-errors: a mismatch after the quick path is warm (dtype, tag, size; blocking and posted
-early), a timeout on a receive posted early, test() polling.  Rank 0 prints the verdict."""
+bursts that fill the ring, receives posted before their message, shared arrays; exact
+values.  Then progress and errors: a receive posted early advanced by a wait on another
+communicator, a Ctrl-C right after a compiled call, a mismatch after the quick path is
+warm (dtype, tag, size; blocking and posted early), a timeout on a receive posted early,
+test() polling.  Rank 0 prints the verdict."""
 
 from __future__ import annotations
 

@@ -371,7 +371,11 @@ def test_quick_send_recv_against_the_ring_protocol(n, mode):
     ring's Python protocol does and interoperates with it (``mixed``: the odd ranks use
     the Python protocol only): every size class and dtype, blocking and non-blocking in
     several orders, bursts that fill the ring, receives posted before their message and
-    a larger one queued behind them; after it is warm, every mismatch kind still raises
+    a larger one queued behind them, shared arrays past the mapping threshold (not
+    quick); a receive posted early advanced by a wait on another communicator (it hung:
+    the progress rule); a Ctrl-C right after the compiled end moved a message (send,
+    receive, a posted receive's wait) poisons the communicator (it delivered a message
+    twice); after it is warm, every mismatch kind still raises
     on the receiver and poisons it, a receive posted early times out (and then
     completes), and test() polls one to completion.  tests/quick_p2p_cases.py; the quick
     path must have carried messages (counted).  With more ranks than cores a blocking
