@@ -2069,9 +2069,7 @@ class Communicator:
                             tx.nslots, tx.slot)
             rxf = ring_type(seg.u8, rx.head_i, rx.tail_i, ep.err_i, rx.hdr_i[0] * 8, stride,
                             rx.nslots, rx.slot)
-            table[peer] = (ep, tx, txf, rx, rxf, lim, f"send to rank {peer} tag ",
-                           f"recv from rank {peer} tag ", f"send to rank {peer}",
-                           f"recv from rank {peer}", tx.map_min or 1 << 62)
+            table[peer] = _QuickPeer(ep, tx, txf, rx, rxf, lim, tx.map_min or 1 << 62)
         # (the compiled end spins holding the GIL: at most 100 µs of GPURT_SPIN_US)
         self._qspin = min(int((self.engine.spin or 0.0) * 1e9), 100_000)
         return table
@@ -2081,24 +2079,24 @@ class Communicator:
         the p2p ring, written by the compiled ring end at once when nothing is queued
         before it on that ring — no Request, no run.  False: take the general path (which
         also raises every error)."""
-        eng, ring = self.engine, e[1]
+        eng, ring = self.engine, e.tx
         me = _get_ident()
         if self._closed or eng.poisoned is not None or eng.busy or eng.owner or ring.queue:
             return False
         eng.busy = me       # (a test and set, as in Engine.enter: another thread's call
         try:                # meanwhile is the two-threads error, not two writers)
             nb = x.nbytes
-            if eng.poisoned is not None or nb > e[5] or nb >= e[10] and \
+            if eng.poisoned is not None or nb > e.lim or nb >= e.map_min and \
                     sharedmem.lookup(shm_board.NATIVE.data_address(x), nb) is not None:
                 return False
             s = _QSIGS.get(x.dtype)
             if s is None:
                 return False
-            p = e[0]._proc      # (the peer's liveness read, as ShmEndpoint.send does)
+            p = e.ep._proc      # (the peer's liveness read, as ShmEndpoint.send does)
             if p is None or p.gone or time.monotonic() - p.checked > _SEND_CHECK:
                 return False
             try:
-                c = e[2].put(x, nb, tag, s[0])
+                c = e.txf.put(x, nb, tag, s[0])
                 if not c:
                     return False
                 ring.count = c
@@ -2107,7 +2105,7 @@ class Communicator:
                 raise
             fl = self.flight
             if fl is not None:
-                fl.finished(tag, "p2p", (s[1], x.size, None, None), e[6] + str(tag))
+                fl.finished(tag, "p2p", (s[1], x.size, None, None), f"{e.send_name} tag {tag}")
             return True
         finally:
             eng.leave(0)
@@ -2132,7 +2130,7 @@ class Communicator:
         (which raises a mismatch, or waits under the deadlines and liveness checks).  A
         message not there yet is posted as a ``QuickRecv``: that Request, not complete
         (the caller waits on it, or returns it)."""
-        eng, ring = self.engine, e[3]
+        eng, ring = self.engine, e.rx
         me = _get_ident()
         if self._closed or eng.poisoned is not None or eng.busy or eng.owner or ring.queue:
             return False
@@ -2140,10 +2138,10 @@ class Communicator:
         try:
             nb = out.nbytes
             s = _QSIGS.get(out.dtype)
-            if s is None or nb > e[5] or eng.poisoned is not None:
+            if s is None or nb > e.lim or eng.poisoned is not None:
                 return False        # (a larger message is never the compiled end's)
             try:
-                c = e[4].get(out, nb, tag, s[0], spin)
+                c = e.rxf.get(out, nb, tag, s[0], spin)
                 if c < 0:
                     return False
                 if c:
@@ -2157,18 +2155,18 @@ class Communicator:
                 # posted as any receive is (its record queued on the ring), then read by
                 # the compiled end while it is the ring's next message (QuickRecv)
                 try:
-                    m = _Msg(ring, e[0].peer, LANE_P2P, nb, tag, s[0],
+                    m = _Msg(ring, e.ep.peer, LANE_P2P, nb, tag, s[0],
                              sink=_CopySink(out.reshape(-1).view(np.uint8)))
                     fl = self.flight
                     rec = fl.start(tag, "p2p", (s[1], out.size, None, None),
-                                   e[7] + str(tag)) if fl is not None else None
-                    req = Request(eng, e[9], tag, None,
+                                   f"{e.recv_name} tag {tag}") if fl is not None else None
+                    req = Request(eng, e.recv_name, tag, None,
                                   functools.partial(_p2p_done, rec, out) if rec is not None
                                   else functools.partial(_same, out), p2p=True)
                     req.algorithm = "p2p"
                     # (a blocking recv spun already: its wait does not spin again)
-                    req.run = QuickRecv(e[0], m, e[4], out, 0 if spin else self._qspin,
-                                        e[0].peer)
+                    req.run = QuickRecv(e.ep, m, e.rxf, out, 0 if spin else self._qspin,
+                                        e.ep.peer)
                     ring.queue.append(m)
                     eng.p2p.append(req)
                     eng.user = me       # (its requests are advanced by waits elsewhere)
@@ -2178,7 +2176,7 @@ class Communicator:
                 return req
             fl = self.flight
             if fl is not None:
-                fl.finished(tag, "p2p", (s[1], out.size, None, None), e[7] + str(tag))
+                fl.finished(tag, "p2p", (s[1], out.size, None, None), f"{e.recv_name} tag {tag}")
             return True
         finally:
             eng.leave(0)
@@ -2191,7 +2189,7 @@ class Communicator:
                 stream is None:
             e = qt.get(peer)
             if e is not None and 0 <= tag <= _TAG_MAX and self._qsend(e, x, tag):
-                return Completed(self.engine, e[8], tag, x)
+                return Completed(self.engine, e.send_name, tag, x)
         self._check_open()
         return self._p2p("send", self._in(x), self._peer(peer, "send"), tag, stream)
 
@@ -2215,7 +2213,7 @@ class Communicator:
             if e is not None and 0 <= tag <= _TAG_MAX:
                 r = self._qrecv(e, out, tag, 0)
                 if r is not False:
-                    return Completed(self.engine, e[9], tag, out) if r is True else r
+                    return Completed(self.engine, e.recv_name, tag, out) if r is True else r
         self._check_open()
         with _ranked(self.rank):
             ob = self._host(as_buf(out, "out"), "out")
@@ -2470,8 +2468,8 @@ def _mpi_comms(mpi_comm: Any, owned: bool) -> tuple[Any, Any]:
 
 _INT_MAX = 2**31 - 1
 _TAG_MAX = 2**64 - 1     # (the transports carry a tag in 64 bits)
-#: the quick send/recv's dtypes (the host ones every call accepts): (p2p signature, str)
 _get_ident = threading.get_ident
+#: the quick send/recv's dtypes (the host ones every call accepts): (p2p signature, str)
 _QSIGS: dict = {dt: (p2p_sig(dt, False) & (2**64 - 1), dt.str) for dt in _SUPPORTED}
 
 
@@ -2537,6 +2535,20 @@ def _agreement_schedule(p: int, r: int, n: int, m: int | None = None) -> Schedul
 
 
 _p2p_sigs: dict[tuple, int] = {}      # (dtype, device) -> p2p_sig
+
+
+class _QuickPeer:
+    """One local peer's entry in the quick send/recv table (``_p2p_quick_table``): its
+    endpoint, the p2p lane's two rings and their compiled ends, the largest message the
+    compiled ends take, where shared arrays stop being quick, and the names a request and
+    a flight record give the calls."""
+
+    __slots__ = ("ep", "tx", "txf", "rx", "rxf", "lim", "map_min", "send_name", "recv_name")
+
+    def __init__(self, ep, tx, txf, rx, rxf, lim: int, map_min: int):
+        self.ep, self.tx, self.txf, self.rx, self.rxf = ep, tx, txf, rx, rxf
+        self.lim, self.map_min = lim, map_min
+        self.send_name, self.recv_name = f"send to rank {ep.peer}", f"recv from rank {ep.peer}"
 
 
 def _p2p_done(rec, b: Buf | np.ndarray) -> Any:

@@ -51,11 +51,8 @@ class FlightRecorder:
 
     def finished(self, seq: int, kind: str, args: tuple, algo: str) -> None:
         """Record a call that completed as it was made (a quick send or receive)."""
-        t = time.time()
-        ev = self.events
-        if len(ev) == ev.maxlen and ev[0][STATE] == "running":
-            self._hold(ev[0])
-        ev.append([seq, kind, args, algo, t, t, "done", 0])
+        rec = self.start(seq, kind, args, algo)
+        rec[T1], rec[STATE] = rec[T0], "done"
 
     def _hold(self, rec: list) -> None:
         held, cap = self.held, 4 * self.events.maxlen

@@ -50,9 +50,8 @@ class Counting:
 def spy(comm) -> list[Counting]:
     spies = []
     for peer, e in list(comm._qt.items()):
-        tx, rx = Counting(e[2]), Counting(e[4])
-        comm._qt[peer] = e[:2] + (tx,) + e[3:4] + (rx,) + e[5:]
-        spies += [tx, rx]
+        e.txf, e.rxf = Counting(e.txf), Counting(e.rxf)
+        spies += [e.txf, e.rxf]
     return spies
 
 
@@ -144,10 +143,10 @@ for j, n in enumerate((1000, 40_000, 65_536, 100_000)):
         x[:] = payload(r, j, 4 * n, np.float32)
         got = comm.empty(n, np.float32) if dest == "shared" else np.empty(n, np.float32)
         q = comm.irecv(got, left, 7)
-        tx = comm._qt[right][2] if comm._qt else None
+        tx = comm._qt[right].txf if comm._qt else None
         before = tx.moved if tx is not None else 0
         comm.send(x, right, 7)
-        if tx is not None and n == 65_536 and comm._qt[right][10] <= 4 * n:
+        if tx is not None and n == 65_536 and comm._qt[right].map_min <= 4 * n:
             chk.count += 1      # one slot, but from a shared array: read through a mapping
             if tx.moved != before:
                 chk.bad.append(f"rank {r}: a shared array's {4 * n} B went the quick way")
@@ -294,7 +293,7 @@ for side in ("recv", "send", "wait"):
     armed = r in (0, 1) and bool(c._qt)
     if armed:
         e = c._qt[1 - r]
-        c._qt[1 - r] = e[:2] + (Interrupting(e[2]),) + e[3:4] + (Interrupting(e[4]),) + e[5:]
+        e.txf, e.rxf = Interrupting(e.txf), Interrupting(e.rxf)
     text = "-"
     if armed and r == 0:
         q = c.irecv(np.zeros(2, np.int64), 1) if side == "wait" else None
