@@ -2,12 +2,14 @@
 round (``_fastboard.direct``), 2 ranks: ``mpiexec -n 2 python tests/close_race_cases.py
 MODE``.  Each rank prints one line ``CLOSE_RACE {json}``.
 
-- ``before``: rank 0's round waits for rank 1's header (rank 1 comes 1 s late) when
-  another thread closes: the round stops before READY, so no peer comes into rank 0's
+- ``before``: rank 0's round waits for rank 1's header (rank 1 comes late) when
+  another thread closes 50 ms in: the round stops before READY, so no peer comes into rank 0's
   buffers — rank 0 raises ``CommunicatorClosed``, rank 1 ``PeerFailure`` naming the close,
   promptly, and nothing is written into rank 0's output after its call returned.
-- ``before_fast``: the same, the close 0.5 ms into the round and rank 1 2.5 ms late:
-  the compiled round itself stops (D_CLOSED) or hands over to Python, which stops.
+- ``before_fast``: the same, the close 0.5 ms into the round: the compiled round itself
+  stops (D_CLOSED) or hands over to Python, which stops.  In both modes rank 1 comes in
+  only once rank 0's close() has returned (a marker file tells it), so a loaded machine
+  that delays the closing thread cannot let rank 1 complete the call first.
 - ``after``: the close comes once rank 0 has stored READY (rank 1, in Python, sleeps
   0.3 s before its share): rank 0's call is interrupted (``CommunicatorClosed``), its
   error published once it has stopped writing, and its caller has the arrays back only
@@ -78,7 +80,11 @@ def main() -> int:
         t = time.monotonic()
         comm.close()
         closed.append(time.monotonic() - t)
+        with open(marker, "w"):
+            pass
 
+    marker = world.bcast(f"/tmp/gpurt-close-race-{os.getpid()}-{time.time_ns()}"
+                         if r == 0 else None, root=0)
     world.Barrier()
     y[:] = 0
     th = None
@@ -86,7 +92,9 @@ def main() -> int:
         th = threading.Thread(target=closer)
         th.start()
     if r == 1 and mode.startswith("before"):
-        time.sleep(1.0 if mode == "before" else 0.0025)
+        t0 = time.monotonic()                  # until rank 0's close() returned (cap 15 s)
+        while not os.path.exists(marker) and time.monotonic() - t0 < 15:
+            time.sleep(0.0005)
     res["outcome"], res["seconds"] = casekit.outcome(lambda: comm.allgather(x, out=y))
     if res["outcome"] == "ok":
         res["exact"] = bool(all((y[k * n:(k + 1) * n] == k + 1).all() for k in range(p)))
@@ -99,6 +107,8 @@ def main() -> int:
         res["written_after"] = int(np.count_nonzero(y != -1))
     print("CLOSE_RACE " + json.dumps(res), flush=True)
     world.Barrier()
+    if r == 0 and os.path.exists(marker):
+        os.unlink(marker)
     if not comm.closed:
         comm.close()
     return 0
