@@ -71,7 +71,7 @@ enum { DONE = 0, PUBLISHED = 1, NOTHING = 2, HANDBACK = 3, REDUCED = 4,
 #define D_COPY (2 << 20)        /* direct(): bytes copied between checks of the peers */
 #define STAGE_PIECE (64 << 10)  /* bytes reduced at a time (they stay in the core's L2) */
 #define ALIGN_BYTES 4096        /* shm_direct.blocks: blocks split on 4 KiB boundaries */
-#define ABI 9                   /* bumped whenever Python's use of this module changes */
+#define ABI 10                  /* bumped whenever Python's use of this module changes */
 
 static PyTypeObject *ndarray_type;  /* numpy.ndarray, given by set_ndarray (run checks it) */
 
@@ -1222,15 +1222,17 @@ static PyObject *data_address(PyObject *mod, PyObject *arr) {
 /* ---- point to point: one shm ring's common case (transports/shm.py, _Ring) --------------
  * A P2PRing is one direction of one lane between two local ranks, seen from one end, over
  * the segment's bytes (it holds a buffer of the segment's array, so its mapping stays while this
- * object does).  put() is _Ring._push for a message that fits one slot when a slot is free
- * (the same header words, then the bytes, then the head with release); get() is
- * _Ring._pull for the next message when it is exactly the posted receive's single-slot
- * message (tag, signature, size; no single-copy address), waiting up to a spin budget for
- * it.  Anything else returns to Python, which takes the general path (and raises there):
- * no error of the protocol is decided here.  Both return the end's new counter (the ring's
- * head or tail, always >= 1 after a message), 0 for "not now", and get -1 for "here, but
- * not the common case".  The GIL is held throughout (the spin is bounded and short), so no
- * other thread of this process moves the ring meanwhile. */
+ * object does).  put() is _Ring._push for one message from a chunk offset on: as many of its
+ * slot-sized chunks as there are free slots (the same header words, then the bytes, then the
+ * head with release, chunk by chunk); get() is _Ring._pull for the posted receive from a
+ * chunk offset on: the ring's next chunks while each is exactly the next chunk of that
+ * message (tag, signature, size, offset, length; no single-copy address), waiting up to a
+ * spin budget for each.  Anything else returns to Python, which takes the general path (and
+ * raises there): no error of the protocol is decided here.  Both return the end's new
+ * counter (the ring's head or tail; the chunks moved are its difference from the old one),
+ * 0 for "nothing moved now", and get -1 for "here, but not the common case".  The GIL is
+ * held throughout (the spin is bounded and short), so no other thread of this process
+ * moves the ring meanwhile. */
 typedef struct {
     PyObject_HEAD
     Py_buffer seg;          /* the segment (held: its mapping stays while this object does) */
@@ -1281,75 +1283,106 @@ static int u64_arg(PyObject *o, uint64_t *v) {
     return !(*v == (uint64_t)-1 && PyErr_Occurred());
 }
 
-/* put(x, nbytes, tag, sig): x a C-contiguous numpy.ndarray of nbytes bytes (its nbytes:
- * the caller's to give right) */
+/* put(x, nbytes, tag, sig, off): x a C-contiguous numpy.ndarray of nbytes bytes (its
+ * nbytes: the caller's to give right); off the byte offset of the first chunk to write (0,
+ * or where an earlier put stopped) */
 static PyObject *pr_put(P2PRing *r, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "put(x, nbytes, tag, sig)");
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "put(x, nbytes, tag, sig, off)");
         return NULL;
     }
     uint64_t tag, sig;
-    Py_ssize_t nb = PyLong_AsSsize_t(args[1]);
-    if ((nb == -1 && PyErr_Occurred()) || !u64_arg(args[2], &tag) || !u64_arg(args[3], &sig))
+    Py_ssize_t nb = PyLong_AsSsize_t(args[1]), off = PyLong_AsSsize_t(args[4]);
+    if ((nb == -1 && PyErr_Occurred()) || (off == -1 && PyErr_Occurred()) ||
+            !u64_arg(args[2], &tag) || !u64_arg(args[3], &sig))
         return NULL;
-    if (!r->held || Py_TYPE(args[0]) != ndarray_type ||
-            !(((const np_fields *)args[0])->flags & NP_C_CONTIGUOUS) || nb < 0 || nb > r->slot)
+    if (!r->held || Py_TYPE(args[0]) != ndarray_type || r->slot < 1 ||
+            !(((const np_fields *)args[0])->flags & NP_C_CONTIGUOUS) || nb < 0 || off < 0 ||
+            off % r->slot || (off && off >= nb))
         return PyLong_FromLong(0);
     uint64_t *q = r->q;
     if (load_acq(&q[r->err_i]))
         return PyLong_FromLong(0);      /* the peer failed or closed: Python says what */
     uint64_t count = q[r->head_i];      /* (this end's own word) */
-    if (count - load_acq(&q[r->tail_i]) >= (uint64_t)r->nslots)
-        return PyLong_FromLong(0);
-    char *s = r->u8 + r->slot0 + (Py_ssize_t)(count % (uint64_t)r->nslots) * r->stride;
-    uint64_t *h = (uint64_t *)s;
-    h[0] = tag; h[1] = sig; h[2] = (uint64_t)nb; h[3] = 0; h[4] = (uint64_t)nb; h[5] = 0;
-    if (nb) memcpy(s + 64, ((const np_head *)args[0])->data, (size_t)nb);
-    store_rel(&q[r->head_i], count + 1);
-    return PyLong_FromUnsignedLongLong(count + 1);
+    uint64_t tail = load_acq(&q[r->tail_i]);
+    const char *src = ((const np_head *)args[0])->data;
+    uint64_t moved = 0;
+    do {
+        if (count - tail >= (uint64_t)r->nslots)
+            break;
+        Py_ssize_t n = nb - off < r->slot ? nb - off : r->slot;
+        char *s = r->u8 + r->slot0 + (Py_ssize_t)(count % (uint64_t)r->nslots) * r->stride;
+        uint64_t *h = (uint64_t *)s;
+        h[0] = tag; h[1] = sig; h[2] = (uint64_t)nb; h[3] = (uint64_t)off; h[4] = (uint64_t)n;
+        h[5] = 0;
+        if (n) memcpy(s + 64, src + off, (size_t)n);
+        count++;
+        moved++;
+        store_rel(&q[r->head_i], count);
+        off += n;
+    } while (off < nb);
+    if (!moved) return PyLong_FromLong(0);
+    return PyLong_FromUnsignedLongLong(count);
 }
 
-/* get(out, nbytes, tag, sig, spin_ns): out a C-contiguous, writeable numpy.ndarray of
- * nbytes bytes (as put's x) */
+/* get(out, nbytes, tag, sig, spin_ns, off): out a C-contiguous, writeable numpy.ndarray of
+ * nbytes bytes (as put's x); off the offset of the next chunk the receive expects */
 static PyObject *pr_get(P2PRing *r, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "get(out, nbytes, tag, sig, spin_ns)");
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "get(out, nbytes, tag, sig, spin_ns, off)");
         return NULL;
     }
     uint64_t tag, sig;
-    Py_ssize_t nb = PyLong_AsSsize_t(args[1]);
+    Py_ssize_t nb = PyLong_AsSsize_t(args[1]), off = PyLong_AsSsize_t(args[5]);
     long long spin = PyLong_AsLongLong(args[4]);
     if ((nb == -1 && PyErr_Occurred()) || (spin == -1 && PyErr_Occurred()) ||
-            !u64_arg(args[2], &tag) || !u64_arg(args[3], &sig))
+            (off == -1 && PyErr_Occurred()) || !u64_arg(args[2], &tag) || !u64_arg(args[3], &sig))
         return NULL;
-    if (!r->held || Py_TYPE(args[0]) != ndarray_type || nb < 0 || nb > r->slot ||
+    if (!r->held || Py_TYPE(args[0]) != ndarray_type || nb < 0 || off < 0 || r->slot < 1 ||
+            off % r->slot || (off && off >= nb) ||
             (((const np_fields *)args[0])->flags & (NP_C_CONTIGUOUS | NP_WRITEABLE)) !=
             (NP_C_CONTIGUOUS | NP_WRITEABLE))
         return PyLong_FromLong(-1);
     uint64_t *q = r->q;
     uint64_t count = q[r->tail_i];      /* (this end's own word) */
-    if (load_acq(&q[r->head_i]) == count) {
-        if (spin <= 0) return PyLong_FromLong(0);
-        int64_t start = now_ns();
-        for (;;) {
-            for (int i = 0; i < 64; i++) cpu_relax();
-            if (load_acq(&q[r->head_i]) != count) break;
-            if (now_ns() - start >= spin) return PyLong_FromLong(0);
+    uint64_t head = load_acq(&q[r->head_i]);
+    char *dst = ((np_head *)args[0])->data;
+    uint64_t moved = 0;
+    int64_t start = 0;
+    do {
+        if (head == count) {
+            if (spin <= 0) break;
+            if (!start) start = now_ns();
+            for (;;) {
+                for (int i = 0; i < 64; i++) cpu_relax();
+                head = load_acq(&q[r->head_i]);
+                if (head != count || now_ns() - start >= spin) break;
+            }
+            if (head == count) break;
         }
-    }
-    const char *s = r->u8 + r->slot0 + (Py_ssize_t)(count % (uint64_t)r->nslots) * r->stride;
-    const uint64_t *h = (const uint64_t *)s;
-    if (h[0] != tag || h[1] != sig || h[2] != (uint64_t)nb || h[3] || h[4] != (uint64_t)nb || h[5])
-        return PyLong_FromLong(-1);
-    if (nb) memcpy(((np_head *)args[0])->data, s + 64, (size_t)nb);
-    store_rel(&q[r->tail_i], count + 1);
-    return PyLong_FromUnsignedLongLong(count + 1);
+        Py_ssize_t n = nb - off < r->slot ? nb - off : r->slot;
+        const char *s = r->u8 + r->slot0 + (Py_ssize_t)(count % (uint64_t)r->nslots) * r->stride;
+        const uint64_t *h = (const uint64_t *)s;
+        if (h[0] != tag || h[1] != sig || h[2] != (uint64_t)nb || h[3] != (uint64_t)off ||
+                h[4] != (uint64_t)n || h[5]) {
+            if (!moved) return PyLong_FromLong(-1);
+            break;                      /* Python reads it next, and says what it is */
+        }
+        if (n) memcpy(dst + off, s + 64, (size_t)n);
+        count++;
+        moved++;
+        store_rel(&q[r->tail_i], count);   /* the slot is free again at once */
+        off += n;
+    } while (off < nb);
+    if (!moved) return PyLong_FromLong(0);
+    return PyLong_FromUnsignedLongLong(count);
 }
 
 static PyMethodDef pr_methods[] = {
-    {"put", (PyCFunction)(void (*)(void))pr_put, METH_FASTCALL, "put(x, nbytes, tag, sig)"},
+    {"put", (PyCFunction)(void (*)(void))pr_put, METH_FASTCALL,
+     "put(x, nbytes, tag, sig, off)"},
     {"get", (PyCFunction)(void (*)(void))pr_get, METH_FASTCALL,
-     "get(out, nbytes, tag, sig, spin_ns)"},
+     "get(out, nbytes, tag, sig, spin_ns, off)"},
     {NULL}
 };
 

@@ -2060,10 +2060,9 @@ class Communicator:
                 continue
             tx, rx = ep.tx[LANE_P2P], ep.rx[LANE_P2P]
             seg = ep.owner.seg
-            # larger messages, and single-copy ones, take the general path: those from
-            # process_vm_readv's threshold on, and shared arrays (gpurt.empty) from the
-            # mapping's
-            lim = min(tx.slot, tx.cma_min - 1) if tx.cma_min else tx.slot
+            # single-copy messages take the general path: those from process_vm_readv's
+            # threshold on, and shared arrays (gpurt.empty) from the mapping's
+            lim = tx.cma_min - 1 if tx.cma_min else 1 << 62
             stride = tx.slot + _SLOT_HDR
             txf = ring_type(seg.u8, tx.head_i, tx.tail_i, ep.err_i, tx.hdr_i[0] * 8, stride,
                             tx.nslots, tx.slot)
@@ -2074,11 +2073,13 @@ class Communicator:
         self._qspin = min(int((self.engine.spin or 0.0) * 1e9), 100_000)
         return table
 
-    def _qsend(self, e: tuple, x: np.ndarray, tag: int) -> bool:
-        """The quick path of a host send to a local peer: a message that fits one slot of
-        the p2p ring, written by the compiled ring end at once when nothing is queued
-        before it on that ring — no Request, no run.  False: take the general path (which
-        also raises every error)."""
+    def _qsend(self, e: "_QuickPeer", x: np.ndarray, tag: int):
+        """The quick path of a host send to a local peer below the single-copy threshold,
+        when nothing is queued before it on the p2p ring: the compiled ring end writes its
+        chunks into the free slots at once — True when all of them went (no Request, no
+        run); a message with chunks left is posted as the general protocol's record from
+        where the compiled end stopped: that Request, not complete.  False: take the
+        general path (which also raises every error)."""
         eng, ring = self.engine, e.tx
         me = _get_ident()
         if self._closed or eng.poisoned is not None or eng.busy or eng.owner or ring.queue:
@@ -2095,8 +2096,9 @@ class Communicator:
             p = e.ep._proc      # (the peer's liveness read, as ShmEndpoint.send does)
             if p is None or p.gone or time.monotonic() - p.checked > _SEND_CHECK:
                 return False
+            old = ring.count
             try:
-                c = e.txf.put(x, nb, tag, s[0])
+                c = e.txf.put(x, nb, tag, s[0], 0)
                 if not c:
                     return False
                 ring.count = c
@@ -2104,9 +2106,33 @@ class Communicator:
                 self._quick_broke(ring, ring.head_i, exc)
                 raise
             fl = self.flight
-            if fl is not None:
-                fl.finished(tag, "p2p", (s[1], x.size, None, None), f"{e.send_name} tag {tag}")
-            return True
+            sent = (c - old) * ring.slot
+            if sent >= nb:
+                if fl is not None:
+                    fl.finished(tag, "p2p", (s[1], x.size, None, None),
+                                f"{e.send_name} tag {tag}")
+                return True
+            # the rest as any send's: its record queued on the ring from where the
+            # compiled end stopped, pushed by the waits (the ring's Python protocol)
+            try:
+                m = _Msg(ring, e.ep.peer, LANE_P2P, nb, tag, s[0],
+                         data=x.reshape(-1).view(np.uint8))
+                m.off = sent
+                rec = fl.start(tag, "p2p", (s[1], x.size, None, None),
+                               f"{e.send_name} tag {tag}") if fl is not None else None
+                req = Request(eng, e.send_name, tag, None,
+                              functools.partial(_p2p_done, rec, x) if rec is not None
+                              else functools.partial(_same, x), p2p=True)
+                req.algorithm = "p2p"
+                run = req.run = P2PRun(e.ep, True, x, LANE_P2P, tag, s[0], e.ep.peer)
+                run.k, run.pending = 1, [m]
+                ring.queue.append(m)
+                eng.p2p.append(req)
+                eng.user = me       # (its requests are advanced by waits elsewhere)
+            except BaseException as exc:
+                eng.poison(exc)     # (interrupted between the chunks and the posting)
+                raise
+            return req
         finally:
             eng.leave(0)
 
@@ -2123,13 +2149,14 @@ class Communicator:
                 ring.seen = w
             self.engine.poison(exc)
 
-    def _qrecv(self, e: tuple, out: np.ndarray, tag: int, spin: int):
-        """The quick path of a host receive from a local peer: the ring's next message,
-        read by the compiled ring end when it is exactly this receive's single-slot
-        message (waiting up to ``spin`` ns for it): True.  False: take the general path
-        (which raises a mismatch, or waits under the deadlines and liveness checks).  A
-        message not there yet is posted as a ``QuickRecv``: that Request, not complete
-        (the caller waits on it, or returns it)."""
+    def _qrecv(self, e: "_QuickPeer", out: np.ndarray, tag: int, spin: int):
+        """The quick path of a host receive from a local peer below the single-copy
+        threshold: the ring's next chunks, read by the compiled ring end while they are
+        exactly this receive's message (waiting up to ``spin`` ns for each) — True when
+        all of it was read.  False: take the general path (which raises a mismatch, or
+        waits under the deadlines and liveness checks).  A message not (all) there yet is
+        posted as a ``QuickRecv`` from where the compiled end stopped: that Request, not
+        complete (the caller waits on it, or returns it)."""
         eng, ring = self.engine, e.rx
         me = _get_ident()
         if self._closed or eng.poisoned is not None or eng.busy or eng.owner or ring.queue:
@@ -2139,9 +2166,10 @@ class Communicator:
             nb = out.nbytes
             s = _QSIGS.get(out.dtype)
             if s is None or nb > e.lim or eng.poisoned is not None:
-                return False        # (a larger message is never the compiled end's)
+                return False        # (a single-copy message is never the compiled end's)
+            old = ring.count
             try:
-                c = e.rxf.get(out, nb, tag, s[0], spin)
+                c = e.rxf.get(out, nb, tag, s[0], spin, 0)
                 if c < 0:
                     return False
                 if c:
@@ -2149,14 +2177,15 @@ class Communicator:
             except BaseException as exc:
                 self._quick_broke(ring, ring.tail_i, exc)
                 raise
-            if c == 0:
-                if not _PLAIN(out, out, nb):
-                    return False
-                # posted as any receive is (its record queued on the ring), then read by
-                # the compiled end while it is the ring's next message (QuickRecv)
+            got = (c - old) * ring.slot if c else 0
+            if not c or got < nb:
+                # posted as any receive is (its record queued on the ring, from the chunks
+                # read on), then read by the compiled end while it is the ring's next
+                # message (QuickRecv)
                 try:
                     m = _Msg(ring, e.ep.peer, LANE_P2P, nb, tag, s[0],
                              sink=_CopySink(out.reshape(-1).view(np.uint8)))
+                    m.off = got
                     fl = self.flight
                     rec = fl.start(tag, "p2p", (s[1], out.size, None, None),
                                    f"{e.recv_name} tag {tag}") if fl is not None else None
@@ -2188,8 +2217,10 @@ class Communicator:
         if qt and type(x) is np.ndarray and type(peer) is int and type(tag) is int and \
                 stream is None:
             e = qt.get(peer)
-            if e is not None and 0 <= tag <= _TAG_MAX and self._qsend(e, x, tag):
-                return Completed(self.engine, e.send_name, tag, x)
+            if e is not None and 0 <= tag <= _TAG_MAX:
+                r = self._qsend(e, x, tag)
+                if r is not False:
+                    return Completed(self.engine, e.send_name, tag, x) if r is True else r
         self._check_open()
         return self._p2p("send", self._in(x), self._peer(peer, "send"), tag, stream)
 
@@ -2199,8 +2230,13 @@ class Communicator:
         if qt and type(x) is np.ndarray and type(peer) is int and type(tag) is int and \
                 timeout is None and stream is None:
             e = qt.get(peer)
-            if e is not None and 0 <= tag <= _TAG_MAX and self._qsend(e, x, tag):
-                return
+            if e is not None and 0 <= tag <= _TAG_MAX:
+                r = self._qsend(e, x, tag)
+                if r is True:
+                    return
+                if r is not False:
+                    self._blocking(r, None)
+                    return
         timeout = self._timeout_arg(timeout)
         self._blocking(self.isend(x, peer, tag, stream=stream), timeout)
 

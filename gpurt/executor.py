@@ -110,12 +110,12 @@ class P2PRun:
 
 class QuickRecv(P2PRun):
     """A host receive that ``Communicator.irecv``'s quick path posted before its message
-    arrived: its message record is queued on the shm ring like any receive's (so later
-    receives from that peer queue behind it), and while it is the ring's next message and
-    untouched, the compiled ring end reads it when it is exactly this receive's
-    (``_fastboard.P2PRing.get``); anything else — a mismatch, a larger or single-copy
-    message, one the ring's Python protocol already took up — is the general run's
-    ``_Msg.test``, which raises the errors."""
+    (or all of its chunks) arrived: its message record is queued on the shm ring like any
+    receive's (so later receives from that peer queue behind it), and while it is the
+    ring's next message, the compiled ring end reads its next chunks when they are exactly
+    this receive's (``_fastboard.P2PRing.get``, from the record's offset on, which the
+    Python protocol also keeps); anything else — a mismatch, a single-copy message — is
+    the general run's ``_Msg.test``, which raises the errors."""
 
     __slots__ = ("fast", "out", "spin")
 
@@ -126,18 +126,23 @@ class QuickRecv(P2PRun):
         self.fast, self.out, self.spin = fast, out, spin
 
     def quick(self, spin: int) -> int:
-        """The compiled read (waiting up to ``spin`` ns): 1 done, 0 not there yet, -1 for
-        the general run (never raises)."""
+        """The compiled read of the message's next chunks (waiting up to ``spin`` ns for
+        each): 1 done, 2 some chunks read (not done), 0 none there yet, -1 for the general
+        run (never raises)."""
         m = self.pending[0] if self.pending else None
-        if m is None or m.done or m.off or m.remote:
+        if m is None or m.done or m.remote:
             return -1
         ring = m.ring
         if not ring.queue or ring.queue[0] is not m:
             return -1
-        c = self.fast.get(self.out, m.total, m.tag, m.sig, spin)
+        old = ring.count
+        c = self.fast.get(self.out, m.total, m.tag, m.sig, spin, m.off)
         if c <= 0:
             return c
         ring.count = ring.seen = c
+        m.off = min(m.total, m.off + (c - old) * ring.slot)
+        if m.off < m.total:
+            return 2
         ring.queue.popleft()
         m.done, m.sink = True, None
         self.pending = []
@@ -442,7 +447,7 @@ class Request:
             if not (eng.busy or eng.owner or eng.poisoned is not None):
                 eng.busy = me       # (a test and set, as in Engine.enter)
                 try:
-                    if eng.poisoned is None and run.quick(run.spin) > 0:
+                    if eng.poisoned is None and run.quick(run.spin) == 1:
                         self._complete()
                         try:
                             eng.p2p.remove(self)

@@ -364,7 +364,7 @@ def test_plain_agrees_with_the_python_check():
         shm_board.PLAIN(base, base)
 
 
-@pytest.mark.parametrize("mode", ["quick", "mixed"])
+@pytest.mark.parametrize("mode", ["quick", "mixed", "nocma"])
 @pytest.mark.parametrize("n", [2, 3, 5])
 def test_quick_send_recv_against_the_ring_protocol(n, mode):
     """send/recv's quick path (the compiled shm ring end) moves messages exactly as the
@@ -378,9 +378,13 @@ def test_quick_send_recv_against_the_ring_protocol(n, mode):
     twice); after it is warm, every mismatch kind still raises
     on the receiver and poisons it, a receive posted early times out (and then
     completes), and test() polls one to completion.  tests/quick_p2p_cases.py; the quick
-    path must have carried messages (counted).  With more ranks than cores a blocking
-    receive does not spin: it is posted, then waited (the case that once returned before
-    its message had come)."""
+    path must have carried messages (counted), messages of several slots among them,
+    some partly (``nocma``: GPURT_SHM_CMA=0, no single copy, so messages of every size
+    are the compiled ends', with 3 and 5 ranks too).  With more ranks than cores a
+    blocking receive does not spin: it is posted, then waited (the case that once
+    returned before its message had come)."""
     _need_native()
-    out = run_mpi(n, ["tests/quick_p2p_cases.py", mode], timeout=300).stdout
+    env = {"GPURT_SHM_CMA": "0"} if mode == "nocma" else None
+    mode = "quick" if mode == "nocma" else mode
+    out = run_mpi(n, ["tests/quick_p2p_cases.py", mode], timeout=300, env=env).stdout
     assert f"checks on {n} ranks ({mode})" in out and "\nok " in "\n" + out, out
