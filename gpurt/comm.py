@@ -42,7 +42,7 @@ from .errors import (CollectiveMismatchError, CollectiveTimeout, CommunicatorClo
                      GpurtError, ResourceError, relay_text,
                      TransportError)
 from .executor import (Chain, Completed, Engine, P2PRun, QuickRecv, Request, RowsRun,
-                       _CopySink, _Run, check_timeout, wait_mpi)
+                       _ArraySink, _Run, check_timeout, wait_mpi)
 from .flight import FlightRecorder
 from .ops import FAST_OPS as _FAST_OPS, Op, _SUPPORTED, as_op, check_op, host_finalize, reducer, \
     supported
@@ -2184,7 +2184,7 @@ class Communicator:
                 # message (QuickRecv)
                 try:
                     m = _Msg(ring, e.ep.peer, LANE_P2P, nb, tag, s[0],
-                             sink=_CopySink(out.reshape(-1).view(np.uint8)))
+                             sink=_ArraySink(out))
                     m.off = got
                     fl = self.flight
                     rec = fl.start(tag, "p2p", (s[1], out.size, None, None),

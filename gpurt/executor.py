@@ -69,6 +69,27 @@ class _CopySink:
         self.dst[off:off + chunk.nbytes] = chunk
 
 
+class _ArraySink:
+    """A ``_CopySink`` into a C-contiguous array, whose flat byte view (``dst``) is made
+    only when a chunk or a single-copy read needs it: a quick receive read by the
+    compiled ring end never does (the view is ~0.8 µs of its posting)."""
+
+    __slots__ = ("arr", "_dst")
+
+    def __init__(self, arr: np.ndarray):
+        self.arr, self._dst = arr, None
+
+    @property
+    def dst(self) -> np.ndarray:
+        d = self._dst
+        if d is None:
+            d = self._dst = self.arr.reshape(-1).view(np.uint8)
+        return d
+
+    def __call__(self, off: int, chunk: np.ndarray) -> None:
+        self.dst[off:off + chunk.nbytes] = chunk
+
+
 class P2PRun:
     """A host point-to-point request's run: its one send or receive on the p2p lane —
     what a ``_Run`` of the one-step schedule does, without building the schedule, the
