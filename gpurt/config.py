@@ -214,9 +214,10 @@ VARIABLES: tuple[Var, ...] = (
     Var("GPURT_NATIVE", "1", _flag,
         "Use the compiled gpurt._fastboard where it was built: the shm board's blocking "
         "round and its reads (every blocking collective on NumPy arrays), the "
-        "cooperative single copy and the quick send/receive of small host messages on "
-        "the shm ring; 0 runs the board and the rings in Python and copies receiver-only. "
-        "Set it alike on every rank (NaN payloads of float reductions may differ otherwise)."),
+        "cooperative single copy and the quick send/receive of host messages below the "
+        "single-copy threshold on the shm ring; 0 runs the board and the rings in Python "
+        "and copies receiver-only. Set it alike on every rank (NaN payloads of float "
+        "reductions may differ otherwise)."),
     Var("GPURT_NT_COPY", "auto", _bytes_or_auto,
         "Host copies of at least this many bytes (a local copy of a collective, a receive "
         "from a peer's shared array, a helping sender's chunks of one) use non-temporal "
