@@ -1,8 +1,9 @@
 """comm.abort() from a watchdog thread unblocks the blocking call in flight, 2 ranks:
 ``mpiexec -n 2 python tests/abort_cases.py MODE``; each rank prints ``ABORT_CASE {json}``.
 
-Rank 0 calls first; rank 1 comes 1 s late.  0.3 s into rank 0's call a watchdog thread
-calls ``comm.abort("watchdog: step hung")`` (NCCL's ncclCommAbort pattern).  Rank 0's call
+Rank 0 calls first; rank 1 comes late (once rank 0's call has ended: a marker file).
+0.3 s into rank 0's call a watchdog thread calls ``comm.abort("watchdog: step hung")``
+(NCCL's ncclCommAbort pattern).  Rank 0's call
 must end at once with ``CommunicatorClosed`` ("interrupted"), not when rank 1 arrives or at
 the deadline, and rank 1 must get ``PeerFailure`` naming rank 0 as soon as it calls — or,
 where its call could end from what rank 0 had published before the abort (the board's
@@ -12,9 +13,9 @@ data, a folded message), in its next call.
 - ``direct``: a 4 MiB-per-rank allgather (shm_direct's compiled round, then DirectRun in
   its header phase);
 - ``sharing``: the same, but rank 1 (on the Python round) arrives in time and is slow in
-  its share: the abort comes once rank 0 has stored READY, and rank 0's caller must not
-  have its output back while rank 1 may still write into it (nothing written after the
-  call returned);
+  its share (it waits until rank 0's abort is published, then 0.3 s): the abort comes
+  once rank 0 has stored READY, and rank 0's caller must not have its output back while
+  rank 1 may still write into it (nothing written after the call returned);
 - ``net``: under ``MPIR_CVAR_NUM_CLIQUES=2`` (two "nodes"): a 64-byte allreduce across
   nodes (the agreement's exchange over tcp).
 - ``request`` / ``request_close``: rank 0 waits on an ``iallgather`` Request (DirectRun,
@@ -69,10 +70,13 @@ def main() -> int:
 
         def slow_piece(acc):
             # the first piece of the watched share is slow (a large one, a descheduled
-            # rank): the watchdog comes in after its check, before its stores
+            # rank): the watchdog comes in after its check, before its stores — waited
+            # for, then 0.3 s more (a rank told too early would have its output back
+            # and see these stores)
             check(acc)
             if armed:
                 armed.clear()
+                casekit.until_stopped(acc)
                 time.sleep(0.3)
         shm_direct.Access.stop_if_failed = slow_piece
     if req and (r == 0 or slow == 1):
@@ -83,7 +87,8 @@ def main() -> int:
         share = shm_direct._SHARES["allgather"]
 
         def slow(d):
-            time.sleep(0.3)
+            casekit.until_stopped(d.acc)     # rank 0's abort is published (it comes once
+            time.sleep(0.3)                  # rank 0's READY is stored), then 0.3 s more
             return share(d)
         shm_direct._SHARES["allgather"] = slow
     res: dict = {"rank": r, "mode": mode}
@@ -112,6 +117,8 @@ def main() -> int:
         else:
             comm.abort("watchdog: step hung")
 
+    marker = world.bcast(f"/tmp/gpurt-abort-case-{os.getpid()}-{time.time_ns()}"
+                         if r == 0 else None, root=0)
     world.Barrier()
     y[:] = 0
     if req and r == slow:
@@ -121,8 +128,13 @@ def main() -> int:
         th = threading.Thread(target=watchdog)
         th.start()
     elif mode != "sharing" and not req:
-        time.sleep(1.0)
+        # comes late: once rank 0's call has ended (a marker it writes), not after a fixed
+        # second that a late watchdog thread could overrun (the call then completes)
+        casekit.wait_for_file(marker)
     res["outcome"], res["seconds"] = casekit.outcome(call)
+    if r == 0:
+        with open(marker, "w"):
+            pass
     if req:         # its output is its own again: the peer must not write into it
         y[:] = -1
         time.sleep(0.6)
@@ -139,6 +151,8 @@ def main() -> int:
         res["written_after"] = int(np.count_nonzero(y != -1))
     print("ABORT_CASE " + json.dumps(res), flush=True)
     world.Barrier()
+    if r == 0:
+        os.unlink(marker)
     comm.close()
     return 0
 

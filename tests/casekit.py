@@ -109,3 +109,33 @@ def outcome(fn) -> tuple[str, float]:
     except BaseException as e:  # noqa: BLE001 - reported
         text = f"{type(e).__name__}: {e}"
     return text, round(time.monotonic() - t0, 3)
+
+
+def until_stopped(acc, cap: float = 15.0) -> bool:
+    """Wait (up to ``cap`` s) until ``acc`` (an shm_direct ``Access``) would stop its share:
+    another thread aborts or closes this rank's communicator, or a peer published its
+    error.  A case script's slow share waits for this instead of sleeping a fixed time in
+    which the abort is assumed to come (on a loaded machine the aborting thread can run
+    late, and the call then completes normally)."""
+    import time
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < cap:
+        try:
+            acc.stop_if_failed()
+        except Exception:  # noqa: BLE001 - the stop it would raise
+            return True
+        time.sleep(1e-4)
+    return False
+
+
+def wait_for_file(path: str, cap: float = 15.0) -> bool:
+    """Wait (up to ``cap`` s) for ``path`` to exist: a rank that must come into a call only
+    after another rank's call ended waits for a marker the other writes, not a fixed sleep."""
+    import os
+    import time
+    t0 = time.monotonic()
+    while not os.path.exists(path):
+        if time.monotonic() - t0 >= cap:
+            return False
+        time.sleep(5e-4)
+    return True

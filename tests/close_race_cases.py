@@ -10,8 +10,8 @@ MODE``.  Each rank prints one line ``CLOSE_RACE {json}``.
   stops (D_CLOSED) or hands over to Python, which stops.  In both modes rank 1 comes in
   only once rank 0's close() has returned (a marker file tells it), so a loaded machine
   that delays the closing thread cannot let rank 1 complete the call first.
-- ``after``: the close comes once rank 0 has stored READY (rank 1, in Python, sleeps
-  0.3 s before its share): rank 0's call is interrupted (``CommunicatorClosed``), its
+- ``after``: the close comes once rank 0 has stored READY (rank 1, in Python, waits
+  before its share until rank 0's close is published, then 0.3 s): rank 0's call is interrupted (``CommunicatorClosed``), its
   error published once it has stopped writing, and its caller has the arrays back only
   after rank 1 stopped (``PeerFailure``); close() waits for that; nothing is written after
   the call returned either.
@@ -63,7 +63,8 @@ def main() -> int:
             share = shm_direct._SHARES["allgather"]
 
             def slow(d):
-                time.sleep(0.3)
+                casekit.until_stopped(d.acc)     # rank 0's close is published, then
+                time.sleep(0.3)                  # 0.3 s more: close() must wait for it
                 return share(d)
             shm_direct._SHARES["allgather"] = slow
     closed: list[float] = []

@@ -999,7 +999,8 @@ def test_abort_from_a_watchdog_thread_unblocks_the_call_in_flight(mode):
     r0, r1 = (rank_records(out, "ABORT_CASE", 2)[k] for k in (0, 1))
     assert r0["outcome"].startswith("CommunicatorClosed: rank 0: ") and \
         "interrupted: rank 0: watchdog: step hung" in r0["outcome"], r0
-    assert r0["seconds"] < 0.9 and r0["written_after"] == 0, r0   # not the peer's 1 s
+    # not the deadline (20 s): rank 1 comes only once rank 0's call has ended
+    assert r0["seconds"] < 5 and r0["written_after"] == 0, r0
     failed = "rank 0" in r1.get("next" if r1["outcome"] == "ok" else "outcome", "") and \
         "watchdog: step hung" in r1.get("next" if r1["outcome"] == "ok" else "outcome", "")
     assert failed, r1
@@ -1192,7 +1193,7 @@ def test_abort_or_close_during_a_requests_share_tells_peers_only_once_it_stopped
     told = "rank 0 closed the communicator during allgather (call #2)" if closing else \
         "watchdog: step hung"
     assert r0["outcome"] == f"CommunicatorClosed: rank 0: {why}", r0
-    assert r0["seconds"] < 0.9 and r0["written_after"] == 0, r0
+    assert r0["seconds"] < 5 and r0["written_after"] == 0, r0      # (not the 20 s deadline)
     assert r1["outcome"].startswith("PeerFailure: ") and "rank 0" in r1["outcome"] and \
         told in r1["outcome"] and r1["seconds"] < 5, r1
     assert r1["written_after"] == 0, r1
