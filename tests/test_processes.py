@@ -1040,11 +1040,11 @@ def test_two_threads_in_one_communicator_is_an_error_not_a_race(mode):
     two = "two threads used this communicator at once: thread 'MainThread' came into a " \
           "call while thread 'worker' was still in one"
     assert r0["outcome"].startswith("GpurtError: rank 0: " + two), r0
-    assert r0["seconds"] < 0.2 and not r0["worker_alive"], r0
+    assert r0["seconds"] < 2 and not r0["worker_alive"], r0     # at once, not a deadline
     w = r0["worker"]
     assert (w.startswith("CommunicatorClosed: rank 0: ") and "interrupted" in w or
             w.startswith("GpurtError: rank 0: ")) and two in w, r0
-    assert r0["worker_seconds"] < 0.9, r0                   # not rank 1's 1 s
+    assert r0["worker_seconds"] < 5, r0      # not the 20 s deadline (rank 1 comes after)
     assert r0["next"].startswith("CommunicatorClosed: rank 0: communicator unusable"), r0
     got = r1["next"] if r1["outcome"] == "ok" else r1["outcome"]
     assert got.startswith("PeerFailure: rank 1: ") and "rank 0 " in got and \

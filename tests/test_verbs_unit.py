@@ -183,7 +183,7 @@ def test_heartbeats_answer_on_a_socket_above_select_limit():
         b.ping(0)
         assert _until(lambda: a._answered.get(1) == 1 and b._answered.get(0) == 1)
         assert a._thread.is_alive() and b._thread.is_alive()
-        assert a.silent_for(1) < 0.1 and b.silent_for(0) < 0.1
+        assert a.silent_for(1) < 1.0 and b.silent_for(0) < 1.0   # (answered: not silent)
     finally:
         for h in (a, b):
             if h is not None:
@@ -224,7 +224,9 @@ def test_a_peer_is_asked_only_while_waited_for_and_a_stopped_one_fails_after_the
         assert a.stopped(1, "host", "stopped") is None  # quiet for an interval: asks
         assert a.pings == 1
         assert _waiting(a, 1, 1.5) is None              # a live peer: never failed
-        assert a._answered.get(1, 0) >= 5 and a.silent_for(1) < 0.2
+        # answered all along (a ping goes out each quiet interval, 0.1 s): silent for less
+        # than the bound, with room for a loaded machine's scheduling
+        assert a._answered.get(1, 0) >= 5 and a.silent_for(1) < 0.6
         assert b.pings == 0                             # b waited for nobody
         t = time.monotonic()
         why = _waiting(a, 2, 5.0)
@@ -252,7 +254,7 @@ def test_a_short_freeze_and_an_old_question_are_not_failures(monkeypatch):
         b.last = {0: time.monotonic()}
         assert _waiting(a, 1, 0.4) is None              # b "stopped": pings queue up
         b.start(1, secret, {0: ("127.0.0.1", a.port)}, 0.1)   # continued: answers them
-        assert _waiting(a, 1, 1.0) is None and a.silent_for(1) < 0.3
+        assert _waiting(a, 1, 1.0) is None and a.silent_for(1) < 0.8   # (below the bound)
         # an earlier wait's question, never answered (the data came), long ago: the gap
         # since counts for three intervals, not for 100 s of silence
         b.close()
@@ -300,7 +302,7 @@ def test_heartbeat_replays_and_strangers_prove_nothing():
             assert a.last[1] == heard
         t = time.monotonic()
         a.close()
-        assert time.monotonic() - t < 0.2
+        assert time.monotonic() - t < 0.8      # not the thread's 1 s poll timeout
     finally:
         a.close()
 

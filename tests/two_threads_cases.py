@@ -5,8 +5,8 @@
 Communicators are not thread-safe (one per thread, ``dup()``); what must not happen when
 an application gets that wrong is two threads moving the same transports — a silent
 wrong answer, or a hang.  Rank 0 starts the watched call in a worker thread; rank 1 comes
-1 s late.  0.3 s into it, rank 0's main thread makes a call of its own on the same
-communicator: that call must raise ``GpurtError`` ("two threads used this communicator at
+late (once the worker's call has ended: a marker file).  0.3 s after the worker is in it,
+rank 0's main thread makes a call of its own on the same communicator: that call must raise ``GpurtError`` ("two threads used this communicator at
 once") at once, the worker's call must end with ``CommunicatorClosed`` ("interrupted")
 — not when rank 1 arrives — and rank 1 must get ``PeerFailure`` naming rank 0 in its
 call or, where that could end from what rank 0 had published before (the board's data, a
@@ -57,24 +57,33 @@ def main() -> int:
     def in_worker():
         worker["outcome"], worker["seconds"] = casekit.outcome(call)
 
+    marker = world.bcast(f"/tmp/gpurt-two-threads-{os.getpid()}-{time.time_ns()}"
+                         if r == 0 else None, root=0)
     world.Barrier()
     th = None
     if r == 0:
         th = threading.Thread(target=in_worker, name="worker")
         th.start()
+        t0 = time.monotonic()       # until the worker is in its call (cap 10 s), then 0.3 s
+        while comm.engine.other_thread() != th.ident and time.monotonic() - t0 < 10:
+            time.sleep(1e-4)
         time.sleep(0.3)
         res["outcome"], res["seconds"] = casekit.outcome(comm.barrier)
         th.join(30)
+        with open(marker, "w"):
+            pass
         res["worker"], res["worker_seconds"] = worker.get("outcome"), worker.get("seconds")
         res["worker_alive"] = th.is_alive()
         res["next"], _ = casekit.outcome(call)
     else:
-        time.sleep(1.0)
+        casekit.wait_for_file(marker)   # late: once rank 0's worker has ended its call
         res["outcome"], res["seconds"] = casekit.outcome(call)
         if res["outcome"] == "ok":
             res["next"], res["next_seconds"] = casekit.outcome(call)
     print("TWO_THREADS " + json.dumps(res), flush=True)
     world.Barrier()
+    if r == 0:
+        os.unlink(marker)
     comm.close()
     return 0
 
