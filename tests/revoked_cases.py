@@ -14,8 +14,9 @@ send), ``poll`` (the same while the caller polls an ``isend``'s ``wait(timeout=0
 it must not have the buffer back before the peers are told), ``close`` (``isend`` then
 ``close()``).  Buffers: ``numpy`` (single copy by
 process_vm_readv on shm) and ``shared`` (``comm.empty``: read through a mapping of it).
-Each case on a communicator of its own; rank 1 posts its receive 1.5 s after rank 0
-started sending.
+Each case on a communicator of its own; rank 1 posts its receive once rank 0's send has
+failed and its buffer was overwritten (an MPI message says so), or 1.5 s after rank 0
+started sending in ``none``.
 """
 
 from __future__ import annotations
@@ -66,8 +67,13 @@ def case(world, mode: str, buf: str) -> str:
         except gpurt.GpurtError as e:
             out = f"{type(e).__name__}: {e}"
         x[:] = -7.0                        # the program's next use of its buffer
+        if mode != "none":
+            world.send(None, 1, tag=77)    # (rank 1 receives only now)
     else:
-        time.sleep(1.5)
+        if mode == "none":
+            time.sleep(1.5)                # (late is harmless here: the send waits)
+        else:                              # once rank 0's send failed and its buffer
+            world.recv(source=0, tag=77)   # was overwritten, not after a fixed 1.5 s
         y = np.zeros(N)
         t0 = time.monotonic()
         try:
