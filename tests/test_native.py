@@ -146,7 +146,7 @@ def test_sender_that_dies_holding_a_chunk_is_a_peer_failure(tmp_path):
 
 
 SIGNAL_IN_ROUND = """
-import signal, sys, time
+import signal, sys
 import numpy as np
 from mpi4py import MPI
 import gpurt
@@ -165,14 +165,15 @@ if c.rank == 0:
         print("rank 0: no Boom", flush=True)
     except Boom:
         print(f"rank 0: Boom, poisoned={c.engine.poisoned is not None}", flush=True)
+    MPI.COMM_WORLD.send(None, 1, tag=5)             # rank 1 may come now
     try:
         c.allreduce(np.ones(4))
         print("rank 0: next call returned", flush=True)
     except gpurt.CommunicatorClosed:
         print("rank 0: next call CommunicatorClosed", flush=True)
 else:
-    time.sleep(0.1)
-    for i in range(2):
+    MPI.COMM_WORLD.recv(source=0, tag=5)   # (not a fixed sleep: a late rank 0 would find
+    for i in range(2):                     # rank 1's header there, and no wait to break)
         try:
             c.allreduce(np.ones(4))
         except gpurt.PeerFailure:
