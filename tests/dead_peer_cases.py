@@ -33,6 +33,8 @@ c.allreduce(x)
 d.allreduce(x)
 if c.rank == 2 and mode == "closed":
     d.close()
+    with open(os.path.join(outdir, "closed2"), "w"):
+        pass
     deadline = time.monotonic() + 30
     while not os.path.exists(os.path.join(outdir, "rank0")) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -55,9 +57,23 @@ def attempt(fn):
     return out, time.monotonic() - t
 
 
+def gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
 rec = {"rank": c.rank}
 if mode in ("fresh", "closed"):
-    time.sleep(1.0)      # rank 2 has long exited (closed d)
+    # until rank 2 has exited (closed d): seen, not assumed after a fixed second
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not (
+            os.path.exists(os.path.join(outdir, "closed2")) if mode == "closed"
+            else gone(c.pids[2])):
+        time.sleep(0.01)
+    time.sleep(0.3)      # (its sockets' ends delivered, as after the second it used to be)
 else:
     rec["c"], rec["c_s"] = attempt(lambda: c.allreduce(x, timeout=30))
 if mode == "stop":
