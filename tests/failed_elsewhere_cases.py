@@ -4,7 +4,7 @@ tests/failed_elsewhere_cases.py done`` (both under ``GPURT_CHECK=0``: no agreeme
 which waits on every rank); each rank prints one ``ELSEWHERE {json}`` record.
 
 - ``ring``: rank 2 calls ``abort()`` (no call in flight: it publishes the failure); rank 4
-  sleeps 6 s before it calls; ranks 0, 1, 3 call a 1 MiB ring allreduce with
+  sleeps 10 s before it calls; ranks 0, 1, 3 call a 1 MiB ring allreduce with
   ``timeout=4``.  A rank of the ring that waits only on the late rank 4 (rank 0 over tcp)
   used to time out blaming rank 4: at its deadline it names rank 2's failure instead.
   ``ring N``: an allreduce of N float32 instead (over verbs, 1 MiB is sent by rendezvous,
@@ -42,7 +42,7 @@ def main() -> None:
         out = "aborted"
     else:
         if r == 4:
-            time.sleep(6)
+            time.sleep(10)      # (past the others' 4 s deadline, with room for a slow one)
         t0 = time.monotonic()
         try:
             comm.allreduce(x, algo="ring", timeout=4)
