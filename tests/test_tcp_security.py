@@ -7,6 +7,7 @@ every source, a flood summed up.  Loopback only."""
 from __future__ import annotations
 
 import os
+import re
 import socket
 import struct
 import subprocess
@@ -71,9 +72,10 @@ def test_a_connection_flood_at_set_up_is_bounded_and_the_real_peer_gets_in(caplo
 
     def peer():
         flood.stdout.readline()                 # the flood is under way
-        t = time.monotonic()
-        result["ack"], result["sock"], _ = _real_peer(port, secret, cid, tries=6)
-        result["took"] = time.monotonic() - t
+        t, starts = time.monotonic(), []
+        result["ack"], result["sock"], _ = _real_peer(port, secret, cid, tries=6, last=starts)
+        now = time.monotonic()
+        result["took"], result["last_took"] = now - t, now - starts[-1]
 
     t = threading.Thread(target=peer)
     done = {}
@@ -83,7 +85,9 @@ def test_a_connection_flood_at_set_up_is_bounded_and_the_real_peer_gets_in(caplo
             done = setup.run(time.monotonic() + 20)
         t.join(20)
         assert list(done) == [(1, 0)] and result["ack"] == b"\x01"
-        assert result["took"] < 2.0, result
+        # the attempt that got in was not held for the strangers' 3 s handshake timeout
+        # (the evicted attempts before it and their backoff are a loaded machine's)
+        assert result["last_took"] < 2.0 and result["took"] < 10, result
         assert peak[0] <= 1 + getattr(tcp, "_STRANGERS_MAX", 32), peak
         msgs = [r.getMessage() for r in caplog.records]
         assert any("too many unauthenticated connections pending" in m for m in msgs), msgs
@@ -154,7 +158,10 @@ def test_out_of_descriptors_drops_strangers_instead_of_spinning():
     lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if " " in line)
     assert lines["done"].startswith("[(1, 0)]"), out.stdout
     assert lines["peer"] == "b'\\x01'", out.stdout
-    assert int(lines["accept-warnings"]) <= 5, out.stdout
+    # throttled to one a second, however long the descriptors stayed short (not one per
+    # turn of the loop)
+    secs = float(re.search(r"\] ([0-9.]+) s", lines["done"]).group(1))
+    assert int(lines["accept-warnings"]) <= 2 + secs, out.stdout
 
 
 def _pair():
@@ -213,13 +220,14 @@ def test_refused_heartbeats_are_logged_per_source_and_a_flood_is_summed_up(caplo
             a.start(0, secret, {1: ("127.0.0.1", 9)}, 0.1)
 
             def forged(src: str, k: int = 1) -> None:
+                base = a.dropped
                 with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
                     s.bind((src, 0))
                     for i in range(k):
                         s.sendto(struct.pack("<8sII", b"gpurtHQ1", 1, i + 1) + os.urandom(16),
                                  ("127.0.0.1", a.port))
-                        if i % 200 == 199:
-                            time.sleep(0.01)
+                        if i % 200 == 199:      # paced by the thread's draining (a loaded
+                            _until(lambda: a.dropped >= base + i + 1 - 20, 2.0)  # machine)
 
             forged("127.0.0.2")
             assert _until(lambda: a.dropped == 1)
