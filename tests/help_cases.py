@@ -50,9 +50,14 @@ for n in sizes:
 n = 9 * MiB + 1
 if r == 0:
     req = comm.isend(pattern(n, 1), 1, tag=5)
-    time.sleep(1.0)                       # busy: the receiver copies every chunk alone
+    # busy (no gpurt call): the receiver copies every chunk alone — until rank 1 says it
+    # finished (an MPI message), at most 10 s, not a fixed second it could overrun
+    t0 = time.monotonic()
+    while not world.Iprobe(source=1, tag=99) and time.monotonic() - t0 < 10:
+        time.sleep(0.01)
     entered = time.monotonic()            # CLOCK_MONOTONIC: one clock for the machine
     req.wait()
+    world.recv(source=1, tag=99)          # (taken; rank 1 sent it once its receive ended)
     time.sleep(0.05)
     comm.send(pattern(n, 2), 1, tag=6)    # the receiver is slow: the sender helps
     for i in range(20):                   # back to back: generations must not mix
@@ -60,6 +65,7 @@ if r == 0:
 elif r == 1:
     got = comm.recv(np.empty(n, np.uint8), 0, tag=5)
     finished = time.monotonic()
+    world.send(finished, 0, tag=99)
     expect("recv from a busy sender", got, pattern(n, 1))
     time.sleep(0.2)
     got = comm.recv(np.empty(n, np.uint8), 0, tag=6)
