@@ -2118,23 +2118,32 @@ class Communicator:
                 m = _Msg(ring, e.ep.peer, LANE_P2P, nb, tag, s[0],
                          data=x.reshape(-1).view(np.uint8))
                 m.off = sent
-                rec = fl.start(tag, "p2p", (s[1], x.size, None, None),
-                               f"{e.send_name} tag {tag}") if fl is not None else None
-                req = Request(eng, e.send_name, tag, None,
-                              functools.partial(_p2p_done, rec, x) if rec is not None
-                              else functools.partial(_same, x), p2p=True)
-                req.algorithm = "p2p"
-                run = req.run = P2PRun(e.ep, True, x, LANE_P2P, tag, s[0], e.ep.peer)
+                run = P2PRun(e.ep, True, x, LANE_P2P, tag, s[0], e.ep.peer)
                 run.k, run.pending = 1, [m]
-                ring.queue.append(m)
-                eng.p2p.append(req)
-                eng.user = me       # (its requests are advanced by waits elsewhere)
+                return self._qpost(ring, m, run, x, e.send_name, s[1], tag)
             except BaseException as exc:
                 eng.poison(exc)     # (interrupted between the chunks and the posting)
                 raise
-            return req
         finally:
             eng.leave(0)
+
+    def _qpost(self, ring, m: _Msg, run, arr: np.ndarray, name: str, dt: str,
+               tag: int) -> Request:
+        """A quick call's rest posted as the general protocol's: ``m`` queued on ``ring``
+        (from its offset), a Request whose run is ``run``, flight-recorded as started, in
+        the engine's point-to-point list, the engine marked as this thread's (its requests
+        are advanced by waits elsewhere)."""
+        eng, fl = self.engine, self.flight
+        rec = fl.start(tag, "p2p", (dt, arr.size, None, None), f"{name} tag {tag}") \
+            if fl is not None else None
+        req = Request(eng, name, tag, None, functools.partial(_p2p_done, rec, arr)
+                      if rec is not None else functools.partial(_same, arr), p2p=True)
+        req.algorithm = "p2p"
+        req.run = run
+        ring.queue.append(m)
+        eng.p2p.append(req)
+        eng.user = _get_ident()
+        return req
 
     def _quick_broke(self, ring, word: int, exc: BaseException) -> None:
         """An exception (a Ctrl-C) right around a compiled ring call: if the ring's
@@ -2186,23 +2195,13 @@ class Communicator:
                     m = _Msg(ring, e.ep.peer, LANE_P2P, nb, tag, s[0],
                              sink=_ArraySink(out))
                     m.off = got
-                    fl = self.flight
-                    rec = fl.start(tag, "p2p", (s[1], out.size, None, None),
-                                   f"{e.recv_name} tag {tag}") if fl is not None else None
-                    req = Request(eng, e.recv_name, tag, None,
-                                  functools.partial(_p2p_done, rec, out) if rec is not None
-                                  else functools.partial(_same, out), p2p=True)
-                    req.algorithm = "p2p"
                     # (a blocking recv spun already: its wait does not spin again)
-                    req.run = QuickRecv(e.ep, m, e.rxf, out, 0 if spin else self._qspin,
-                                        e.ep.peer)
-                    ring.queue.append(m)
-                    eng.p2p.append(req)
-                    eng.user = me       # (its requests are advanced by waits elsewhere)
+                    run = QuickRecv(e.ep, m, e.rxf, out, 0 if spin else self._qspin,
+                                    e.ep.peer)
+                    return self._qpost(ring, m, run, out, e.recv_name, s[1], tag)
                 except BaseException as exc:
                     eng.poison(exc)     # (interrupted between queueing and posting)
                     raise
-                return req
             fl = self.flight
             if fl is not None:
                 fl.finished(tag, "p2p", (s[1], out.size, None, None), f"{e.recv_name} tag {tag}")
