@@ -11,10 +11,10 @@ MODE``.  Each rank prints one line ``CLOSE_RACE {json}``.
   only once rank 0's close() has returned (a marker file tells it), so a loaded machine
   that delays the closing thread cannot let rank 1 complete the call first.
 - ``after``: the close comes once rank 0 has stored READY (rank 1, in Python, waits
-  before its share until rank 0's close is published, then 0.3 s): rank 0's call is interrupted (``CommunicatorClosed``), its
-  error published once it has stopped writing, and its caller has the arrays back only
-  after rank 1 stopped (``PeerFailure``); close() waits for that; nothing is written after
-  the call returned either.
+  before its share until rank 0's close is published, then 0.3 s): rank 0's call is
+  interrupted (``CommunicatorClosed``), its error published once it has stopped writing,
+  and its caller has the arrays back only after rank 1 stopped (``PeerFailure``); close()
+  waits for that; nothing is written after the call returned either.
 - ``fork``: a thread forks during a long compiled round; the child's ``FastBoard.close()``
   (the atexit hook's, too) must not wait for a round that runs only in its parent.
 """

@@ -7,10 +7,11 @@ shm ring end, _fastboard.P2PRing) against the ring's Python protocol, under mpie
 take the Python protocol only (their quick table emptied), so each ring has a compiled
 end and a Python end.  Every rank sends to its right neighbour and receives from its left
 one: a stream of messages of every size class (empty, one slot, several slots, single
-copy) and dtype, blocking and non-blocking in several orders,
-bursts that fill the ring (a message of several slots then goes partly compiled, partly
-through the waits), receives posted before their message, shared arrays; exact values
-(run with GPURT_SHM_CMA=0 too, where messages of every size are the compiled ends').  Then progress and errors: a receive posted early advanced by a wait on another
+copy) and dtype, blocking and non-blocking in several orders, bursts that fill the ring
+(a message of several slots then goes partly compiled, partly through the waits),
+receives posted before their message, shared arrays; exact values (run with
+GPURT_SHM_CMA=0 too, where messages of every size are the compiled ends').  Then
+progress and errors: a receive posted early advanced by a wait on another
 communicator, a Ctrl-C right after a compiled call, a mismatch after the quick path is
 warm (dtype, tag, size; blocking and posted early), a timeout on a receive posted early,
 test() polling.  Rank 0 prints the verdict."""
