@@ -7,8 +7,9 @@ an application gets that wrong is two threads moving the same transports — a s
 wrong answer, or a hang.  Rank 0 starts the watched call in a worker thread; rank 1 comes
 late (once the worker's call has ended: a marker file).  0.3 s after the worker is in it,
 rank 0's main thread makes a call of its own on the same communicator: that call must
-raise ``GpurtError`` ("two threads used this communicator at once") at once, the worker's call must end with ``CommunicatorClosed`` ("interrupted")
-— not when rank 1 arrives — and rank 1 must get ``PeerFailure`` naming rank 0 in its
+raise ``GpurtError`` ("two threads used this communicator at once") at once, the
+worker's call must end with ``CommunicatorClosed`` ("interrupted") — not when rank 1
+arrives — and rank 1 must get ``PeerFailure`` naming rank 0 in its
 call or, where that could end from what rank 0 had published before (the board's data, a
 folded message), in its next one.
 
