@@ -71,7 +71,7 @@ enum { DONE = 0, PUBLISHED = 1, NOTHING = 2, HANDBACK = 3, REDUCED = 4,
 #define D_COPY (2 << 20)        /* direct(): bytes copied between checks of the peers */
 #define STAGE_PIECE (64 << 10)  /* bytes reduced at a time (they stay in the core's L2) */
 #define ALIGN_BYTES 4096        /* shm_direct.blocks: blocks split on 4 KiB boundaries */
-#define ABI 10                  /* bumped whenever Python's use of this module changes */
+#define ABI 11                  /* bumped whenever Python's use of this module changes */
 
 static PyTypeObject *ndarray_type;  /* numpy.ndarray, given by set_ndarray (run checks it) */
 
@@ -1230,9 +1230,13 @@ static PyObject *data_address(PyObject *mod, PyObject *arr) {
  * spin budget for each.  Anything else returns to Python, which takes the general path (and
  * raises there): no error of the protocol is decided here.  Both return the end's new
  * counter (the ring's head or tail; the chunks moved are its difference from the old one),
- * 0 for "nothing moved now", and get -1 for "here, but not the common case".  The GIL is
- * held throughout (the spin is bounded and short), so no other thread of this process
- * moves the ring meanwhile. */
+ * 0 for "nothing moved now", and get -1 for "here, but not the common case".  put_addr()
+ * posts a single-copy message (its address), and get() reads one that is exactly the
+ * receive's whole message with process_vm_readv, then releases its slot and acknowledges
+ * it (an end given the sender's pid).  The GIL is held throughout (the spin is bounded and
+ * short) except around that read; no other thread of this process moves the ring meanwhile
+ * even then, since the caller holds the communicator's engine (Engine.busy: a second
+ * thread's call is the two-threads error). */
 typedef struct {
     PyObject_HEAD
     Py_buffer seg;          /* the segment (held: its mapping stays while this object does) */
@@ -1240,24 +1244,32 @@ typedef struct {
     uint64_t *q;
     char *u8;
     Py_ssize_t head_i, tail_i, err_i, slot0, stride, nslots, slot;
+    int pid;                /* the peer's process, for single-copy reads (0: none here) */
+    Py_ssize_t ack_i;       /* this end's single-copy acknowledgement word (receiver) */
+    unsigned long long reads;   /* single-copy messages read by get() (Python syncs on it) */
 } P2PRing;
 
-/* P2PRing(segment, head_i, tail_i, err_i, slot0, stride, nslots, slot): word indices of
- * the ring's head and tail and of the peer's error record, the byte offset of slot 0's
- * header, the distance between slots, their count and their data bytes — all checked to
- * lie inside the segment (a writable buffer, 8-byte aligned) */
+/* P2PRing(segment, head_i, tail_i, err_i, slot0, stride, nslots, slot[, pid, ack_i]):
+ * word indices of the ring's head and tail and of the peer's error record, the byte offset
+ * of slot 0's header, the distance between slots, their count and their data bytes — all
+ * checked to lie inside the segment (a writable buffer, 8-byte aligned); for a receiving
+ * end that may read single-copy messages, the sender's pid (process_vm_readv) and the word
+ * index of this end's acknowledgement counter (pid 0: such messages go back to Python) */
 static int pr_init(P2PRing *r, PyObject *args, PyObject *kw) {
     PyObject *seg;
     Py_buffer v;
-    Py_ssize_t h, t, e, s0, st, ns, sl;
-    if (!PyArg_ParseTuple(args, "Onnnnnnn", &seg, &h, &t, &e, &s0, &st, &ns, &sl))
+    Py_ssize_t h, t, e, s0, st, ns, sl, ack = -1;
+    int pid = 0;
+    if (!PyArg_ParseTuple(args, "Onnnnnnn|in", &seg, &h, &t, &e, &s0, &st, &ns, &sl,
+                          &pid, &ack))
         return -1;
     if (PyObject_GetBuffer(seg, &v, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
         return -1;
     Py_ssize_t words = v.len / 8;
     if (((uintptr_t)v.buf & 7) || ns < 1 || sl < 0 || s0 < 0 || (s0 & 7) || (st & 7) ||
             st < sl + 64 || h < 0 || h >= words || t < 0 || t >= words || e < 0 ||
-            e >= words || s0 > v.len || (v.len - s0) / st < ns - 1 ||
+            e >= words || s0 > v.len || (v.len - s0) / st < ns - 1 || pid < 0 ||
+            (pid && (ack < 0 || ack >= words)) ||
             v.len - s0 - (ns - 1) * st < sl + 64) {
         PyBuffer_Release(&v);
         PyErr_SetString(PyExc_ValueError, "P2PRing: a ring layout that does not fit the segment");
@@ -1268,6 +1280,7 @@ static int pr_init(P2PRing *r, PyObject *args, PyObject *kw) {
     r->held = 1;
     r->head_i = h; r->tail_i = t; r->err_i = e; r->slot0 = s0; r->stride = st;
     r->nslots = ns; r->slot = sl;
+    r->pid = pid; r->ack_i = pid ? ack : -1;
     r->u8 = (char *)v.buf;
     r->q = (uint64_t *)v.buf;
     return 0;
@@ -1325,13 +1338,80 @@ static PyObject *pr_put(P2PRing *r, PyObject *const *args, Py_ssize_t nargs) {
     return PyLong_FromUnsignedLongLong(count);
 }
 
-/* get(out, nbytes, tag, sig, spin_ns, off): out a C-contiguous, writeable numpy.ndarray of
- * nbytes bytes (as put's x); off the offset of the next chunk the receive expects */
-static PyObject *pr_get(P2PRing *r, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "get(out, nbytes, tag, sig, spin_ns, off)");
+/* put_addr(x, nbytes, tag, sig): a single-copy message — one slot whose header carries
+ * the address of x's bytes instead of them (_Ring._push's single-copy case: the receiver
+ * reads them with process_vm_readv, then acknowledges; the caller waits for that before x
+ * is its program's again).  The new head, or 0 (no free slot, the peer failed or closed). */
+static PyObject *pr_put_addr(P2PRing *r, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "put_addr(x, nbytes, tag, sig)");
         return NULL;
     }
+    uint64_t tag, sig;
+    Py_ssize_t nb = PyLong_AsSsize_t(args[1]);
+    if ((nb == -1 && PyErr_Occurred()) || !u64_arg(args[2], &tag) || !u64_arg(args[3], &sig))
+        return NULL;
+    if (!r->held || Py_TYPE(args[0]) != ndarray_type || nb < 1 ||
+            !(((const np_fields *)args[0])->flags & NP_C_CONTIGUOUS))
+        return PyLong_FromLong(0);
+    uint64_t *q = r->q;
+    if (load_acq(&q[r->err_i]))
+        return PyLong_FromLong(0);
+    uint64_t count = q[r->head_i];
+    if (count - load_acq(&q[r->tail_i]) >= (uint64_t)r->nslots)
+        return PyLong_FromLong(0);
+    char *s = r->u8 + r->slot0 + (Py_ssize_t)(count % (uint64_t)r->nslots) * r->stride;
+    uint64_t *h = (uint64_t *)s;
+    h[0] = tag; h[1] = sig; h[2] = (uint64_t)nb; h[3] = 0; h[4] = 0;
+    h[5] = (uint64_t)(uintptr_t)((const np_head *)args[0])->data;
+    h[6] = 0; h[7] = 0;
+    count++;
+    store_rel(&q[r->head_i], count);
+    return PyLong_FromUnsignedLongLong(count);
+}
+
+/* The single-copy message whose header h the receive (out, nb) finds at its start: read
+ * from the sender's memory, the slot released, acknowledged.  0 done; -1 for Python (the
+ * sender failed or closed, before or during the read — whose bytes then cannot be
+ * trusted —, or the read failed: Python's path reads it again and raises what it is). */
+static int pr_read_remote(P2PRing *r, const uint64_t *h, char *dst, Py_ssize_t nb,
+                          uint64_t count) {
+    uint64_t *q = r->q;
+    if (load_acq(&q[r->err_i]))
+        return -1;
+    uint64_t rem = h[5];
+    size_t n = (size_t)nb;
+    char *loc = dst;
+    int bad = 0;
+    Py_BEGIN_ALLOW_THREADS      /* (the engine is this thread's: see the note above) */
+    while (n) {
+        struct iovec l = {loc, n}, rv = {(void *)(uintptr_t)rem, n};
+        ssize_t got = process_vm_readv((pid_t)r->pid, &l, 1, &rv, 1, 0);
+        if (got < 0 && errno == EINTR) continue;
+        if (got <= 0) { bad = 1; break; }
+        loc += got; rem += (uint64_t)got; n -= (size_t)got;
+    }
+    Py_END_ALLOW_THREADS
+    if (bad || load_acq(&q[r->err_i]))
+        return -1;
+    store_rel(&q[r->tail_i], count + 1);
+    store_rel(&q[r->ack_i], q[r->ack_i] + 1);
+    r->reads++;
+    return 0;
+}
+
+/* get(out, nbytes, tag, sig, spin_ns, off[, remote]): out a C-contiguous, writeable
+ * numpy.ndarray of nbytes bytes (as put's x); off the offset of the next chunk the receive
+ * expects; remote 0: a single-copy message is not read now (0 returned: an irecv posting,
+ * whose caller's next call may be the send the peer waits for — its read is the wait's) */
+static PyObject *pr_get(P2PRing *r, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6 && nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "get(out, nbytes, tag, sig, spin_ns, off[, remote])");
+        return NULL;
+    }
+    int remote = 1;
+    if (nargs == 7 && (remote = PyObject_IsTrue(args[6])) < 0)
+        return NULL;
     uint64_t tag, sig;
     Py_ssize_t nb = PyLong_AsSsize_t(args[1]), off = PyLong_AsSsize_t(args[5]);
     long long spin = PyLong_AsLongLong(args[4]);
@@ -1363,6 +1443,15 @@ static PyObject *pr_get(P2PRing *r, PyObject *const *args, Py_ssize_t nargs) {
         Py_ssize_t n = nb - off < r->slot ? nb - off : r->slot;
         const char *s = r->u8 + r->slot0 + (Py_ssize_t)(count % (uint64_t)r->nslots) * r->stride;
         const uint64_t *h = (const uint64_t *)s;
+        if (h[5] && !moved && !off && r->pid && h[0] == tag && h[1] == sig &&
+                h[2] == (uint64_t)nb && !h[3] && !h[4] && !h[6] && !h[7]) {
+            /* the whole message, single copy (not from a shared array: h[6]) */
+            if (!remote)
+                return PyLong_FromLong(0);
+            if (pr_read_remote(r, h, dst, nb, count) < 0)
+                return PyLong_FromLong(-1);
+            return PyLong_FromUnsignedLongLong(count + 1);
+        }
         if (h[0] != tag || h[1] != sig || h[2] != (uint64_t)nb || h[3] != (uint64_t)off ||
                 h[4] != (uint64_t)n || h[5]) {
             if (!moved) return PyLong_FromLong(-1);
@@ -1382,7 +1471,19 @@ static PyMethodDef pr_methods[] = {
     {"put", (PyCFunction)(void (*)(void))pr_put, METH_FASTCALL,
      "put(x, nbytes, tag, sig, off)"},
     {"get", (PyCFunction)(void (*)(void))pr_get, METH_FASTCALL,
-     "get(out, nbytes, tag, sig, spin_ns, off)"},
+     "get(out, nbytes, tag, sig, spin_ns, off[, remote])"},
+    {"put_addr", (PyCFunction)(void (*)(void))pr_put_addr, METH_FASTCALL,
+     "put_addr(x, nbytes, tag, sig)"},
+    {NULL}
+};
+
+static PyObject *pr_reads(P2PRing *r, void *closure) {
+    (void)closure;
+    return PyLong_FromUnsignedLongLong(r->reads);
+}
+
+static PyGetSetDef pr_getset[] = {
+    {"reads", (getter)pr_reads, NULL, "single-copy messages get() has read", NULL},
     {NULL}
 };
 
@@ -1395,6 +1496,7 @@ static PyTypeObject P2PRingType = {
     .tp_init = (initproc)pr_init,
     .tp_dealloc = (destructor)pr_dealloc,
     .tp_methods = pr_methods,
+    .tp_getset = pr_getset,
     .tp_doc = "One shm ring's common point-to-point case, compiled (see the module's source).",
 };
 

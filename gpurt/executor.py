@@ -114,6 +114,12 @@ class P2PRun:
             c = self.ep.send(a, self.lane, self.tag, self.sig)
         else:
             c = self.ep.recv(a.nbytes, _CopySink(a), self.lane, self.tag, self.sig)
+            if getattr(c, "remote", 0):
+                # a single-copy message (shm) is read by the waits, not here: the
+                # caller's next call may be the send its peer waits for (irecv, then
+                # isend), whose copy should then run beside this one, not after it
+                self.pending = [c]
+                return True
         if not c.test():
             self.pending = [c]
         return True
@@ -153,12 +159,17 @@ class QuickRecv(P2PRun):
         ring = m.ring
         if not ring.queue or ring.queue[0] is not m:
             return -1
-        old = ring.count
-        c = self.fast.get(self.out, m.total, m.tag, m.sig, spin, m.off)
+        old, fast = ring.count, self.fast
+        reads = fast.reads
+        c = fast.get(self.out, m.total, m.tag, m.sig, spin, m.off)
         if c <= 0:
             return c
         ring.count = ring.seen = c
-        m.off = min(m.total, m.off + (c - old) * ring.slot)
+        if fast.reads != reads:
+            ring.acks += 1      # a single-copy message, read whole and acknowledged
+            m.off = m.total
+        else:
+            m.off = min(m.total, m.off + (c - old) * ring.slot)
         if m.off < m.total:
             return 2
         ring.queue.popleft()

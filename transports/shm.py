@@ -57,7 +57,7 @@ from gpurt.errors import (CollectiveMismatchError, PeerFailure, ResourceError, T
 from . import cma, shm_board
 from .fence import ORDERED, WHY_NOT
 from .fence import fence as _fence
-from .base import LANE_NAMES, LANES, UPTO_MAX, Sink, mismatch_detail
+from .base import LANE_NAMES, LANE_P2P, LANES, UPTO_MAX, Sink, mismatch_detail
 
 log = logging.getLogger("gpurt.shm")
 
@@ -104,6 +104,20 @@ def cma_threshold(nlocal: int) -> int:
 
 
 _CMA_LLC_MAX = 32 << 20   # the most last-level cache cma_threshold counts on
+_CMA_P2P_MAX = 128 << 10  # the highest single-copy threshold of the point-to-point lane
+
+
+def cma_threshold_p2p(nlocal: int) -> int:
+    """The single-copy threshold of the point-to-point lane (GPURT_SHM_CMA_P2P; 0: never).
+    ``auto``: ``cma_threshold``'s, at most 128 KiB.  The collectives' rings pipeline a
+    schedule's steps, and their two copies in cache win up to the last-level cache's
+    share; a send/recv has nothing to overlap with, and from 128 KiB one copy wins (2
+    ranks on the 2-core Xeon VM, ``gpurt bench sendrecv``: 128 KiB 25 against 34 µs,
+    1 MiB 89-107 against 225, 2 MiB 208-228 against 468; below 64 KiB both ~20 µs)."""
+    val = config.get("GPURT_SHM_CMA_P2P")
+    if val != "auto":
+        return int(val)
+    return min(cma_threshold(nlocal), _CMA_P2P_MAX)
 
 
 def header_bytes(nlocal: int) -> int:
@@ -528,12 +542,18 @@ class _Ring:
         return moved
 
     # -- receiver side -------------------------------------------------------
-    def _pull(self) -> bool:
+    def _pull(self, post: bool = False) -> bool:
         q, moved = self.seg.q, False
         while self.queue:
             m = self.queue[0]
             while not m.done:
                 if m.remote:
+                    if post:
+                        # a receive being posted reads no single-copy message yet: its
+                        # caller's next call may be the send its peer waits for (irecv,
+                        # then isend), and the peer's copy of it should run beside this
+                        # one, not after it (2 ranks, sendrecv of 256 KiB: 59 -> 3x µs)
+                        return moved
                     self.copied = False
                     if not self._read_remote(m):
                         # the sender is copying its last chunks: progress only if this
@@ -797,7 +817,7 @@ class ShmEndpoint:
         m = _Msg(ring, self.peer, lane, nbytes, tag, sig, sink=sink)
         m.upto = upto
         ring.queue.append(m)
-        ring._pull()
+        ring._pull(True)
         return m
 
     def _process(self) -> _PeerProc:
@@ -899,13 +919,18 @@ class ShmTransport:
             ": the ranks declare each other as ptracers (PR_SET_PTRACER_ANY; "
             "GPURT_SHM_PTRACER=0 does not)" if cma.ptracer_plan(ys, allowed) == "declare"
             else cma.yama_hint(ys, allowed))
-        single = cma_threshold(2)
+        single, single_p2p = cma_threshold(2), cma_threshold_p2p(2)
         auto = config.get("GPURT_SHM_CMA") == "auto"
+        p2p_txt = f"send/recv from {single_p2p / 2**10:g} KiB" if single_p2p else \
+            "not for send/recv (GPURT_SHM_CMA_P2P=0)"
         cma_txt = (f"single-copy (CMA) for messages >= {single / 2**20:g} MiB"
                    + (" with 2 local ranks (GPURT_SHM_CMA=auto: last-level cache, counted "
                       "up to 32 MiB, / (4 × local ranks), >= 128 KiB)" if auto else "")
-                   + f", probed between ranks at start ({scope})"
-                   if single else "single-copy (CMA) off (GPURT_SHM_CMA=0)")
+                   + f", {p2p_txt}, probed between ranks at start ({scope})"
+                   if single else
+                   f"single-copy (CMA) for send/recv from {single_p2p / 2**10:g} KiB, probed "
+                   f"between ranks at start ({scope}); off for collectives (GPURT_SHM_CMA=0)"
+                   if single_p2p else "single-copy (CMA) off (GPURT_SHM_CMA=0)")
         helpmin = int(config.get("GPURT_SHM_HELP"))
         if single and helpmin:
             cma_txt += (f"; single-copy receives >= {helpmin / 2**20:g} MiB copied by both ends "
@@ -1043,6 +1068,7 @@ class ShmTransport:
         node_ranks = topo.local_ranks[topo.node_of[comm.rank]]
         self.endpoints = {p: ShmEndpoint(self, p, node_ranks.index(p)) for p in peers}
         threshold = cma_threshold(nlocal)
+        threshold_p2p = cma_threshold_p2p(nlocal)
         shared_min = _SHARED_MIN if config.get("GPURT_SHM_SHARED") else 0
         helpmin = int(config.get("GPURT_SHM_HELP"))
         # helping pays with a core to spare for the waiting sender; with more ranks than
@@ -1050,7 +1076,8 @@ class ShmTransport:
         # 16 MiB alltoall, no gain), so it is off there
         help_on = int(config.get("GPURT_SHM_HELP")) > 0 and shm_board.native_enabled() \
             and not oversubscribed(nlocal)
-        use_cma, use_map = threshold and not self.cma_why, shared_min and not self.map_why
+        use_cma = (threshold or threshold_p2p) and not self.cma_why
+        use_map = shared_min and not self.map_why
         for ep in self.endpoints.values():
             pid = self.seg.q[self.seg.pid_i(ep.local_peer)]
             ns = getattr(comm, "pidns", None)
@@ -1062,7 +1089,8 @@ class ShmTransport:
                 ring.peer_pid = pid
                 ring.maps = ep.maps
             for ring in ep.tx:
-                ring.cma_min = threshold if use_cma else 0
+                ring.cma_min = (threshold_p2p if ring.lane == LANE_P2P else threshold) \
+                    if use_cma else 0
                 ring.map_min = shared_min if use_map else 0
                 ring.writev = bool(use_cma) and not self.writev_why
                 ring.can_help = help_on and (ring.writev or bool(use_map))
@@ -1120,7 +1148,8 @@ class ShmTransport:
         # Yama's ptrace_scope=1 refuses process_vm_readv between siblings unless the one
         # read has declared its readers: every rank declares before any peer probes it
         scope = cma.yama_scope()
-        uses = config.get("GPURT_SHM_CMA") != 0 or config.get("GPURT_SHM_DIRECT_CMA") != 0
+        uses = config.get("GPURT_SHM_CMA") != 0 or config.get("GPURT_SHM_DIRECT_CMA") != 0 \
+            or config.get("GPURT_SHM_CMA_P2P") != 0
         allowed = bool(config.get("GPURT_SHM_PTRACER")) and uses
         done = cma.allow_peers(allowed, scope) if nlocal > 1 else ""
         if done:

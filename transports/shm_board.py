@@ -69,7 +69,7 @@ def _load_native():
         from gpurt import _fastboard as fb
     except ImportError as e:
         return None, f"not built ({e}); the board runs in Python"
-    if getattr(fb, "ABI", 0) != 10 or tuple(fb.COLLS) != COLLS:
+    if getattr(fb, "ABI", 0) != 11 or tuple(fb.COLLS) != COLLS:
         return None, ("built from another version of gpurt (reinstall it: pip install -e . "
                       "rebuilds the extension)")
     fb.set_ndarray(np.ndarray)
