@@ -214,8 +214,8 @@ VARIABLES: tuple[Var, ...] = (
     Var("GPURT_NATIVE", "1", _flag,
         "Use the compiled gpurt._fastboard where it was built: the shm board's blocking "
         "round and its reads (every blocking collective on NumPy arrays), the "
-        "cooperative single copy and the quick send/receive of host messages below the "
-        "single-copy threshold on the shm ring; 0 runs the board and the rings in Python "
+        "cooperative single copy and the quick send/receive of host messages on the shm "
+        "ring (through its slots, or single-copy from GPURT_SHM_CMA_P2P); 0 runs the board and the rings in Python "
         "and copies receiver-only. Set it alike on every rank (NaN payloads of float "
         "reductions may differ otherwise)."),
     Var("GPURT_NT_COPY", "auto", _bytes_or_auto,
