@@ -577,10 +577,11 @@ def test_what_a_rank_sent_before_it_closed_is_still_delivered(transport):
     assert recs[1]["outcome"] == "exact", recs
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp", "tcp-striped"])
+@pytest.mark.parametrize("transport", ["shm", "shm-1MiB", "tcp", "tcp-striped"])
 def test_a_failed_send_is_never_read_after_the_sender_reuses_its_buffer(transport):
     """Rank 0's 8 MiB send fails (send(timeout=0.5), a watchdog's abort() — also while the
-    caller polls the isend's Request — close() with the isend in flight) before rank 1 posts its receive; rank 0 then overwrites its buffer.
+    caller polls the isend's Request — close() with the isend in flight) before rank 1 posts its receive; rank 0 then overwrites its buffer
+    (``shm-1MiB``: a 1 MiB send, which the compiled ring end posts and would read).
     Rank 1 must raise PeerFailure naming rank 0 and its reason at once — it completed with
     the overwritten bytes (shm: the single copy read the sender's memory in place; tcp:
     the rest of the message stayed queued on the socket, pointing into that buffer, and the
@@ -588,7 +589,9 @@ def test_a_failed_send_is_never_read_after_the_sender_reuses_its_buffer(transpor
     (tests/revoked_cases.py: NumPy and comm.empty buffers)."""
     env = {"GPURT_TIMEOUT": "60"}
     args = ["tests/revoked_cases.py"]
-    if transport != "shm":
+    if transport == "shm-1MiB":     # (under 2 MiB: the compiled ring end reads it)
+        args.append("1")
+    elif transport != "shm":
         env["GPURT_TRANSPORTS"] = "tcp"
     if transport == "tcp-striped":      # (more than 4 connections' kernel buffers hold)
         env.update(GPURT_TCP_STRIPES="4")
