@@ -370,6 +370,31 @@ def test_cma_threshold_counts_at_most_32_mib_of_cache(monkeypatch):
         config.reload()
 
 
+def test_the_point_to_point_lane_goes_single_copy_from_128_kib(monkeypatch):
+    """GPURT_SHM_CMA_P2P=auto: the collectives' threshold, at most 128 KiB (0 where
+    GPURT_SHM_CMA=0 turns single copy off); an explicit value is kept, 0 disables."""
+    from gpurt import config, memcopy
+    from gpurt.transports import shm
+    for var in ("GPURT_SHM_CMA", "GPURT_SHM_CMA_P2P"):
+        monkeypatch.delenv(var, raising=False)
+    config.reload()
+    monkeypatch.setattr(shm, "oversubscribed", lambda n: False)
+    try:
+        monkeypatch.setattr(memcopy, "llc_bytes", lambda: 32 << 20)
+        assert shm.cma_threshold(2) == 4 << 20 and shm.cma_threshold_p2p(2) == 128 << 10
+        for cma, p2p, want in [("64K", "auto", 64 << 10), ("0", "auto", 0),
+                               ("0", "256K", 256 << 10), ("auto", "0", 0),
+                               ("auto", "1M", 1 << 20)]:
+            monkeypatch.setenv("GPURT_SHM_CMA", cma)
+            monkeypatch.setenv("GPURT_SHM_CMA_P2P", p2p)
+            config.reload()
+            assert shm.cma_threshold_p2p(2) == want, (cma, p2p)
+    finally:
+        for var in ("GPURT_SHM_CMA", "GPURT_SHM_CMA_P2P"):
+            monkeypatch.delenv(var, raising=False)
+        config.reload()
+
+
 def test_a_transfer_finished_while_waiting_leaves_its_peer_unchecked():
     """The wait loop asks the endpoints about the liveness of the peers it still waits
     for.  A transfer that the transport's select sleeper completed while the loop slept
