@@ -2128,18 +2128,27 @@ class Communicator:
                 return True
             # the rest as any send's: its record queued on the ring from where the
             # compiled end stopped, pushed by the waits (the ring's Python protocol)
-            try:
-                m = _Msg(ring, e.ep.peer, LANE_P2P, nb, tag, s[0],
-                         data=x.reshape(-1).view(np.uint8))
-                m.off = sent
-                run = P2PRun(e.ep, True, x, LANE_P2P, tag, s[0], e.ep.peer)
-                run.k, run.pending = 1, [m]
-                return self._qpost(ring, m, run, x, e.send_name, s[1], tag)
-            except BaseException as exc:
-                eng.poison(exc)     # (interrupted between the chunks and the posting)
-                raise
+            return self._qsend_rest(e, x, nb, tag, s, sent, 0)
         finally:
             eng.leave(0)
+
+    def _qsend_rest(self, e: "_QuickPeer", x: np.ndarray, nb: int, tag: int, s, off: int,
+                    ack: int) -> Request:
+        """A quick send's Request, completed by the ring's Python protocol: its ``_Msg``
+        from byte ``off`` (queued on the ring, whose waits push the rest), or with ``ack``
+        > 0 a single-copy message posted whole (not queued: it is done once the receiver
+        acknowledges that number).  Interrupted here, the communicator is poisoned: the
+        message went in part, or whole, without its Request."""
+        try:
+            m = _Msg(e.tx, e.ep.peer, LANE_P2P, nb, tag, s[0],
+                     data=x.reshape(-1).view(np.uint8))
+            m.off, m.ack = off, ack
+            run = P2PRun(e.ep, True, x, LANE_P2P, tag, s[0], e.ep.peer)
+            run.k, run.pending = 1, [m]
+            return self._qpost(None if ack else e.tx, m, run, x, e.send_name, s[1], tag)
+        except BaseException as exc:
+            self.engine.poison(exc)
+            raise
 
     def _qsend_addr(self, e: "_QuickPeer", x: np.ndarray, nb: int, tag: int, s) -> Any:
         """``_qsend`` of a message from the single-copy threshold on (the engine held):
@@ -2152,23 +2161,12 @@ class Communicator:
             c = e.txf.put_addr(x, nb, tag, s[0])
             if not c:
                 return False
+            ring.acks += 1      # (before the count: _quick_broke poisons until both moved)
             ring.count = c
         except BaseException as exc:
             self._quick_broke(ring, ring.head_i, exc)
             raise
-        try:
-            ring.acks += 1
-            m = _Msg(ring, e.ep.peer, LANE_P2P, nb, tag, s[0],
-                     data=x.reshape(-1).view(np.uint8))
-            m.ack, m.off = ring.acks, nb
-            run = P2PRun(e.ep, True, x, LANE_P2P, tag, s[0], e.ep.peer)
-            run.k, run.pending = 1, [m]
-            # (not queued on the ring: its header is there already; _Msg.test waits for
-            # the acknowledgement)
-            return self._qpost(None, m, run, x, e.send_name, s[1], tag)
-        except BaseException as exc:
-            self.engine.poison(exc)     # (interrupted between the post and the Request)
-            raise
+        return self._qsend_rest(e, x, nb, tag, s, nb, ring.acks)
 
     def _qpost(self, ring, m: _Msg, run, arr: np.ndarray, name: str, dt: str,
                tag: int) -> Request:
@@ -2235,8 +2233,7 @@ class Communicator:
                 self._quick_broke(ring, ring.tail_i, exc)
                 raise
             if c and e.rxf.reads != reads:
-                ring.acks += 1      # a single-copy message, read whole and acknowledged
-                got = nb
+                got = nb            # a single-copy message, read whole and acknowledged
             else:
                 got = (c - old) * ring.slot if c else 0
             if not c or got < nb:

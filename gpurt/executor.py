@@ -166,8 +166,7 @@ class QuickRecv(P2PRun):
             return c
         ring.count = ring.seen = c
         if fast.reads != reads:
-            ring.acks += 1      # a single-copy message, read whole and acknowledged
-            m.off = m.total
+            m.off = m.total     # a single-copy message, read whole and acknowledged
         else:
             m.off = min(m.total, m.off + (c - old) * ring.slot)
         if m.off < m.total:

@@ -493,7 +493,8 @@ class _Ring:
                              # through a mapping of it (0: never)
         self.writev = False  # sender: may write into the peer with process_vm_writev
         self.maps: sharedmem.PeerMaps | None = None   # the peer's shared arrays mapped here
-        self.acks = 0        # single-copy messages sent (sender) / completed (receiver)
+        self.acks = 0        # single-copy messages sent (sender) / completed (receiver:
+                             # as its ack word, which the compiled end bumps too)
         self.peer_pid = 0
         self.bounce: np.ndarray | None = None   # receiver: where reduced data lands first
 
@@ -634,8 +635,9 @@ class _Ring:
                 m.off += n
         self._trust(m, "before this rank finished reading it: what was read cannot be "
                        "trusted")
-        self.acks += 1
-        self.seg.q[self.ack_i] = self.acks
+        q = self.seg.q
+        self.acks = int(q[self.ack_i]) + 1    # (the word is the count: the compiled end
+        q[self.ack_i] = self.acks             # acknowledges there too, P2PRing.get)
         m.done, m.sink, m.remote, m.help, m.src = True, None, 0, None, None
         return True
 
@@ -665,10 +667,10 @@ class _Ring:
     # (busy elsewhere, or without the extension) leaves every chunk to the receiver.
 
     def _open_help(self, m: _Msg, dst: np.ndarray) -> None:
-        gen = (self.acks + 1) & 0xFFFFFFFF       # = the sender's m.ack for this message
+        q = self.seg.q
+        gen = (int(q[self.ack_i]) + 1) & 0xFFFFFFFF   # = the sender's m.ack for this message
         nbytes = m.total                         # (opened only at m.off == 0)
         chunk = _HELP_CHUNK
-        q = self.seg.q
         q[self.claim_i] = (gen << 32) | 0xFFFFFFFF   # closed while the words below change
         _fence()
         q[self.hdst_i] = cma.address(dst)
