@@ -2171,9 +2171,9 @@ class Communicator:
     def _qpost(self, ring, m: _Msg, run, arr: np.ndarray, name: str, dt: str,
                tag: int) -> Request:
         """A quick call's rest posted as the general protocol's: ``m`` queued on ``ring``
-        (from its offset; ``ring`` None: nothing left to queue), a Request whose run is ``run``, flight-recorded as started, in
-        the engine's point-to-point list, the engine marked as this thread's (its requests
-        are advanced by waits elsewhere)."""
+        (from its offset; ``ring`` None: nothing left to queue), a Request whose run is
+        ``run``, flight-recorded as started, in the engine's point-to-point list, the
+        engine marked as this thread's (its requests are advanced by waits elsewhere)."""
         eng, fl = self.engine, self.flight
         rec = fl.start(tag, "p2p", (dt, arr.size, None, None), f"{name} tag {tag}") \
             if fl is not None else None
