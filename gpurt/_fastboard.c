@@ -1246,7 +1246,7 @@ typedef struct {
     Py_ssize_t head_i, tail_i, err_i, slot0, stride, nslots, slot;
     int pid;                /* the peer's process, for single-copy reads (0: none here) */
     Py_ssize_t ack_i;       /* this end's single-copy acknowledgement word (receiver) */
-    unsigned long long reads;   /* single-copy messages read by get() (Python syncs on it) */
+    unsigned long long reads;   /* single-copy messages get() read (how Python tells them) */
 } P2PRing;
 
 /* P2PRing(segment, head_i, tail_i, err_i, slot0, stride, nslots, slot[, pid, ack_i]):
