@@ -2210,8 +2210,8 @@ class Communicator:
         posted as a ``QuickRecv`` from where the compiled end stopped: that Request, not
         complete (the caller waits on it, or returns it).  A single-copy message is read
         here only by a ``blocking`` receive: an ``irecv``'s caller may post next the send
-        its peer waits for, and the two copies should then run side by side (2 ranks,
-        ``irecv``, ``isend``, ``wait``, ``wait`` of 1 MiB: ~95 against ~130 µs)."""
+        its peer waits for, and the two copies should then run side by side, not one
+        after the other (docs/performance.md: no difference measurable on 2 ranks here)."""
         eng, ring = self.engine, e.rx
         me = _get_ident()
         if self._closed or eng.poisoned is not None or eng.busy or eng.owner or ring.queue:
