@@ -138,8 +138,9 @@ class QuickRecv(P2PRun):
     receive's (so later receives from that peer queue behind it), and while it is the
     ring's next message, the compiled ring end reads its next chunks when they are exactly
     this receive's (``_fastboard.P2PRing.get``, from the record's offset on, which the
-    Python protocol also keeps); anything else — a mismatch, a single-copy message — is
-    the general run's ``_Msg.test``, which raises the errors."""
+    Python protocol also keeps), or the whole message single-copy; anything else — a
+    mismatch, a single-copy message from a shared array or one the Python protocol took
+    up first — is the general run's ``_Msg.test``, which raises the errors."""
 
     __slots__ = ("fast", "out", "spin")
 
