@@ -10,7 +10,8 @@ would, not poll for ever.
 
 Prints ``POLL {json}`` from ranks 0 and 2: the outcome and the seconds it took; with a
 third argument, a folder, each also writes it to ``poll.<rank>.json`` there (the launcher
-may join two ranks' output lines: a CI run saw rank 2's record glued to rank 0's)."""
+may join two ranks' output lines: a CI run saw rank 2's record glued to rank 0's), and
+leaves only once the other survivor's record is there too (up to 30 s)."""
 
 import json
 import os
@@ -47,6 +48,14 @@ except gpurt.PeerFailure as e:
 rec["seconds"] = time.monotonic() - t
 print("POLL " + json.dumps(rec), flush=True)
 if len(sys.argv) > 3:
-    with open(os.path.join(sys.argv[3], f"poll.{c.rank}.json"), "w") as f:
+    with open(os.path.join(sys.argv[3], f"poll.{c.rank}.json.tmp"), "w") as f:
         json.dump(rec, f)
+    os.replace(os.path.join(sys.argv[3], f"poll.{c.rank}.json.tmp"),
+               os.path.join(sys.argv[3], f"poll.{c.rank}.json"))
+    # a survivor that leaves first (os._exit, no MPI_Finalize) may have the launcher end
+    # the other before it wrote its record (a CI run lost rank 0's so): wait for both
+    other = os.path.join(sys.argv[3], f"poll.{2 - c.rank}.json")
+    t_end = time.monotonic() + 30
+    while not os.path.exists(other) and time.monotonic() < t_end:
+        time.sleep(0.01)
 os._exit(0)
