@@ -40,6 +40,19 @@ failures() {  # failures CASE NRANKS: a rank fails mid-stream; every survivor re
 }
 export -f failures
 
+cases() {  # cases MPIEXEC-ARGS...: verbs_cases.py, its result line printed once mpiexec has
+    # ended (over two guests, a remote rank's late stderr lands inside a line rank 0 prints)
+    local out=/tmp/verbs-cases-$$.json rc
+    rm -f "$out"
+    VERBS_CASES_OUT=$out $GUEST_MPIEXEC "$@" python3 tests/rdma/verbs_cases.py
+    rc=$?
+    echo "mpiexec rc=$rc"
+    [ -s "$out" ] && { echo; cat "$out"; }
+    rm -f "$out"
+    return $rc
+}
+export -f cases
+
 yama() {  # single copies under Ubuntu's default Yama scope (this kernel has Yama; the host's
     # has not), over shm, the ranks without CAP_SYS_PTRACE (which passes Yama; as another
     # user they could not read a CI checkout of mode 0700 through the share)
@@ -60,8 +73,8 @@ case $mode in
 one)
     section yama yama
     export GPURT_TRANSPORTS=verbs
-    section cases2 $GUEST_MPIEXEC -n 2 python3 tests/rdma/verbs_cases.py
-    section cases3 $GUEST_MPIEXEC -n 3 python3 tests/rdma/verbs_cases.py
+    section cases2 cases -n 2
+    section cases3 cases -n 3
     section upto2 $GUEST_MPIEXEC -n 2 python3 tests/upto_cases.py
     section upto2_big env UPTO_LONG=big $GUEST_MPIEXEC -n 2 python3 tests/upto_cases.py
     # the full algorithm sweep on 2 ranks; on 3 and on device buffers the transport's
@@ -93,8 +106,7 @@ two)
     # for it, so that it prefers the hierarchical schedules as on a real cluster)
     export GPURT_TEST_NET=verbs GPURT_COST="verbs=2e-3/1.3e7/2e8"
     section multinode $GUEST_MPIEXEC -n 4 -ppn 2 python3 tests/multinode_check.py 2 transport
-    section cases_2x2 env GPURT_TRANSPORTS=verbs $GUEST_MPIEXEC -n 4 -ppn 2 \
-        python3 tests/rdma/verbs_cases.py
+    section cases_2x2 env GPURT_TRANSPORTS=verbs bash -c 'cases -n 4 -ppn 2'
     # stand-in device buffers: cuda_ipc inside a guest, GPUDirect RDMA over verbs between
     section dev_2x2 env GPURT_DEVICE_BACKEND=standin GPURT_IB_GDR=1 $GUEST_MPIEXEC -n 4 \
         -ppn 2 python3 tests/device_cases.py endpoints=cuda_ipc,verbs+gdr streams reuse alloc \
@@ -105,8 +117,8 @@ newer)
     # 56.1, Python 3.13, numpy 2.2): the transport against a newer pyverbs than bookworm's 44
     section versions bash -c 'python3 -V; dpkg-query -W python3-pyverbs rdma-core python3-numpy'
     export GPURT_TRANSPORTS=verbs
-    section cases2 $GUEST_MPIEXEC -n 2 python3 tests/rdma/verbs_cases.py
-    section cases3 $GUEST_MPIEXEC -n 3 python3 tests/rdma/verbs_cases.py
+    section cases2 cases -n 2
+    section cases3 cases -n 3
     section sweep2 $GUEST_MPIEXEC -n 2 python3 tests/mpi_sweep.py transport
     section qp_error failures qp_error 2
     section kill failures kill 3
