@@ -181,6 +181,7 @@ class Communicator:
         self.dev, self.dev_why, self.dev_endpoints, self.dev_ipc = None, "not set up", {}, None
         self._devtuner = self._devtmp = self._devlast = None
         self._agree_bufs: tuple | None = None     # see _agreement_run
+        self._hf: _HierFold | None = None         # the same, hierarchical (_hier_fold)
         self._agree_hdrs: dict = {}               # (sig, meta, site) -> header words
         self._fold_views: dict = {}               # (offset, bytes, dtype) -> rows' blocks
         self._devretired: list = []     # outgrown device scratch, until its event fires
@@ -543,7 +544,7 @@ class Communicator:
             pass     # the user's own error is the one to raise
 
     def _agreement_run(self, seq: int, sig: int, meta: tuple, site: int,
-                       data: np.ndarray | None = None) -> _Run:
+                       data: np.ndarray | None = None, call_bytes: int = 0):
         """Multi-node (no board): every rank's header (call number, signature, arguments,
         call site) to every rank by a small allgather over the endpoints, before the data
         moves.  On communicators with ``_fold`` room, a message carries ``data``'s bytes
@@ -554,11 +555,24 @@ class Communicator:
         The message and the rows it gathers are the communicator's own, allocated once:
         collectives run one at a time, and a call's rows are read (agreed, folded) before
         the next call starts.  Only the agreed length of a row is read; past it a row
-        holds what an earlier, longer message left."""
+        holds what an earlier, longer message left.
+
+        Where nodes hold several ranks and calls fold (``_hier_fold``), the exchange is
+        hierarchical instead (``_HierFold``: inside the node, then one message of the
+        node's rows to a rank of every other node); ``call_bytes``: the largest
+        contribution a rank makes to this call (a folded call's, else 0), which sets its
+        rows' stride there."""
+        hdr = _cached(self._agree_hdrs, (sig, meta, site), 1024, _agree_header, sig, meta,
+                      site)
+        if self._hf is None and self._agree_bufs is None and self._room and \
+                _hier_fold(self.topo):
+            self._hf = _HierFold(self.topo, self.rank, _HDR_WORDS + self._room // 8)
+        if self._hf is not None:
+            return self._hf.run(self.endpoints, seq, hdr, data, call_bytes)
         mine, bufs, scheds, rows8 = (self._agree_bufs or self._agreement_buffers())[1:5]
-        mine[:_HDR_WORDS] = _cached(self._agree_hdrs, (sig, meta, site), 1024, _agree_header,
-                                    sig, meta, site)
+        mine[:_ROW_WORD] = hdr
         mine[0] = seq
+        mine[_ROW_WORD] = self.rank << 32 | len(mine)
         m = _HDR_WORDS
         if data is not None and data.nbytes:
             rows8[self.rank][:data.nbytes] = data.view(np.uint8)
@@ -604,48 +618,67 @@ class Communicator:
         order 0, 1, ..., so every rank gets the same bits."""
         p, r = self.size, self.rank
         nb = n * dtype.itemsize
-        rows = self._agree_bufs[4]   # every rank's data, one row each (past the headers)
+        hf = self._hf
+        if hf is None:
+            rows = self._agree_bufs[4]   # every rank's data, one row each (past the headers)
+            at = None
+        else:   # (rows in node-major order: rank k's is row at[k])
+            rows, at = hf.cur[1], hf.perm
         if coll in ("allreduce", "reduce", "reduce_scatter"):
             if coll == "reduce" and r != root:
                 return
             lo = r * nb if coll == "reduce_scatter" else 0
-            # (p, n): rank k's block, a view into the communicator's own rows
-            blk = _cached(self._fold_views, (lo, nb, dtype), 256, _row_blocks, rows, lo, nb,
-                          dtype)
+            # (p, n): rank k's block, a view into the communicator's own rows (every rank
+            # reduces them in the same order: rank order, or node-major order where the
+            # rows are in that order)
+            blk = _cached(self._fold_views, (lo, nb, dtype, rows.shape), 256, _row_blocks,
+                          rows, lo, nb, dtype)
             red(blk[0], blk[1], out)                  # p >= 2 here (a folded call moves data)
             for k in range(2, p):
                 red(out, blk[k], out)
         elif coll == "broadcast":
             if r != root:
-                np.copyto(out, rows[root, :nb].view(dtype))
+                np.copyto(out, rows[root if at is None else at[root], :nb].view(dtype))
         elif coll in ("allgather", "gather"):
             if coll == "allgather" or r == root:
-                np.copyto(out.reshape(p, n), rows[:, :nb].view(dtype))
+                blk = rows[:, :nb] if at is None else rows[at, :nb]
+                np.copyto(out.reshape(p, n), blk.view(dtype))
         elif coll == "alltoall":
-            np.copyto(out.reshape(p, n), rows[:, r * nb:(r + 1) * nb].view(dtype))
+            blk = rows[:, r * nb:(r + 1) * nb] if at is None else rows[at, r * nb:(r + 1) * nb]
+            np.copyto(out.reshape(p, n), blk.view(dtype))
         elif coll == "scatter":
-            np.copyto(out, rows[root, r * nb:(r + 1) * nb].view(dtype))
+            k = root if at is None else at[root]
+            np.copyto(out, rows[k, r * nb:(r + 1) * nb].view(dtype))
         # barrier: the exchange was the barrier
 
     def _agree(self, seq: int, sig: int, meta: tuple, site: int) -> None:
         """Compare the headers that the agreement exchange gathered (after its run):
         ``CollectiveMismatchError`` naming each rank whose call differs."""
-        rows = self._agree_bufs[0]
+        hf = self._hf
         nm = 2 + len(meta)
-        # call number, signature and the arguments themselves (two calls whose 32-bit
-        # signatures collide differ there: a folded call computes straight from the rows),
-        # every rank's against this rank's own (as it sent them)
-        heads = self._agree_bufs[5].tobytes()
-        w = len(heads) // self.size
-        if heads == heads[self.rank * w:(self.rank + 1) * w] * self.size:
-            return                # the common case: no text to build
+        if hf is not None:
+            if hf.clean:          # (compared as the exchange ended: _HierFold.run)
+                return
+            rows = hf.cur[0]      # the exact headers of the exchange that followed
+            at = hf.perm
+        else:
+            rows = self._agree_bufs[0]
+            at = range(self.size)
+            # call number, signature and the arguments themselves (two calls whose 32-bit
+            # signatures collide differ there: a folded call computes straight from the
+            # rows), every rank's against this rank's own (as it sent them)
+            heads = self._agree_bufs[5].tobytes()
+            w = len(heads) // self.size
+            if heads == heads[self.rank * w:(self.rank + 1) * w] * self.size:
+                return                # the common case: no text to build
         bad = []
         mine = shm_board.describe(meta)
         algo = False            # name the algorithms where a call differs in nothing else
         for k in range(self.size):
-            s, g = int(rows[k][0]), int(rows[k][1])
-            theirs = tuple(int(v) for v in rows[k][2:nm])
-            where = callsite.at(rows[k][nm:_HDR_WORDS])
+            row = rows[at[k]]
+            s, g = int(row[0]), int(row[1])
+            theirs = tuple(int(v) for v in row[2:nm])
+            where = callsite.at(row[nm:_ROW_WORD])
             if s != seq:
                 bad.append(f"rank {k} is at call #{s}{where}")
             elif g == shm_board.REJECTED:
@@ -917,7 +950,8 @@ class Communicator:
             xs = xb.array if xb is not None and _fold_sends(coll, self.rank, root) else None
 
             def start() -> _Run:   # agreement and data in one exchange (finish() agrees)
-                return self._agreement_run(seq, sig, meta, site, xs)
+                return self._agreement_run(seq, sig, meta, site, xs,
+                                           _fold_bytes(coll, self.size, n, dtype.itemsize))
 
         else:
             start = self._schedule_start(sched, xa, oa, dtype, alias, red, seq, sig)
@@ -1315,8 +1349,9 @@ class Communicator:
         try:
             if fold or self._netcheck:
                 data = xf if fold and _fold_sends(coll, self.rank, root) else None
-                eng.run_inline(self._agreement_run(seq, sig, meta, site, data), coll, seq,
-                               timeout)
+                cb = _fold_bytes(coll, self.size, n, dtype.itemsize) if fold else 0
+                eng.run_inline(self._agreement_run(seq, sig, meta, site, data, cb), coll,
+                               seq, timeout)
                 self._agree(seq, sig, meta, site)
             if fold:
                 self._fold_finish(coll, rf, dtype, red, n, root)
@@ -2579,7 +2614,12 @@ _NO = object()     # "not taken inline" (None is a result: gather's off the root
 _M64 = 0xFFFFFFFFFFFFFFFF
 _AGREE_SIG = 0x67707274414752   # "gprtAGR": the agreement messages' own signature
 _META_WORDS = 5                        # shm_board.meta_of: the call's arguments
-_HDR_WORDS = 2 + _META_WORDS + callsite.WORDS   # an agreement header: seq, sig, meta, site
+# an agreement header: seq, sig, meta, site, and the row word: (the sending rank << 32) |
+# the row stride it used (words), which places the rows that a hierarchical exchange
+# relays (_HierFold)
+_ROW_WORD = 2 + _META_WORDS + callsite.WORDS
+_HDR_WORDS = _ROW_WORD + 1
+_AGREE_SIG2 = _AGREE_SIG ^ 1    # the header-only exchange after a mismatch (_HierFold)
 _FOLD_RANKS = 8          # the most ranks for which agreement messages carry data
 #: collectives whose size S (as nccl-tests and explain() count it) is the whole buffer
 _REDUCING = frozenset({"allreduce", "reduce", "reduce_scatter"})
@@ -2667,6 +2707,131 @@ def _hier_agreement(topo: Topology) -> bool:
     nodes) or Bruck's ⌈lg p⌉ rounds."""
     return topo.size > _FOLD_RANKS and 2 <= topo.nnodes <= 32 and \
         max(len(rs) for rs in topo.local_ranks) > 1
+
+
+def _hier_fold(topo: Topology) -> bool:
+    """Does the agreement of a communicator whose calls fold (up to ``_FOLD_RANKS`` ranks)
+    go hierarchically (``_HierFold``)?  Where nodes hold several ranks: each rank then
+    sends one message inside its node per local peer and one across, instead of one to
+    every other rank (most of them across)."""
+    return topo.size <= _FOLD_RANKS and topo.nnodes >= 2 and \
+        max(len(rs) for rs in topo.local_ranks) > 1
+
+
+class _HierFold:
+    """The agreement exchange, and the folded calls inside it, on a communicator of up to
+    ``_FOLD_RANKS`` ranks over several nodes some of which hold several ranks
+    (``_hier_fold``): ``_agreement_schedule_hfold`` — every rank's row to its node's other
+    ranks, then the node's rows in one message to a rank of every other node.
+
+    The rows lie in node-major order (rank k's is row ``perm[k]``) at a stride that each
+    call sets: its largest message (``s`` words: a header, and a folded call's largest
+    contribution), the same on every rank whose call matches, so that a node's rows go
+    across as one short message.  A mismatched call may use another stride; a row then
+    lands elsewhere, or brings what another rank's message held.  Every header carries
+    its sender's rank and the stride it used (the row word), so a rank whose rows are all
+    in place with the expected row word has every rank's own header, exactly; any other
+    outcome shows a difference on every rank (a rank's header is either read in place, or
+    its row holds something else there).  Then every rank runs one more, header-only
+    exchange (stride: a header; nothing can land astray), whose rows name each rank's
+    call exactly (``Communicator._agree``)."""
+
+    __slots__ = ("every", "nodes", "order", "perm", "r", "i", "cap", "views", "scheds",
+                 "cur", "clean")
+
+    def __init__(self, topo: Topology, r: int, words: int):
+        self.nodes = topo.local_ranks
+        self.order = tuple(q for rs in self.nodes for q in rs)
+        p = len(self.order)
+        self.perm = np.empty(p, np.intp)
+        self.perm[list(self.order)] = np.arange(p)
+        self.r, self.i, self.cap = r, int(self.perm[r]), words
+        # (no stale bytes of this process go out)
+        self.every = np.zeros(p * words, np.uint64)
+        self.views: dict[int, tuple] = {}
+        self.scheds: dict[tuple, tuple] = {}
+        self.cur: tuple | None = None      # the view of the last exchange's rows
+        self.clean = False                 # ... and every row agreed
+
+    def view(self, s: int) -> tuple:
+        """(rows, their data as bytes, their compared words, their row words, the row
+        words expected) at stride ``s``."""
+        v = self.views.get(s)
+        if v is None:
+            p = len(self.order)
+            rows = self.every[:p * s].reshape(p, s)
+            expect = np.array([q << 32 | s for q in self.order], np.uint64)
+            v = self.views[s] = (rows, rows[:, _HDR_WORDS:].view(np.uint8),
+                                 rows[:, :2 + _META_WORDS], rows[:, _ROW_WORD], expect)
+        return v
+
+    def _post(self, eps: dict, seq: int, hdr: np.ndarray, s: int,
+              data: np.ndarray | None, sig: int) -> RowsRun:
+        v = self.cur = self.view(s)
+        own = v[0][self.i]
+        own[:_ROW_WORD] = hdr
+        own[0] = seq
+        own[_ROW_WORD] = self.r << 32 | s
+        m = _HDR_WORDS
+        if data is not None and data.nbytes:
+            v[1][self.i][:data.nbytes] = data.view(np.uint8)
+            m += -(-data.nbytes // 8)
+        sched, covers = _cached(self.scheds, (s, m), 64, _agreement_schedule_hfold,
+                                self.nodes, self.r, s, m, self.cap)
+        return RowsRun(sched, {"in": own, "out": self.every, "tmp": _EMPTY_U64}, eps, seq,
+                       sig, covers)
+
+    def run(self, eps: dict, seq: int, hdr: np.ndarray, data: np.ndarray | None,
+            call_bytes: int) -> Chain:
+        self.clean = False
+        first = self._post(eps, seq, hdr, _HDR_WORDS + -(-call_bytes // 8), data, _AGREE_SIG)
+
+        def then() -> RowsRun | None:
+            heads, words, expect = self.cur[2:]
+            b = heads.tobytes()
+            w = len(b) // len(self.order)
+            if b == b[self.i * w:(self.i + 1) * w] * len(self.order) and \
+                    np.array_equal(words, expect):
+                self.clean = True
+                return None
+            # a call differs (every rank sees it): the headers again, header-only
+            return self._post(eps, seq, hdr, _HDR_WORDS, None, _AGREE_SIG2)
+
+        return Chain(first, then)
+
+
+@lru_cache(maxsize=256)
+def _agreement_schedule_hfold(nodes: tuple, r: int, s: int, m: int, cap: int) -> tuple:
+    """(schedule, covers) of ``_HierFold``'s exchange for rank ``r``: rows of stride ``s``
+    words in node-major order in ``out``; this rank sends the first ``m`` words of its own
+    row to its node's other ranks (step 1), then its node's rows, from local rank j to the
+    ranks k ≡ j (mod this node's size) of every other node (step 2), receiving one other
+    node's rows from its local rank k mod that node's size.  Where ``cap`` > ``s`` the
+    receives take messages of up to ``cap`` words a row (a mismatched call's, of another
+    stride: it may overwrite the rows after it, which the comparison then finds; the
+    buffer holds every such message).  ``covers[q]``: the ranks whose rows the receive
+    from q brings (``RowsRun.missing``)."""
+    order = [q for rs in nodes for q in rs]
+    pos = {q: i for i, q in enumerate(order)}
+    a = next(b for b, rs in enumerate(nodes) if r in rs)
+    mine = nodes[a]
+    j = mine.index(r)
+    up = cap > s
+    peers = [q for q in mine if q != r]
+    covers = {q: (q,) for q in peers}
+    step1 = [Send(q, Slice("out", pos[r] * s, m)) for q in peers] + \
+        [Recv(q, Slice("out", pos[q] * s, cap if up else s), up) for q in peers]
+    block = Slice("out", pos[mine[0]] * s, len(mine) * s)
+    step2 = []
+    for b, rs in enumerate(nodes):
+        if b == a:
+            continue
+        step2 += [Send(rs[k], block) for k in range(j, len(rs), len(mine))]
+        src = rs[j % len(rs)]
+        step2.append(Recv(src, Slice("out", pos[rs[0]] * s, len(rs) * (cap if up else s)),
+                          up))
+        covers[src] = rs
+    return Schedule.build([step1, step2]), covers
 
 
 @lru_cache(maxsize=64)

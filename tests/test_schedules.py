@@ -277,6 +277,49 @@ def test_hierarchical_agreement_proven(sizes: list[int], rr: bool) -> None:
     simulate("allgather", p, n, scheds)
 
 
+@pytest.mark.parametrize("sizes,rr", [([2, 2], False), ([2, 2], True), ([3, 2], False),
+                                      ([2, 3], True), ([2, 2, 2], True), ([1, 3], False),
+                                      ([4, 1, 1], True), ([2, 1, 2, 1, 2], False)])
+def test_hierarchical_fold_exchange_proven(sizes: list[int], rr: bool) -> None:
+    """The agreement with folded calls across nodes of several ranks (up to 8 ranks:
+    ``_agreement_schedule_hfold``): every rank's row reaches every rank, at its
+    node-major position (``_HierFold.perm``), on blocks and round-robin placements — one
+    receive per local peer and one per other node, ``covers`` naming every other rank
+    once; and with room for longer rows (``cap``) no receive reaches past the buffer."""
+    from gpurt.comm import _agreement_schedule_hfold
+    nodes = _nodes(sizes, rr)
+    p, s = sum(sizes), 15
+    order = [q for rs in nodes for q in rs]
+    scheds = []
+    for r in range(p):
+        sched, covers = _agreement_schedule_hfold(nodes, r, s, s, s)
+        recvs = [op.peer for st in sched.steps for op in st if isinstance(op, Recv)]
+        assert len(recvs) == len(set(recvs)) == len(covers)
+        assert sorted(q for peer in recvs for q in covers[peer]) == \
+            [q for q in range(p) if q != r]
+        local = len(nodes[[b for b, rs in enumerate(nodes) if r in rs][0]]) - 1
+        assert len(recvs) == local + len(nodes) - 1
+        # the rows in tmp, node-major; the Copy in front stands for the own row's write,
+        # the one behind puts the rows in rank order for the check
+        i = order.index(r)
+        rows = sched.rebase({"out": ("tmp", 0)}, tmp=p * s)
+        scheds.append(Schedule.build([[Copy(Slice("in", 0, s), Slice("tmp", i * s, s))]],
+                                     tmp=p * s)
+                      .then(rows)
+                      .then(Schedule.build([[Copy(Slice("tmp", k * s, s),
+                                                  Slice("out", q * s, s))
+                                             for k, q in enumerate(order)]], tmp=p * s)))
+        for cap in (s + 1, 4 * s):
+            longer, _ = _agreement_schedule_hfold(nodes, r, s, s - 3, cap)
+            for st in longer.steps:
+                for op in st:
+                    if isinstance(op, Recv):
+                        assert op.upto and op.dst.off + op.dst.n <= p * cap
+                    else:
+                        assert op.src.off + op.src.n <= p * s
+    simulate("allgather", p, s, scheds)
+
+
 def test_upto_receive_takes_a_shorter_message_only() -> None:
     """A ``Recv(..., upto=True)`` (the agreement's receives) matches a send of at most its
     size; a longer send is a size mismatch, as for an exact receive."""
