@@ -2710,12 +2710,22 @@ def _hier_agreement(topo: Topology) -> bool:
 
 
 def _hier_fold(topo: Topology) -> bool:
-    """Does the agreement of a communicator whose calls fold (up to ``_FOLD_RANKS`` ranks)
-    go hierarchically (``_HierFold``)?  Where nodes hold several ranks: each rank then
-    sends one message inside its node per local peer and one across, instead of one to
-    every other rank (most of them across)."""
-    return topo.size <= _FOLD_RANKS and topo.nnodes >= 2 and \
-        max(len(rs) for rs in topo.local_ranks) > 1
+    """Does the agreement of a communicator whose calls fold (up to ``_FOLD_RANKS`` ranks,
+    several nodes, some with several ranks) go hierarchically (``_HierFold``)?  Where that
+    saves at least two network messages per rank and call, on average: a relayed row costs
+    a second round, which on 2 nodes x 2 ranks (one message saved per rank) measured a
+    loss for calls too large to fold (docs/performance.md), while 3 x 2 and 2 x 3 save two
+    (2 x 4: three)."""
+    nodes = topo.local_ranks
+    if not (topo.size <= _FOLD_RANKS and len(nodes) >= 2 and max(len(rs) for rs in nodes) > 1):
+        return False
+    p = topo.size
+    flat = sum(len(rs) * (p - len(rs)) for rs in nodes)
+    # _agreement_schedule_hfold's step 2: local rank j to ranks j, j + L, ... of every other
+    # node (L: its own node's size)
+    hier = sum(len(range(j, len(rb), len(ra))) for a, ra in enumerate(nodes)
+               for j in range(len(ra)) for b, rb in enumerate(nodes) if b != a)
+    return flat - hier >= 2 * p
 
 
 class _HierFold:

@@ -88,17 +88,20 @@ def test_cliques(n: int, cliques: int, sweep: bool) -> None:
 
 
 @pytest.mark.skipif(not is_hydra(), reason="MPICH cliques need the MPICH hydra mpiexec")
-@pytest.mark.parametrize("n,cliques,block,absent", [(10, 2, True, 7), (9, 3, False, 4),
-                                                    (5, 2, True, 3), (6, 3, False, 4)],
-                         ids=["2x5-blocks", "3x3-round-robin", "3+2-blocks-folding",
-                              "3x2-round-robin-folding"])
-def test_agreement_across_nodes_is_hierarchical(n, cliques, block, absent):
+@pytest.mark.parametrize("n,cliques,block,absent,mode",
+                         [(10, 2, True, 7, "hier"), (9, 3, False, 4, "hier"),
+                          (6, 2, True, 4, "hier_fold"), (6, 3, False, 4, "hier_fold"),
+                          (4, 2, True, 3, "flat")],
+                         ids=["2x5-blocks", "3x3-round-robin", "2x3-blocks-folding",
+                              "3x2-round-robin-folding", "2x2-flat-folding"])
+def test_agreement_across_nodes_is_hierarchical(n, cliques, block, absent, mode):
     """Several nodes with several ranks: the calls' headers (more than 8 ranks), or the
-    headers and the folded calls' data (up to 8), travel inside each node, then node to
-    node (not from every rank to every rank); every collective exact, a mismatch (whose
-    folded rows lie at another stride on the mismatched rank) named exactly and a
-    rejected call raised on every rank, and a rank that never calls named by the ranks
-    of its node, and among the ranks the others name (tests/agreement_cases.py)."""
+    headers and the folded calls' data (up to 8, where that saves two network messages
+    per rank: not on 2 x 2, which stays flat), travel inside each node, then node to node
+    (not from every rank to every rank); every collective exact, a mismatch (whose folded
+    rows lie at another stride on the mismatched rank) named exactly and a rejected call
+    raised on every rank, and a rank that never calls named by the ranks of its node,
+    and among the ranks the others name (tests/agreement_cases.py)."""
     env = {"MPIR_CVAR_NUM_CLIQUES": str(cliques),
            "MPIR_CVAR_CLIQUES_BY_BLOCK": "1" if block else "0", "GPURT_FLIGHT": "0"}
     proc = run_mpi(n, [str(ROOT / "tests" / "agreement_cases.py"), str(absent)], env=env,
@@ -111,7 +114,8 @@ def test_agreement_across_nodes_is_hierarchical(n, cliques, block, absent):
         assert any(rs != list(range(rs[0], rs[0] + len(rs))) for rs in nodes), nodes
     home = next(rs for rs in nodes if absent in rs)
     for q, rec in recs.items():
-        assert rec["hier"] == (n > 8) and rec["hier_fold"] == (n <= 8), rec
+        assert rec["hier"] == (mode == "hier") and rec["hier_fold"] == (mode == "hier_fold"), \
+            rec
         assert rec["checks"] == 16, rec
         assert rec["mismatch"] is True and rec["rejected"] is True, rec
         assert rec["rejected_s"] < 20, rec         # (the deadline here is 60 s)

@@ -320,6 +320,23 @@ def test_hierarchical_fold_exchange_proven(sizes: list[int], rr: bool) -> None:
     simulate("allgather", p, s, scheds)
 
 
+@pytest.mark.parametrize("sizes,rr,hier", [([2, 2], False, False), ([3, 2], False, False),
+                                           ([2, 1], False, False), ([1, 1], False, False),
+                                           ([2, 2, 2], True, True), ([3, 3], False, True),
+                                           ([4, 4], True, True), ([2, 2, 2, 2], False, True),
+                                           ([5, 4], False, False)])
+def test_the_folding_agreement_goes_hierarchical_where_it_saves_two_messages_a_rank(
+        sizes: list[int], rr: bool, hier: bool) -> None:
+    """``_hier_fold``: up to 8 ranks, where the hierarchical exchange sends at least two
+    network messages per rank fewer than the flat one (2 x 2 and 3 + 2 save one: flat);
+    beyond 8 ranks the header-only hierarchical agreement (``_hier_agreement``) instead."""
+    from types import SimpleNamespace
+    from gpurt.comm import _hier_fold
+    nodes = _nodes(sizes, rr)
+    topo = SimpleNamespace(local_ranks=nodes, size=sum(sizes), nnodes=len(sizes))
+    assert _hier_fold(topo) is hier
+
+
 def test_upto_receive_takes_a_shorter_message_only() -> None:
     """A ``Recv(..., upto=True)`` (the agreement's receives) matches a send of at most its
     size; a longer send is a size mismatch, as for an exact receive."""
