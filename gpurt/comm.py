@@ -667,9 +667,7 @@ class Communicator:
             # call number, signature and the arguments themselves (two calls whose 32-bit
             # signatures collide differ there: a folded call computes straight from the
             # rows), every rank's against this rank's own (as it sent them)
-            heads = self._agree_bufs[5].tobytes()
-            w = len(heads) // self.size
-            if heads == heads[self.rank * w:(self.rank + 1) * w] * self.size:
+            if _heads_equal(self._agree_bufs[5].tobytes(), self.rank, self.size):
                 return                # the common case: no text to build
         bad = []
         mine = shm_board.describe(meta)
@@ -2721,11 +2719,24 @@ def _hier_fold(topo: Topology) -> bool:
         return False
     p = topo.size
     flat = sum(len(rs) * (p - len(rs)) for rs in nodes)
-    # _agreement_schedule_hfold's step 2: local rank j to ranks j, j + L, ... of every other
-    # node (L: its own node's size)
-    hier = sum(len(range(j, len(rb), len(ra))) for a, ra in enumerate(nodes)
+    hier = sum(len(_hfold_targets(ra, j, rb)) for a, ra in enumerate(nodes)
                for j in range(len(ra)) for b, rb in enumerate(nodes) if b != a)
     return flat - hier >= 2 * p
+
+
+def _hfold_targets(mine: tuple, j: int, other: tuple) -> tuple:
+    """The ranks of node ``other`` to which local rank ``j`` of node ``mine`` sends its
+    node's rows in the step across nodes of ``_agreement_schedule_hfold``: local ranks j,
+    j + len(mine), ... of ``other`` (so every rank of ``other`` gets them from exactly one
+    rank of ``mine``: local rank k from k mod len(mine))."""
+    return other[j::len(mine)]
+
+
+def _heads_equal(b: bytes, i: int, p: int) -> bool:
+    """Are the ``p`` equal-length headers in ``b`` all equal to the ``i``-th (this rank's
+    own, as it sent it)?  One byte-string comparison: the agreement's common case."""
+    w = len(b) // p
+    return b == b[i * w:(i + 1) * w] * p
 
 
 class _HierFold:
@@ -2798,9 +2809,7 @@ class _HierFold:
 
         def then() -> RowsRun | None:
             heads, words, expect = self.cur[2:]
-            b = heads.tobytes()
-            w = len(b) // len(self.order)
-            if b == b[self.i * w:(self.i + 1) * w] * len(self.order) and \
+            if _heads_equal(heads.tobytes(), self.i, len(self.order)) and \
                     np.array_equal(words, expect):
                 self.clean = True
                 return None
@@ -2836,7 +2845,7 @@ def _agreement_schedule_hfold(nodes: tuple, r: int, s: int, m: int, cap: int) ->
     for b, rs in enumerate(nodes):
         if b == a:
             continue
-        step2 += [Send(rs[k], block) for k in range(j, len(rs), len(mine))]
+        step2 += [Send(q, block) for q in _hfold_targets(mine, j, rs)]
         src = rs[j % len(rs)]
         step2.append(Recv(src, Slice("out", pos[rs[0]] * s, len(rs) * (cap if up else s)),
                           up))
