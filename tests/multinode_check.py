@@ -12,8 +12,11 @@ what a multi-node communicator must be, then every collective with exact results
   (``tests/mpi_sweep.py algorithms``); ``transport``: its share that concerns the transports
   (every algorithm's messages at every size, ``Sweep.algorithms(full=False)``).
 
-Rank 0 prints one JSON line ``MULTINODE {...}`` with the facts; exit status non-zero if
-any rank saw a failure.
+Rank 0 prints one JSON line ``MULTINODE {...}`` with the facts (and a ``FAIL`` line per
+failure before it) -- into the file ``$MULTINODE_OUT`` instead when that is set
+(``tests/rdma/guest_suite.sh``'s ``after`` prints it once mpiexec has ended: across two
+guests, mpiexec forwards a remote rank's late stderr into the middle of rank 0's line);
+exit status non-zero if any rank saw a failure.
 """
 
 from __future__ import annotations
@@ -73,13 +76,17 @@ def main() -> int:
     cases = comm.mpi.reduce(sw.cases, op=__import__("mpi4py").MPI.SUM, root=0)
     explain = comm.explain("allreduce", 64 << 20)
     if comm.rank == 0:
-        for q, fl in enumerate(allfails):
-            for f in fl[:10]:
-                print(f"FAIL rank {q}: {f}", flush=True)
-        print("MULTINODE " + json.dumps({
+        lines = [f"FAIL rank {q}: {f}" for q, fl in enumerate(allfails) for f in fl[:10]]
+        lines.append("MULTINODE " + json.dumps({
             "nnodes": comm.nnodes, "size": p, "ranks": every, "chosen": chosen,
             "cases": cases, "failures": sum(len(f) for f in allfails),
-            "explain": explain}), flush=True)
+            "explain": explain}))
+        dest = os.environ.get("MULTINODE_OUT")
+        if dest:
+            with open(dest, "w") as f:
+                f.write("\n".join(lines) + "\n")
+        else:
+            print("\n".join(lines), flush=True)
     bad = comm.mpi.allreduce(len(fails))
     comm.close()
     return 1 if bad else 0

@@ -40,18 +40,24 @@ failures() {  # failures CASE NRANKS: a rank fails mid-stream; every survivor re
 }
 export -f failures
 
-cases() {  # cases MPIEXEC-ARGS...: verbs_cases.py, its result line printed once mpiexec has
-    # ended (over two guests, a remote rank's late stderr lands inside a line rank 0 prints)
-    local out=/tmp/verbs-cases-$$.json rc
+after() {  # after VAR COMMAND...: COMMAND with $VAR naming a file for its result lines,
+    # printed once COMMAND (an mpiexec) has ended: over two guests, a remote rank's late
+    # stderr lands inside a line rank 0 prints
+    local var=$1 out=/tmp/result-$$.txt rc
+    shift
     rm -f "$out"
-    VERBS_CASES_OUT=$out $GUEST_MPIEXEC "$@" python3 tests/rdma/verbs_cases.py
+    env "$var=$out" "$@"
     rc=$?
     echo "mpiexec rc=$rc"
     [ -s "$out" ] && { echo; cat "$out"; }
     rm -f "$out"
     return $rc
 }
-export -f cases
+
+cases() {  # cases MPIEXEC-ARGS...: verbs_cases.py, its result line printed after
+    after VERBS_CASES_OUT $GUEST_MPIEXEC "$@" python3 tests/rdma/verbs_cases.py
+}
+export -f after cases
 
 yama() {  # single copies under Ubuntu's default Yama scope (this kernel has Yama; the host's
     # has not), over shm, the ranks without CAP_SYS_PTRACE (which passes Yama; as another
@@ -105,7 +111,8 @@ two)
     # rxe between two TCG guests: ~13 MB/s, a few ms per round trip (the tuner's constants
     # for it, so that it prefers the hierarchical schedules as on a real cluster)
     export GPURT_TEST_NET=verbs GPURT_COST="verbs=2e-3/1.3e7/2e8"
-    section multinode $GUEST_MPIEXEC -n 4 -ppn 2 python3 tests/multinode_check.py 2 transport
+    section multinode after MULTINODE_OUT $GUEST_MPIEXEC -n 4 -ppn 2 python3 \
+        tests/multinode_check.py 2 transport
     section cases_2x2 env GPURT_TRANSPORTS=verbs bash -c 'cases -n 4 -ppn 2'
     # stand-in device buffers: cuda_ipc inside a guest, GPUDirect RDMA over verbs between
     section dev_2x2 env GPURT_DEVICE_BACKEND=standin GPURT_IB_GDR=1 $GUEST_MPIEXEC -n 4 \
