@@ -2452,8 +2452,10 @@ class Communicator:
                     self._publish(self._close_text)
             if self.flight.running():   # calls left unfinished: recorded as for a failure
                 self.flight.dump(CommunicatorClosed(
-                    f"rank {self.rank}: closed with calls unfinished (at exit: a request "
-                    f"never completed, e.g. its wait timed out)"))
+                    f"rank {self.rank}: closed with calls unfinished " +
+                    ("(at exit: a request never completed, e.g. its wait timed out)"
+                     if _EXITING else "(close() with a request not yet completed: it "
+                     "fails with CommunicatorClosed)")))
             self.flight.dumped = True   # a plain close is no failure: nothing to report
         if hasattr(self, "engine"):
             self.engine.poison(CommunicatorClosed(f"rank {self.rank}: communicator closed"))
@@ -3148,8 +3150,13 @@ def _after_fork() -> None:
 os.register_at_fork(after_in_child=_after_fork)
 
 
+_EXITING = False     # the interpreter is exiting: close() comes from _close_all
+
+
 @atexit.register
 def _close_all() -> None:  # runs before mpi4py's own finalisation (registered earlier)
+    global _EXITING
+    _EXITING = True
     for c in list(_LIVE):
         c.close()
     MPI = sys.modules.get("mpi4py.MPI")

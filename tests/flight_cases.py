@@ -7,6 +7,8 @@ wait     ranks 0 and 2 die of a Request.wait timeout (the request stays in fligh
          poisoned the communicator, and the exit's close() used to record nothing)
 p2p      rank 0 waits in recv from rank 1, which raises before sending
 differ   rank 1 calls barrier where the others call allreduce (same call number)
+closed   ranks 0 and 2 close() the communicator with an iallreduce not yet waited for (the
+         records said "at exit" for an explicit close())
 """
 
 from __future__ import annotations
@@ -41,3 +43,13 @@ elif mode == "differ":
         g.barrier()
     else:
         g.allreduce(np.ones(10))
+elif mode == "closed":
+    if g.rank != 1:
+        q = g.iallreduce(np.ones(10))
+        g.close()
+        try:
+            q.wait()
+        except gpurt.CommunicatorClosed:
+            pass
+        else:
+            raise SystemExit("the request completed after close()")

@@ -914,14 +914,15 @@ def test_allreduce_leaves_every_rank_the_same_bits(n, env):
     assert out.strip() == "ok 40", out
 
 
-@pytest.mark.parametrize("mode", ["evicted", "wait", "p2p", "differ"])
+@pytest.mark.parametrize("mode", ["evicted", "wait", "p2p", "differ", "closed"])
 def test_flight_lines_up_what_each_rank_left_unfinished(mode, tmp_path):
     """gpurt flight on the records of a failed job (tests/flight_cases.py), each case a
     fault found by a bug hunt: a call still running that the ring pushed out was lost and
     a later call named as the first one open (#9 for #2); a rank dying of a Request.wait
     timeout wrote no records; a failed recv and the ranks that wrote nothing were not
     mentioned ("every recorded call completed"); two different collectives at one call
-    number were shown as rank 0's on every rank."""
+    number were shown as rank 0's on every rank; an explicit close() with a request not
+    waited for was recorded as closed "at exit"."""
     env = {"GPURT_FLIGHT_DIR": str(tmp_path), "GPURT_TIMEOUT": "30"}
     if mode == "evicted":
         env["GPURT_FLIGHT"] = "4"
@@ -934,7 +935,7 @@ def test_flight_lines_up_what_each_rank_left_unfinished(mode, tmp_path):
         assert "dumps from 2: [0, 2]" in out, out
         assert "first call not completed everywhere: #2 allreduce (float64 x 10 SUM" in out, out
         assert "entered by rank(s) [0, 2]" in out and "no dump from rank(s) [1]" in out, out
-        line = 30 if mode == "evicted" else 33
+        line = 32 if mode == "evicted" else 35
         for r in (0, 2):
             assert f"rank {r} from flight_cases.py:{line} in " in out, out
             assert f"CollectiveTimeout: rank {r}: allreduce (call #" \
@@ -942,14 +943,21 @@ def test_flight_lines_up_what_each_rank_left_unfinished(mode, tmp_path):
     elif mode == "p2p":
         assert "every recorded collective completed" in out, out
         assert "rank 0: recv from rank 1 tag 7 (float64 x 100) did not complete: failed: " \
-            "PeerFailure  (flight_cases.py:36 in <module>)" in out, out
+            "PeerFailure  (flight_cases.py:38 in <module>)" in out, out
         assert "no dump from rank(s) [1, 2]" in out, out
-    else:
+    elif mode == "differ":
         assert "first call not completed everywhere: #2, and the ranks called different " \
             "collectives there:" in out, out
         assert "rank 0: allreduce (float64 x 10 SUM" in out and "rank 1: barrier (" in out \
             and "u1 x 0" not in out and "rank 2: allreduce (float64 x 10 SUM" in out, out
         assert "entered by rank(s) [0, 1, 2]" in out, out
+    if mode == "closed":
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "first call not completed everywhere: #2 allreduce (float64 x 10 SUM" in out, out
+        for r in (0, 2):
+            assert f"rank {r}: closed with calls unfinished (close() with a request not yet " \
+                f"completed: it fails with CommunicatorClosed)" in out, out
+        assert "at exit" not in out, out
 
 
 @pytest.mark.parametrize("n", [1, 3])
