@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import callsite, config, devpath, flight, memcopy, sharedmem
+from . import callsite, config, devpath, flight, memcopy, sharedmem, wait
 from .buffers import Buf, as_buf, check_writable, empty_like, overlaps, same
 from .errors import (CollectiveMismatchError, CollectiveTimeout, CommunicatorClosed,
                      GpurtError, ResourceError, relay_text,
@@ -198,7 +198,8 @@ class Communicator:
         leader = self.node_comm.bcast(self.rank, 0)
         info = self.mpi.allgather((leader, socket.gethostname(), os.getpid(), next(_COMM_IDS),
                                    config.problems(), config.must_agree(),
-                                   os.urandom(3).hex(), _pid_namespace()))
+                                   os.urandom(3).hex(), _pid_namespace(),
+                                   wait.machine_id(), wait.affinity_mask()))
         # the same on every rank: rank 0's pid, count and a random part (pids repeat
         # across hosts and in pid namespaces: two communicators of a job shared '11-1',
         # and one's flight records overwrote the other's)
@@ -208,6 +209,12 @@ class Communicator:
         # each rank's pid namespace (0: unknown): a local peer's pid names it in /proc here
         # only where the namespaces are the same (containers sharing IPC, not pids)
         self.pidns = tuple(i[7] for i in info)
+        #: (ranks of this communicator on this rank's machine, the CPUs they may run on):
+        #: more ranks than CPUs makes every wait of this process give its CPU away
+        #: (wait.note_machine), also where MPI's node is smaller than the machine
+        self.machine = wait.machine_load([i[8] for i in info], [i[9] for i in info],
+                                         self.rank)
+        wait.note_machine(*self.machine)
         self.node: int = self.topo.node_of[self.rank]
         self.nnodes: int = self.topo.nnodes
         self.local_rank: int = self.topo.local_rank(self.rank)

@@ -7,11 +7,22 @@ resets the backoff.  When the node runs more ranks than it has CPUs for them
 (``oversubscribed``: this process's affinity set, or the machine's count when the launcher
 bound the process to a single CPU), the spin phase is skipped: spinning would only steal the core a peer needs (measured here: 5
 ranks on 2 cores, 8-byte allreduce 536 µs with spinning, 427 µs without).
+
+The node a communicator sees (MPI's shared-memory split) need not be the whole machine:
+ranks of other "nodes" may run on the same kernel — MPICH cliques and network-namespace
+clusters simulating several nodes on one host, or containers of one job on one host — and
+compete for the same CPUs.  A communicator therefore also counts the ranks of its job on
+this kernel (``machine_id``: the boot id, the same in every namespace and container of one
+boot) and the CPUs their affinity sets cover together (``machine_load``), and records the
+most crowded such view of the process (``note_machine``), which ``oversubscribed`` also
+answers by (measured here: 2 cliques x 2 ranks on 2 cores, 4 KiB allreduce across the
+cliques 325-414 µs spinning, 238-260 without; docs/performance.md).
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import time
 
 from . import config
@@ -31,8 +42,60 @@ def node_cpus() -> int:
 
 
 def oversubscribed(ranks_on_node: int) -> bool:
-    """More ranks on this node than CPUs for them: every wait should give its CPU away."""
-    return ranks_on_node > node_cpus()
+    """More ranks on this node than CPUs for them — or, as a communicator of this process
+    found (``note_machine``), more ranks of its job on this machine than the CPUs they may
+    run on: every wait should give its CPU away."""
+    return ranks_on_node > node_cpus() or _crowded
+
+
+_crowded = False     # note_machine: a communicator found its ranks on this machine crowded
+
+
+def machine_id() -> str:
+    """What identifies the kernel (so the CPUs) this process runs on: the boot id, which
+    every namespace and container of one boot shares (host names differ in UTS
+    namespaces, and MPI's node split may cut one host into several nodes); else the host
+    name."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            key = f.read().strip()
+        if key:
+            return key
+    except OSError:
+        pass
+    return "host:" + socket.gethostname()
+
+
+def affinity_mask() -> int:
+    """This process's CPUs as a bit mask (bit c: CPU c); 0 where unknown."""
+    try:
+        return sum(1 << c for c in os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return 0
+
+
+def machine_load(ids: list, masks: list, me: int) -> tuple[int, int]:
+    """(ranks on rank ``me``'s machine, CPUs those ranks may run on: the union of their
+    affinity sets — the machine's count where one is unknown), from every rank's
+    ``machine_id`` and ``affinity_mask``.  Pods pinned to disjoint CPUs add up; ranks
+    that share CPUs do not."""
+    group = [m for k, m in zip(ids, masks) if k == ids[me]]
+    union = 0
+    for m in group:
+        if not m:
+            return len(group), os.cpu_count() or 1
+        union |= m
+    return len(group), max(1, bin(union).count("1"))
+
+
+def note_machine(ranks: int, cpus: int) -> bool:
+    """Record a communicator's ``machine_load``: from now on every wait of this process
+    counts as oversubscribed if its ranks outnumber their CPUs (the machine's other ranks
+    run whatever communicator a wait is on).  Returns whether they do."""
+    global _crowded
+    if ranks > cpus:
+        _crowded = True
+    return ranks > cpus
 
 
 def spin_seconds(ranks_on_node: int) -> float:

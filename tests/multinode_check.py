@@ -70,6 +70,7 @@ def main() -> int:
         "host": socket.gethostname(), "node": comm.node, "rank": comm.rank,
         "transports": sorted(set(comm.transport_of.values())),
         "shm_dev": os.stat("/dev/shm").st_dev,
+        "machine": list(comm.machine), "spin": comm.engine.spin, "local": comm.local_size,
     }
     every = comm.mpi.gather(facts, 0)
     allfails = comm.mpi.gather(fails, 0)

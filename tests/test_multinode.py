@@ -21,6 +21,7 @@ reduce_scatter, allgather, broadcast and reduce go through the hierarchical sche
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -57,6 +58,18 @@ def _assert_facts(s: dict, nnodes: int, size: int, sweep: bool) -> None:
     assert "hierarchical" in s["explain"] and "<- chosen" in s["explain"]
 
 
+def _assert_one_machine(s: dict, size: int) -> None:
+    """Every rank runs on this host (MPI's nodes are cliques, or namespaces, of it): each
+    counts all of them on its machine (the boot id), over the CPUs their affinity sets
+    cover, and its waits do not spin where they outnumber those — nor where its node's
+    ranks outnumber its own CPUs (before, a node of 2 ranks spun on a 2-core host that
+    ran 4: docs/performance.md)."""
+    cpus = len(os.sched_getaffinity(0))
+    for r in s["ranks"]:
+        assert r["machine"] == [size, cpus], r
+        assert (r["spin"] == 0) == (size > cpus or r["local"] > cpus), r
+
+
 def _even(s: dict) -> bool:
     per = {}
     for r in s["ranks"]:
@@ -83,6 +96,7 @@ def test_cliques(n: int, cliques: int, sweep: bool) -> None:
     # there (other traffic on the machine only adds to the count)
     assert _loopback_bytes() - lo0 >= 4 * MiB
     _assert_facts(s, cliques, n, sweep)
+    _assert_one_machine(s, n)
     for r in s["ranks"]:
         assert set(r["transports"]) <= {"shm", "tcp"}
 
@@ -157,6 +171,7 @@ def test_virtual_cluster(cluster3: VirtualCluster, ranks: list[int], sweep: bool
     assert p.returncode == 0, f"stdout:\n{p.stdout[-4000:]}\nstderr:\n{p.stderr[-4000:]}"
     s = _summary(p.stdout)
     _assert_facts(s, nodes, size, sweep)
+    _assert_one_machine(s, size)
     hosts = {r["node"]: r["host"] for r in s["ranks"]}
     devs = {r["node"]: r["shm_dev"] for r in s["ranks"]}
     assert len(set(hosts.values())) == nodes, hosts            # a host name per node

@@ -1249,3 +1249,38 @@ def test_host_reductions_of_floats_overflow_and_make_nan_without_numpy_warnings(
         warnings.simplefilter("error")
         reducer(Op.SUM)(i, i, o)
     assert o[0] == -2
+
+
+def test_machine_load_counts_the_ranks_of_one_kernel_over_their_cpus(monkeypatch):
+    """``wait.machine_load``: the ranks with this rank's machine id, over the union of
+    their affinity sets — ranks of other MPI nodes on the same kernel (cliques, network
+    namespaces, containers) compete for the same CPUs; pods pinned to disjoint CPUs do
+    not; an unknown mask counts the machine's CPUs.  ``note_machine`` makes every later
+    wait of the process count as oversubscribed once a communicator found its ranks
+    crowded (and never clears it)."""
+    from gpurt import wait
+
+    two = 0b11
+    # 2 "nodes" x 2 ranks on one 2-CPU kernel, and a rank elsewhere
+    ids = ["k1", "k1", "k1", "k1", "k2"]
+    masks = [two, two, two, two, 0b1111]
+    assert wait.machine_load(ids, masks, 0) == (4, 2)
+    assert wait.machine_load(ids, masks, 4) == (1, 4)
+    # two pods pinned to CPUs 0-3 and 4-7 of one kernel, 4 ranks each: 8 over 8
+    pinned = [0x0F] * 4 + [0xF0] * 4
+    assert wait.machine_load(["k"] * 8, pinned, 5) == (8, 8)
+    # ranks bound one CPU each (--bind-to core), two of them to the same CPU
+    assert wait.machine_load(["k"] * 3, [1, 2, 2], 0) == (3, 2)
+    # an affinity set that could not be read: the machine's count
+    monkeypatch.setattr(os, "cpu_count", lambda: 6)
+    assert wait.machine_load(["k", "k"], [two, 0], 1) == (2, 6)
+    assert wait.machine_id() == wait.machine_id() and wait.machine_id()
+    assert wait.affinity_mask() == sum(1 << c for c in os.sched_getaffinity(0))
+
+    monkeypatch.setattr(wait, "_crowded", False)
+    monkeypatch.setattr(wait, "node_cpus", lambda: 2)
+    assert not wait.oversubscribed(2) and wait.spin_seconds(2) > 0
+    assert wait.note_machine(2, 2) is False and not wait.oversubscribed(2)
+    assert wait.note_machine(4, 2) is True
+    assert wait.oversubscribed(2) and wait.oversubscribed(1) and wait.spin_seconds(2) == 0
+    assert wait.note_machine(1, 2) is False and wait.oversubscribed(1)   # (sticky)
