@@ -440,7 +440,8 @@ class _GpurtLib(_Lib):
         c = self.comm
         return {"gpurt": self.gpurt.__version__, "nodes": c.nnodes,
                 "local_size": c.local_size, "check": bool(c._check or c._netcheck),
-                "transports": sorted(set(getattr(c, "transport_of", {}).values()))}
+                "transports": sorted(set(getattr(c, "transport_of", {}).values())),
+                "machine": list(c.machine), "spin_us": c.engine.spin * 1e6}
 
     def explain(self, coll: str, nbytes: int) -> str | None:
         if coll == "sendrecv":
@@ -1260,6 +1261,13 @@ def format_table(rep: dict) -> str:
                  "busbw = " + ("– (no data moves)" if factor is None else
                                f"algbw × {factor:.3g}")
                  + "; %ceil = min bytes/rank / time / ceiling (docs/bench.md)")
+    gi = rep["libraries"].get("gpurt", {}).get("info", {})
+    if "spin_us" in gi:
+        ranks, cpus = gi["machine"]
+        lines.append(f"# gpurt's waits (rank 0): " + (
+            f"spin {gi['spin_us']:g} us, then yield" if gi["spin_us"] else
+            "yield at once, no spinning") + f" ({gi['local_size']} ranks on its node; "
+            f"{ranks} on its machine, over {cpus} CPUs)")
     for k, why in rep.get("skipped", {}).items():
         lines.append(f"# {k} baseline skipped: {why}")
     head = (f"{'size(B)':>12} {'count':>11} {'type':>8} {'p50(us)':>10} {'p99(us)':>10} "

@@ -72,6 +72,16 @@ def test_allreduce_sweep_json(tmp_path):
     assert [int(ln.split()[0]) for ln in rows] == want
     assert "out of bounds values : 0 OK" in proc.stdout
     assert proc.stderr.count("[gpurt 1/1] allreduce") == len(want)
+    # how gpurt's waits ran (the figures depend on it): 2 ranks on one node, which has
+    # them to itself
+    info = rep["libraries"]["gpurt"]["info"]
+    cpus = len(os.sched_getaffinity(0))
+    assert info["machine"] == [2, cpus] and info["local_size"] == 2
+    assert (info["spin_us"] == 0) == (2 > cpus)
+    assert f"# gpurt's waits (rank 0): " + (
+        "yield at once, no spinning" if 2 > cpus else f"spin {info['spin_us']:g} us, then "
+        "yield") + f" (2 ranks on its node; 2 on its machine, over {cpus} CPUs)" \
+        in proc.stdout, proc.stdout
 
 
 def test_no_check_prints_na(tmp_path):
