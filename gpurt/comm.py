@@ -640,9 +640,16 @@ class Communicator:
             # rows are in that order)
             blk = _cached(self._fold_views, (lo, nb, dtype, rows.shape), 256, _row_blocks,
                           rows, lo, nb, dtype)
-            red(blk[0], blk[1], out)                  # p >= 2 here (a folded call moves data)
-            for k in range(2, p):
-                red(out, blk[k], out)
+            raw = getattr(red, "raw", None)
+            if raw is not None and p > 2:   # (one np.errstate for the p - 1 reductions)
+                with np.errstate(all="ignore"):
+                    raw(blk[0], blk[1], out=out)
+                    for k in range(2, p):
+                        raw(out, blk[k], out=out)
+            else:
+                red(blk[0], blk[1], out)              # p >= 2 here (a folded call moves data)
+                for k in range(2, p):
+                    red(out, blk[k], out)
         elif coll == "broadcast":
             if r != root:
                 np.copyto(out, rows[root if at is None else at[root], :nb].view(dtype))
@@ -2461,8 +2468,8 @@ class Communicator:
                 self.flight.dump(CommunicatorClosed(
                     f"rank {self.rank}: closed with calls unfinished " +
                     ("(at exit: a request never completed, e.g. its wait timed out)"
-                     if _EXITING else "(close() with a request not yet completed: it "
-                     "fails with CommunicatorClosed)")))
+                     if _EXITING else "(close() with a request not completed: not "
+                     "waited for, or its wait timed out; it fails with CommunicatorClosed)")))
             self.flight.dumped = True   # a plain close is no failure: nothing to report
         if hasattr(self, "engine"):
             self.engine.poison(CommunicatorClosed(f"rank {self.rank}: communicator closed"))

@@ -211,16 +211,20 @@ def check_op(op: Op, dtype: np.dtype) -> None:
 
 def host_reducer(op: Op) -> Callable[[np.ndarray, np.ndarray, np.ndarray], None]:
     """``f(acc, src, out)``: out = acc op src, one ufunc call (out may alias acc).  Floats
-    overflow to inf and make NaN without a NumPy warning, as the compiled kernels and MPI
-    do (a warning for float16 but not float32 said nothing about the data)."""
+    (and bfloat16, whose NumPy kind is 'V') overflow to inf and make NaN without a NumPy
+    warning, as the compiled kernels and MPI do (a warning for float16 but not float32
+    said nothing about the data).  ``f.raw``: the ufunc itself, for a caller that reduces
+    several blocks in a row inside one ``np.errstate(all="ignore")`` (~1 µs each saved)."""
     uf = _UFUNC[op]
 
     def f(acc: np.ndarray, src: np.ndarray, out: np.ndarray) -> None:
-        if acc.dtype.kind in "fc":
+        if acc.dtype.kind in "iub":         # (integers wrap without a warning)
+            uf(acc, src, out=out)
+        else:
             with np.errstate(all="ignore"):
                 uf(acc, src, out=out)
-        else:
-            uf(acc, src, out=out)
+
+    f.raw = uf
 
     return f
 

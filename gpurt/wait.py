@@ -13,10 +13,14 @@ ranks of other "nodes" may run on the same kernel — MPICH cliques and network-
 clusters simulating several nodes on one host, or containers of one job on one host — and
 compete for the same CPUs.  A communicator therefore also counts the ranks of its job on
 this kernel (``machine_id``: the boot id, the same in every namespace and container of one
-boot) and the CPUs their affinity sets cover together (``machine_load``), and records the
-most crowded such view of the process (``note_machine``), which ``oversubscribed`` also
-answers by (measured here: 2 cliques x 2 ranks on 2 cores, 4 KiB allreduce across the
-cliques 325-414 µs spinning, 238-260 without; docs/performance.md).
+boot) whose affinity sets overlap this rank's, directly or through each other, and the
+CPUs those sets cover (``machine_load``); where they outnumber them it marks the process
+crowded (``note_machine``), and the waits of the communicators created from then on do
+not spin (``spin_seconds``; measured here: 2 cliques x 2 ranks on 2 cores, 4 KiB
+allreduce across the cliques 300-339 µs a call spinning, 248-319 without;
+docs/performance.md).  Only the spin: the shared-memory transport's choices for
+oversubscribed nodes (single-copy threshold, cooperative copies) stay with the node's
+count (``oversubscribed``), as measured there.
 """
 
 from __future__ import annotations
@@ -42,10 +46,8 @@ def node_cpus() -> int:
 
 
 def oversubscribed(ranks_on_node: int) -> bool:
-    """More ranks on this node than CPUs for them — or, as a communicator of this process
-    found (``note_machine``), more ranks of its job on this machine than the CPUs they may
-    run on: every wait should give its CPU away."""
-    return ranks_on_node > node_cpus() or _crowded
+    """More ranks on this node than CPUs for them: every wait should give its CPU away."""
+    return ranks_on_node > node_cpus()
 
 
 _crowded = False     # note_machine: a communicator found its ranks on this machine crowded
@@ -75,23 +77,38 @@ def affinity_mask() -> int:
 
 
 def machine_load(ids: list, masks: list, me: int) -> tuple[int, int]:
-    """(ranks on rank ``me``'s machine, CPUs those ranks may run on: the union of their
-    affinity sets — the machine's count where one is unknown), from every rank's
-    ``machine_id`` and ``affinity_mask``.  Pods pinned to disjoint CPUs add up; ranks
-    that share CPUs do not."""
-    group = [m for k, m in zip(ids, masks) if k == ids[me]]
-    union = 0
-    for m in group:
-        if not m:
-            return len(group), os.cpu_count() or 1
-        union |= m
-    return len(group), max(1, bin(union).count("1"))
+    """(ranks that compete with rank ``me`` for CPUs, the CPUs they may run on), from
+    every rank's ``machine_id`` and ``affinity_mask``: the ranks of ``me``'s machine whose
+    affinity sets overlap its own, directly or through one another, and the union of
+    those sets — so pods pinned to disjoint CPUs count apart (7 ranks on 2 CPUs do not
+    crowd 2 ranks on 6 others), ranks that share CPUs together.  Where a set is unknown
+    (0), every rank of the machine over the machine's count."""
+    same = [m for k, m in zip(ids, masks) if k == ids[me]]
+    if not all(same):
+        return len(same), os.cpu_count() or 1
+    union, group = masks[me], 1
+    rest = list(same)
+    rest.remove(masks[me])
+    grown = True
+    while grown:
+        grown = False
+        keep = []
+        for m in rest:
+            if m & union:
+                union |= m
+                group += 1
+                grown = True
+            else:
+                keep.append(m)
+        rest = keep
+    return group, max(1, bin(union).count("1"))
 
 
 def note_machine(ranks: int, cpus: int) -> bool:
-    """Record a communicator's ``machine_load``: from now on every wait of this process
-    counts as oversubscribed if its ranks outnumber their CPUs (the machine's other ranks
-    run whatever communicator a wait is on).  Returns whether they do."""
+    """Record a communicator's ``machine_load``: where its ranks outnumber their CPUs, the
+    communicators this process creates from now on do not spin in their waits (the
+    machine's other ranks run whatever communicator a wait is on; one created before
+    keeps its spin).  Returns whether they do."""
     global _crowded
     if ranks > cpus:
         _crowded = True
@@ -99,8 +116,10 @@ def note_machine(ranks: int, cpus: int) -> bool:
 
 
 def spin_seconds(ranks_on_node: int) -> float:
-    """How long to spin before yielding, for a node running ``ranks_on_node`` ranks."""
-    if oversubscribed(ranks_on_node):
+    """How long to spin before yielding, for a node running ``ranks_on_node`` ranks (none
+    where they outnumber the CPUs, or a communicator found the machine crowded:
+    ``note_machine``)."""
+    if oversubscribed(ranks_on_node) or _crowded:
         return 0.0
     return float(config.get("GPURT_SPIN_US")) * 1e-6
 

@@ -1264,7 +1264,7 @@ def format_table(rep: dict) -> str:
     gi = rep["libraries"].get("gpurt", {}).get("info", {})
     if "spin_us" in gi:
         ranks, cpus = gi["machine"]
-        lines.append(f"# gpurt's waits (rank 0): " + (
+        lines.append("# gpurt's waits (rank 0): " + (
             f"spin {gi['spin_us']:g} us, then yield" if gi["spin_us"] else
             "yield at once, no spinning") + f" ({gi['local_size']} ranks on its node; "
             f"{ranks} on its machine, over {cpus} CPUs)")

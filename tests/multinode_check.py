@@ -71,6 +71,8 @@ def main() -> int:
         "transports": sorted(set(comm.transport_of.values())),
         "shm_dev": os.stat("/dev/shm").st_dev,
         "machine": list(comm.machine), "spin": comm.engine.spin, "local": comm.local_size,
+        "boot": gpurt.wait.machine_id(), "mask": gpurt.wait.affinity_mask(),
+        "node_over": gpurt.wait.oversubscribed(comm.local_size),
     }
     every = comm.mpi.gather(facts, 0)
     allfails = comm.mpi.gather(fails, 0)

@@ -1227,8 +1227,10 @@ def test_host_reductions_of_floats_overflow_and_make_nan_without_numpy_warnings(
     import warnings
 
     from gpurt.ops import reducer
-    for dt in (np.float16, np.float32, np.float64, np.complex64, np.complex128):
-        big = np.finfo(dt).max
+    for dt in (np.float16, np.float32, np.float64, np.complex64, np.complex128, BFLOAT16):
+        if dt is None:
+            continue                    # (ml_dtypes not installed: no bfloat16 here)
+        big = 3e38 if dt is BFLOAT16 else np.finfo(dt).max
         a = np.array([np.inf, 0, big, 1, -np.inf], dt)
         b = np.array([0, np.inf, big, 1, np.inf], dt)
         with warnings.catch_warnings():
@@ -1239,9 +1241,12 @@ def test_host_reductions_of_floats_overflow_and_make_nan_without_numpy_warnings(
             reducer(Op.SUM)(a, b, s)
             reducer(Op.MAX)(a, b, np.empty_like(a)) if a.dtype.kind == "f" else None
         with np.errstate(all="ignore"):
-            np.testing.assert_array_equal(out, a * b)
-            np.testing.assert_array_equal(s, a + b)
-        assert np.isnan(out[0].real) and np.isinf(out[2].real) and np.isnan(s[4].real), dt
+            np.testing.assert_array_equal(out.astype(np.complex128), (a * b).astype(np.complex128))
+            np.testing.assert_array_equal(s.astype(np.complex128), (a + b).astype(np.complex128))
+        f = out.astype(np.complex128)
+        assert np.isnan(f[0].real) and np.isinf(f[2].real) and \
+            np.isnan(s.astype(np.complex128)[4].real), dt
+    assert reducer(Op.SUM).raw is np.add          # (for callers that quiet NumPy once)
     # integers wrap as before (NumPy does not warn on array overflow): exact
     i = np.array([np.iinfo(np.int8).max], np.int8)
     o = np.empty_like(i)
@@ -1266,21 +1271,41 @@ def test_machine_load_counts_the_ranks_of_one_kernel_over_their_cpus(monkeypatch
     masks = [two, two, two, two, 0b1111]
     assert wait.machine_load(ids, masks, 0) == (4, 2)
     assert wait.machine_load(ids, masks, 4) == (1, 4)
-    # two pods pinned to CPUs 0-3 and 4-7 of one kernel, 4 ranks each: 8 over 8
+    # two pods pinned to CPUs 0-3 and 4-7 of one kernel, 4 ranks each: each counts apart
     pinned = [0x0F] * 4 + [0xF0] * 4
-    assert wait.machine_load(["k"] * 8, pinned, 5) == (8, 8)
-    # ranks bound one CPU each (--bind-to core), two of them to the same CPU
-    assert wait.machine_load(["k"] * 3, [1, 2, 2], 0) == (3, 2)
+    assert wait.machine_load(["k"] * 8, pinned, 5) == (4, 4)
+    assert wait.machine_load(["k"] * 8, pinned, 0) == (4, 4)
+    # ranks bound one CPU each (--bind-to core), two of them to the same CPU: the one
+    # alone on CPU 0 competes with nobody
+    assert wait.machine_load(["k"] * 3, [1, 2, 2], 0) == (1, 1)
+    assert wait.machine_load(["k"] * 3, [1, 2, 2], 2) == (2, 1)
+    # pod A: 7 ranks on CPUs 0-1, pod B: 2 ranks on CPUs 2-7 — B is not crowded by A
+    pods = [0b11] * 7 + [0b11111100] * 2
+    assert wait.machine_load(["k"] * 9, pods, 8) == (2, 6)
+    assert wait.machine_load(["k"] * 9, pods, 0) == (7, 2)
+    # sets that overlap through a third count together: {0,1}, {1,2}, {2,3}, and {5}
+    chain = [0b11, 0b110, 0b1100, 0b100000]
+    assert wait.machine_load(["k"] * 4, chain, 0) == (3, 4)
+    assert wait.machine_load(["k"] * 4, chain, 3) == (1, 1)
     # an affinity set that could not be read: the machine's count
     monkeypatch.setattr(os, "cpu_count", lambda: 6)
     assert wait.machine_load(["k", "k"], [two, 0], 1) == (2, 6)
     assert wait.machine_id() == wait.machine_id() and wait.machine_id()
     assert wait.affinity_mask() == sum(1 << c for c in os.sched_getaffinity(0))
 
-    monkeypatch.setattr(wait, "_crowded", False)
-    monkeypatch.setattr(wait, "node_cpus", lambda: 2)
-    assert not wait.oversubscribed(2) and wait.spin_seconds(2) > 0
-    assert wait.note_machine(2, 2) is False and not wait.oversubscribed(2)
-    assert wait.note_machine(4, 2) is True
-    assert wait.oversubscribed(2) and wait.oversubscribed(1) and wait.spin_seconds(2) == 0
-    assert wait.note_machine(1, 2) is False and wait.oversubscribed(1)   # (sticky)
+    monkeypatch.setenv("GPURT_SPIN_US", "50")
+    config.reload()
+    try:
+        monkeypatch.setattr(wait, "_crowded", False)
+        monkeypatch.setattr(wait, "node_cpus", lambda: 2)
+        assert not wait.oversubscribed(2) and wait.spin_seconds(2) == pytest.approx(50e-6)
+        assert wait.note_machine(2, 2) is False and wait.spin_seconds(2) == pytest.approx(50e-6)
+        assert wait.note_machine(4, 2) is True
+        assert wait.spin_seconds(2) == 0 and wait.spin_seconds(1) == 0
+        # (only the spin: the node's count still decides the shm transport's choices)
+        assert not wait.oversubscribed(2)
+        assert wait.note_machine(1, 2) is False and wait.spin_seconds(1) == 0   # (sticky)
+        assert wait.spin_seconds(3) == 0          # (the node's own count, as before)
+    finally:
+        monkeypatch.delenv("GPURT_SPIN_US")
+        config.reload()
