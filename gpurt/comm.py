@@ -209,9 +209,10 @@ class Communicator:
         # each rank's pid namespace (0: unknown): a local peer's pid names it in /proc here
         # only where the namespaces are the same (containers sharing IPC, not pids)
         self.pidns = tuple(i[7] for i in info)
-        #: (ranks of this communicator on this rank's machine, the CPUs they may run on):
-        #: more ranks than CPUs makes every wait of this process give its CPU away
-        #: (wait.note_machine), also where MPI's node is smaller than the machine
+        #: (ranks of this communicator on this rank's machine that share CPUs with it,
+        #: the CPUs they may run on): where the ranks outnumber them, the communicators
+        #: this process creates from now on (this one included) do not spin in their
+        #: waits (wait.note_machine) — also where MPI's node is smaller than the machine
         self.machine = wait.machine_load([i[8] for i in info], [i[9] for i in info],
                                          self.rank)
         wait.note_machine(*self.machine)

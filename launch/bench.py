@@ -1267,7 +1267,7 @@ def format_table(rep: dict) -> str:
         lines.append("# gpurt's waits (rank 0): " + (
             f"spin {gi['spin_us']:g} us, then yield" if gi["spin_us"] else
             "yield at once, no spinning") + f" ({gi['local_size']} ranks on its node; "
-            f"{ranks} on its machine, over {cpus} CPUs)")
+            f"{ranks} sharing its machine's CPUs, over {cpus} CPUs)")
     for k, why in rep.get("skipped", {}).items():
         lines.append(f"# {k} baseline skipped: {why}")
     head = (f"{'size(B)':>12} {'count':>11} {'type':>8} {'p50(us)':>10} {'p99(us)':>10} "

@@ -82,7 +82,7 @@ def test_allreduce_sweep_json(tmp_path):
                          spin == pytest.approx(float(os.environ.get("GPURT_SPIN_US", 50))))
     assert "# gpurt's waits (rank 0): " + (
         "yield at once, no spinning" if spin == 0 else f"spin {spin:g} us, then yield") \
-        + f" (2 ranks on its node; {ranks} on its machine, over {cpus} CPUs)" \
+        + f" (2 ranks on its node; {ranks} sharing its machine's CPUs, over {cpus} CPUs)" \
         in proc.stdout, proc.stdout
 
 
