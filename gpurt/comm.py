@@ -2171,8 +2171,7 @@ class Communicator:
             sent = (c - old) * ring.slot
             if sent >= nb:
                 if fl is not None:
-                    fl.finished(tag, "p2p", (s[1], x.size, None, None),
-                                f"{e.send_name} tag {tag}")
+                    fl.finished(tag, "p2p", (s[1], x.size, None, None), e.send_name, tag)
                 return True
             # the rest as any send's: its record queued on the ring from where the
             # compiled end stopped, pushed by the waits (the ring's Python protocol)
@@ -2301,7 +2300,7 @@ class Communicator:
                     raise
             fl = self.flight
             if fl is not None:
-                fl.finished(tag, "p2p", (s[1], out.size, None, None), f"{e.recv_name} tag {tag}")
+                fl.finished(tag, "p2p", (s[1], out.size, None, None), e.recv_name, tag)
             return True
         finally:
             eng.leave(0)

@@ -49,10 +49,15 @@ class FlightRecorder:
         ev.append(rec)
         return rec
 
-    def finished(self, seq: int, kind: str, args: tuple, algo: str) -> None:
-        """Record a call that completed as it was made (a quick send or receive)."""
-        rec = self.start(seq, kind, args, algo)
-        rec[T1], rec[STATE] = rec[T0], "done"
+    def finished(self, seq: int, kind: str, args: tuple, algo: str, tag: int = -1) -> None:
+        """Record a call that completed as it was made (a quick send or receive): one
+        record, done.  With ``tag``, the algorithm's text is ``"{algo} tag {tag}"``, made
+        only if the records are shown (the quick path's cost is the record's)."""
+        ev = self.events
+        if len(ev) == ev.maxlen and ev[0][STATE] == "running":
+            self._hold(ev[0])
+        t = time.time()
+        ev.append([seq, kind, args, algo if tag < 0 else (algo, tag), t, t, "done", 0])
 
     def _hold(self, rec: list) -> None:
         held, cap = self.held, 4 * self.events.maxlen
@@ -85,7 +90,8 @@ class FlightRecorder:
 
     def records(self) -> list[dict]:
         return [{"seq": e[SEQ], "kind": e[KIND], "args": "" if e[KIND] == "barrier" else
-                 _args(e[ARGS]), "algorithm": e[ALGO],
+                 _args(e[ARGS]), "algorithm": e[ALGO] if type(e[ALGO]) is not tuple else
+                 f"{e[ALGO][0]} tag {e[ALGO][1]}",
                  "t_start": e[T0], "t_end": e[T1] or None, "state": e[STATE],
                  "site": callsite.decode(callsite.words(e[SITE])) if len(e) > SITE else ""}
                 for e in self._all()]

@@ -800,6 +800,18 @@ def test_flight_recorder_keeps_unfinished_calls_the_ring_pushes_out():
         g.start(i, "allreduce", ("<f4", 1, None, None), "ring")
     assert [r["seq"] for r in g.records()] == [1, 2, 3, 4, 5, 6, 7, 8, 18, 19]
     assert g.lost == 9
+    # a quick send/recv's record: done as made, its text formatted only when shown; it
+    # pushes running calls out to the side list as start() does
+    q = FlightRecorder(0, 2, "c", 2)
+    run = q.start(1, "allreduce", ("<f4", 1, None, None), "ring")
+    q.finished(7, "p2p", ("float32", 2, None, None), "send to rank 1", 7)
+    q.finished(8, "p2p", ("float32", 2, None, None), "recv from rank 1")
+    rs = q.records()
+    assert [(r["seq"], r["algorithm"], r["state"]) for r in rs] == [
+        (1, "ring", "running"), (7, "send to rank 1 tag 7", "done"),
+        (8, "recv from rank 1", "done")]
+    assert rs[1]["t_start"] == rs[1]["t_end"] > 0 and rs[1]["args"] == "float32 x 2"
+    FlightRecorder.done(run)
 
 
 def test_shared_array_shapes_are_checked_like_numpy():
