@@ -18,6 +18,7 @@ Semantics shared by every collective
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import itertools
 import logging
@@ -641,16 +642,14 @@ class Communicator:
             # rows are in that order)
             blk = _cached(self._fold_views, (lo, nb, dtype, rows.shape), 256, _row_blocks,
                           rows, lo, nb, dtype)
+            # (a host reducer's bare ufunc inside one np.errstate for the p - 1
+            # reductions: ops.host_reducer)
             raw = getattr(red, "raw", None)
-            if raw is not None and p > 2:   # (one np.errstate for the p - 1 reductions)
-                with np.errstate(all="ignore"):
-                    raw(blk[0], blk[1], out=out)
-                    for k in range(2, p):
-                        raw(out, blk[k], out=out)
-            else:
-                red(blk[0], blk[1], out)              # p >= 2 here (a folded call moves data)
+            with np.errstate(all="ignore") if raw is not None else contextlib.nullcontext():
+                f = raw or red
+                f(blk[0], blk[1], out)                # p >= 2 here (a folded call moves data)
                 for k in range(2, p):
-                    red(out, blk[k], out)
+                    f(out, blk[k], out)
         elif coll == "broadcast":
             if r != root:
                 np.copyto(out, rows[root if at is None else at[root], :nb].view(dtype))

@@ -43,21 +43,22 @@ class FlightRecorder:
 
     def start(self, seq: int, kind: str, args: tuple, algo: str, site: int = 0) -> list:
         rec = [seq, kind, args, algo, time.time(), 0.0, "running", site]
+        self._append(rec)
+        return rec
+
+    def _append(self, rec: list) -> None:
+        """``rec`` into the ring; a running call it pushes out goes to ``held``."""
         ev = self.events
         if len(ev) == ev.maxlen and ev[0][STATE] == "running":
             self._hold(ev[0])
         ev.append(rec)
-        return rec
 
     def finished(self, seq: int, kind: str, args: tuple, algo: str, tag: int = -1) -> None:
         """Record a call that completed as it was made (a quick send or receive): one
         record, done.  With ``tag``, the algorithm's text is ``"{algo} tag {tag}"``, made
         only if the records are shown (the quick path's cost is the record's)."""
-        ev = self.events
-        if len(ev) == ev.maxlen and ev[0][STATE] == "running":
-            self._hold(ev[0])
         t = time.time()
-        ev.append([seq, kind, args, algo if tag < 0 else (algo, tag), t, t, "done", 0])
+        self._append([seq, kind, args, algo if tag < 0 else (algo, tag), t, t, "done", 0])
 
     def _hold(self, rec: list) -> None:
         held, cap = self.held, 4 * self.events.maxlen
