@@ -981,6 +981,8 @@ def _sweep(libs: list[_Lib], cfg: dict) -> list[dict] | None:
                 row = {"size": S, "count": S // it if it else 0, "per_rank_count": c, **st,
                        "iter_max_s": per_iter.tolist(),
                        "rank_mean_s": [float(np.mean(t)) for t in every],
+                       # nccl-tests' time: the timed loop / iterations (the slowest rank's)
+                       "loop_s": float(max(np.mean(t) for t in every)),
                        "wrong": wrong, "algo": "/".join(sorted(set(algos[k]))) or "-"}
                 ex = lb.explain(coll, S)
                 if ex:
@@ -1176,6 +1178,7 @@ def combine(coll: str, nranks: int, launches: list[dict], ceiling_Bps: float | N
         out.append({"size": S, "count": first["count"], "p50_s": p50,
                     "p99_s": _median([r["p99_s"] for r in rows]),
                     "mean_s": _median([r["mean_s"] for r in rows]),
+                    "loop_s": _median([r["loop_s"] for r in rows]),
                     "algbw_GBps": algbw, "busbw_GBps": busbw, "min_bytes_per_rank": mb,
                     "ceiling_fraction": frac, "wrong": wrong, "algo": "/".join(algos)})
     return out
@@ -1194,7 +1197,7 @@ def build_report(cfg: dict, nranks: int, launches: dict[str, list[dict]],
     rows = []
     for i, g in enumerate(libs["gpurt"]["rows"]):
         row = {"size": g["size"], "count": g["count"], "dtype": cfg["dtype"], "gpurt": g,
-               "ratio": {}}
+               "ratio": {}, "loop_ratio": {}}
         for name in libs:
             if name == "gpurt":
                 continue
@@ -1202,6 +1205,8 @@ def build_report(cfg: dict, nranks: int, launches: dict[str, list[dict]],
             row[name] = b
             # gpurt busbw / baseline busbw == baseline time / gpurt time (also for barrier)
             row["ratio"][name] = b["p50_s"] / g["p50_s"] if g["p50_s"] > 0 else None
+            # the same by nccl-tests' loop time (steadier where ranks drift apart)
+            row["loop_ratio"][name] = b["loop_s"] / g["loop_s"] if g["loop_s"] > 0 else None
         rows.append(row)
     return {
         "command": command, "collective": coll, "nranks": nranks, "config": {
@@ -1257,7 +1262,8 @@ def format_table(rep: dict) -> str:
                      f"({b['single_rank_Bps'] / 1e9:.2f} GB/s one rank alone; {how} of "
                      f"{human_size(b['bytes'])}B, read+written)")
     factor = rep["busbw_factor"]
-    lines.append("# time = per-iteration max over ranks; p50 = median; algbw = size / p50; "
+    lines.append("# time = per-iteration max over ranks; p50 = median; loop = nccl-tests' "
+                 "time (timed loop / iterations, slowest rank); algbw = size / p50; "
                  "busbw = " + ("– (no data moves)" if factor is None else
                                f"algbw × {factor:.3g}")
                  + "; %ceil = min bytes/rank / time / ceiling (docs/bench.md)")
@@ -1271,20 +1277,21 @@ def format_table(rep: dict) -> str:
     for k, why in rep.get("skipped", {}).items():
         lines.append(f"# {k} baseline skipped: {why}")
     head = (f"{'size(B)':>12} {'count':>11} {'type':>8} {'p50(us)':>10} {'p99(us)':>10} "
-            f"{'mean(us)':>10} "
+            f"{'mean(us)':>10} {'loop(us)':>10} "
             f"{'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'%ceil':>6} {'#wrong':>7}  "
             f"{'algo':<18}")
     for k in libs:
         head += f" | {k + ' p50(us)':>13} {k + ' busbw':>11}"
         if cfg.get("check"):
             head += f" {k + ' #wrong':>11}"
-        head += f" {'ratio':>6}"
+        head += f" {'ratio':>6} {'lratio':>6}"
     lines.append("#" + head[1:])
     for row in rep["rows"]:
         g = row["gpurt"]
         frac = g["ceiling_fraction"]
         line = (f"{row['size']:>12} {row['count']:>11} {row['dtype']:>8} "
                 f"{g['p50_s'] * 1e6:>10.1f} {g['p99_s'] * 1e6:>10.1f} {g['mean_s'] * 1e6:>10.1f} "
+                f"{g['loop_s'] * 1e6:>10.1f} "
                 f"{_f(g['algbw_GBps'], '.3f', 11)} {_f(g['busbw_GBps'], '.3f', 11)} "
                 f"{_f(frac * 100 if frac is not None else None, '.1f', 6)} "
                 f"{'n/a' if g['wrong'] is None else g['wrong']:>7}  {g['algo']:<18}")
@@ -1293,11 +1300,11 @@ def format_table(rep: dict) -> str:
             line += f" | {b['p50_s'] * 1e6:>13.1f} {_f(b['busbw_GBps'], '.3f', 11)}"
             if cfg.get("check"):
                 line += f" {'n/a' if b['wrong'] is None else b['wrong']:>11}"
-            line += f" {_f(row['ratio'][k], '.2f', 6)}"
+            line += f" {_f(row['ratio'][k], '.2f', 6)} {_f(row['loop_ratio'][k], '.2f', 6)}"
         lines.append(line)
     if libs:
         lines.append("# ratio = gpurt busbw / baseline busbw (= baseline p50 / gpurt p50); "
-                     "> 1: gpurt is faster")
+                     "lratio = baseline loop / gpurt loop; > 1: gpurt is faster")
     if cfg.get("check"):
         checked = [r[k]["wrong"] for r in rep["rows"] for k in ["gpurt"] + libs
                    if r[k]["wrong"] is not None]

@@ -64,6 +64,13 @@ def test_allreduce_sweep_json(tmp_path):
         assert g["ceiling_fraction"] > 0
     launch = rep["libraries"]["gpurt"]["launches"][0]
     assert all(len(r["iter_max_s"]) == 3 for r in launch["rows"])
+    # nccl-tests' time: the slowest rank's mean over the timed loop, never above the mean
+    # of the per-iteration maxima
+    for r, L in zip(rep["rows"], launch["rows"]):
+        assert len(L["rank_mean_s"]) == 2
+        assert L["loop_s"] == pytest.approx(max(L["rank_mean_s"]))
+        assert L["loop_s"] <= L["mean_s"] * (1 + 1e-9)
+        assert r["gpurt"]["loop_s"] == L["loop_s"]
     assert rep["ceiling"]["per_rank_Bps"] > 0
     assert rep["command"][1:3] == ["bench", "allreduce"]
     assert rep["machine"]["cpus"] and rep["machine"]["mpi_library"]
@@ -100,6 +107,7 @@ def test_baseline_mpi(tmp_path):
     proc = run_bench(["allreduce", "-n", "2", "-b", "1K", "-e", "4K", "-f", "4", "-c",
                       "--baseline", "mpi", "--repeat", "2", "--json", str(out)] + QUICK)
     assert "mpi p50(us)" in proc.stdout and "ratio" in proc.stdout
+    assert "loop(us)" in proc.stdout and "lratio" in proc.stdout
     rep = json.loads(out.read_text())
     assert len(rep["libraries"]["mpi"]["launches"]) == 2
     assert len(rep["libraries"]["gpurt"]["launches"]) == 2
@@ -108,6 +116,10 @@ def test_baseline_mpi(tmp_path):
         assert m["p50_s"] > 0 and m["wrong"] == 0 and g["wrong"] == 0
         assert m["algo"] == "MPI_Allreduce"
         assert r["ratio"]["mpi"] == pytest.approx(g["busbw_GBps"] / m["busbw_GBps"])
+        assert r["loop_ratio"]["mpi"] == pytest.approx(m["loop_s"] / g["loop_s"])
+        reps = [L["rows"][rep["rows"].index(r)]["loop_s"]
+                for L in rep["libraries"]["mpi"]["launches"]]
+        assert m["loop_s"] == pytest.approx(float(np.median(reps)))
         # the combined p50 is the median of the repeats' p50s
         reps = [L["rows"][rep["rows"].index(r)]["p50_s"]
                 for L in rep["libraries"]["gpurt"]["launches"]]
@@ -131,7 +143,7 @@ def test_baseline_nocheck_prices_the_agreement_check(tmp_path):
     assert [r["size"] for r in rep["rows"]] == [4096, 512 << 10]
     for row in rep["rows"]:
         assert row["gpurt"]["wrong"] == 0 and row["nocheck"]["wrong"] == 0
-        assert row["ratio"]["nocheck"] > 0
+        assert row["ratio"]["nocheck"] > 0 and row["loop_ratio"]["nocheck"] > 0
     assert rep["libraries"]["gpurt"]["info"]["check"] is True
     assert rep["libraries"]["nocheck"]["info"]["check"] is False
     for lib in ("gpurt", "nocheck"):
@@ -346,7 +358,7 @@ def _report(coll: str, wrongs: list[int | None], mpi_wrongs: list[int | None] | 
     def launch(lib, ws):
         return {"lib": lib, "rows": [
             {"size": S << i, "count": S // 4 << i, "p50_s": 1e-5, "p99_s": 2e-5,
-             "mean_s": 1.5e-5, "wrong": w, "algo": "ring"} for i, w in enumerate(ws)],
+             "mean_s": 1.5e-5, "loop_s": 1.2e-5, "wrong": w, "algo": "ring"} for i, w in enumerate(ws)],
             "ceiling": None, "info": {}}
     S = 0 if coll == "barrier" else 1024
     launches = {"gpurt": [launch("gpurt", wrongs)]}
