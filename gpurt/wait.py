@@ -34,15 +34,47 @@ from . import config
 _yield = getattr(os, "sched_yield", lambda: time.sleep(0))
 
 
+_SYS_CPU = "/sys/devices/system/cpu"
+
+
+def _cpu_list(text: str) -> set[int]:
+    """``"0-1,64-65"`` (the kernel's CPU list format) as a set of CPU numbers."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        if part:
+            lo, _, hi = part.partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def core_threads(cpu: int) -> set[int] | None:
+    """The hardware threads of ``cpu``'s core (itself and its SMT siblings); None where
+    the kernel does not say."""
+    for name in ("core_cpus_list", "thread_siblings_list"):
+        try:
+            with open(f"{_SYS_CPU}/cpu{cpu}/topology/{name}") as f:
+                return _cpu_list(f.read())
+        except (OSError, ValueError):
+            continue
+    return None
+
+
 def node_cpus() -> int:
     """The CPUs this node's ranks share: this process's affinity set — unless the launcher
-    bound it to a single CPU (``--bind-to core``: each rank then has its own, and the set
-    says nothing about the node), where the machine's count is the better guess."""
+    bound it to a single core (``--bind-to core``: each rank then has its own, and the set
+    says nothing about the node), where the machine's count is the better guess.  A core
+    is one CPU, or the hardware threads of one core where it has several (SMT: a rank
+    bound to a core gets both of its threads, and 64 such ranks on a 64-core node must not
+    count as oversubscribed against a set of 2)."""
     try:
-        cpus = len(os.sched_getaffinity(0))
+        cpus = os.sched_getaffinity(0)
     except (AttributeError, OSError):
-        cpus = 0
-    return cpus if cpus > 1 else (os.cpu_count() or 1)
+        cpus = set()
+    if len(cpus) > 1:
+        threads = core_threads(min(cpus))
+        if threads is None or not cpus <= threads:
+            return len(cpus)
+    return os.cpu_count() or 1
 
 
 def oversubscribed(ranks_on_node: int) -> bool:

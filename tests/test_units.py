@@ -1321,3 +1321,38 @@ def test_machine_load_counts_the_ranks_of_one_kernel_over_their_cpus(monkeypatch
     finally:
         monkeypatch.delenv("GPURT_SPIN_US")
         config.reload()
+
+
+def test_node_cpus_a_rank_bound_to_one_core(monkeypatch, tmp_path):
+    """A rank bound to one core (``--bind-to core``) says nothing about its node's CPUs:
+    the machine's count instead — also on SMT, where that core is two CPUs (a fake sysfs
+    here: 4 cores with 2 threads each, CPU c's sibling c + 4).  A set over several cores
+    is the node's CPUs; where the kernel does not say which threads a core has, a set of
+    several CPUs counts as it is."""
+    from gpurt import wait
+
+    for c in range(8):
+        d = tmp_path / f"cpu{c}" / "topology"
+        d.mkdir(parents=True)
+        (d / "core_cpus_list").write_text(f"{c % 4},{c % 4 + 4}\n")
+    (tmp_path / "cpu8" / "topology").mkdir(parents=True)
+    (tmp_path / "cpu8" / "topology" / "thread_siblings_list").write_text("8-9\n")
+    monkeypatch.setattr(wait, "_SYS_CPU", str(tmp_path))
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    assert wait._cpu_list("0-2,5,7-8\n") == {0, 1, 2, 5, 7, 8}
+    assert wait.core_threads(1) == {1, 5} and wait.core_threads(8) == {8, 9}
+    assert wait.core_threads(12) is None
+    for aff, want in (({3}, 8),             # one CPU
+                      ({1, 5}, 8),          # one core, both threads (SMT)
+                      ({8, 9}, 8),          # (the older sysfs name)
+                      ({0, 1}, 2),          # two cores
+                      ({0, 4, 1}, 3),       # a core and a half
+                      ({12, 13}, 2)):       # the kernel does not say: as it is
+        monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, a=aff: set(a))
+        assert wait.node_cpus() == want, aff
+    # 4 ranks bound one per SMT core of the 8-CPU machine are not oversubscribed; 3 on a
+    # 2-core set are
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {2, 6})
+    assert not wait.oversubscribed(4)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1})
+    assert wait.oversubscribed(3)
