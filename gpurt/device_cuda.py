@@ -110,6 +110,9 @@ class _Driver:
         lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
         lib.cuCtxGetCurrent.restype = c_int
         lib.cuDeviceGet.argtypes, lib.cuDeviceGet.restype = [ctypes.POINTER(c_int), c_int], c_int
+        lib.cuDevicePrimaryCtxGetState.argtypes = [c_int, ctypes.POINTER(c_uint),
+                                                   ctypes.POINTER(c_int)]
+        lib.cuDevicePrimaryCtxGetState.restype = c_int
         self.get_uuid = getattr(lib, "cuDeviceGetUuid_v2", None) or \
             getattr(lib, "cuDeviceGetUuid", None)
         if self.get_uuid is not None:
@@ -139,6 +142,16 @@ class _Driver:
     def has_context(self) -> bool:
         ctx = ctypes.c_void_p()
         return self.lib.cuCtxGetCurrent(ctypes.byref(ctx)) == 0 and bool(ctx.value)
+
+    def primary_active(self, ordinal: int) -> bool:
+        """Does device ``ordinal``'s primary context exist (cuDevicePrimaryCtxGetState)?
+        True where the driver cannot say."""
+        dev, flags, active = ctypes.c_int(), ctypes.c_uint(), ctypes.c_int()
+        if self.lib.cuDeviceGet(ctypes.byref(dev), ordinal) != 0 or \
+                self.lib.cuDevicePrimaryCtxGetState(dev.value, ctypes.byref(flags),
+                                                    ctypes.byref(active)) != 0:
+            return True
+        return bool(active.value)
 
     def address_range(self, ptr: int) -> tuple[int, int]:
         base, size = ctypes.c_uint64(), ctypes.c_size_t()
@@ -362,8 +375,22 @@ class CudaBackend:
         return prev
 
     def _leave(self, prev: int) -> None:
-        if prev >= 0:
+        # the caller's device again — where it has a context: a thread that never used a
+        # device reports device 0, and setting it would create a context there (hundreds
+        # of MiB, and an error on a GPU in exclusive-process mode) for a rank bound to
+        # another GPU; that thread keeps the bound device current (PyTorch's
+        # MaybeSetDevice does the same)
+        if prev >= 0 and _driver().primary_active(prev):
             self._rt.setDevice(prev)
+
+    def _ensure_ctx(self) -> None:
+        """A driver API call needs a current context, which a thread whose current device
+        already was the bound one (``_enter`` changed nothing) may not have yet: any
+        runtime call makes the device's primary context current (CuPy does the same)."""
+        if not getattr(self._ctx_ok, "ok", False):
+            if not _driver().has_context():
+                self._rt.memGetInfo()
+            self._ctx_ok.ok = True
 
     def _stream(self, handle: int):
         """A CuPy stream object for a raw handle (0/1 legacy, 2 per-thread, else a
@@ -447,12 +474,8 @@ class CudaBackend:
     def address_range(self, ptr: int) -> tuple[int, int]:
         prev = self._enter()
         try:
-            drv = _driver()
-            if not getattr(self._ctx_ok, "ok", False):
-                if not drv.has_context():
-                    self._rt.memGetInfo()        # any runtime call makes the context current
-                self._ctx_ok.ok = True
-            return drv.address_range(int(ptr))
+            self._ensure_ctx()
+            return _driver().address_range(int(ptr))
         except Exception as e:  # noqa: BLE001
             _reraise("cuMemGetAddressRange", e)
         finally:
@@ -482,6 +505,7 @@ class CudaBackend:
         allocation at a freed one's address is told apart by it."""
         prev = self._enter()
         try:
+            self._ensure_ctx()
             return _driver().buffer_id(int(ptr))
         finally:
             self._leave(prev)
@@ -697,6 +721,10 @@ class CudaBackend:
         # (two objects over one range look like overlapping arrays to it)
         o = a if out is acc or out.data.ptr == acc.data.ptr else \
             out if out.dtype == store else out.view(store)
+        if b is not o and src.data.ptr == out.data.ptr:
+            b = o       # (the same: src and out over one range, as recursive doubling's
+                        # acc op out -> out; element-wise that is exact, and two objects
+                        # would make CuPy copy src first)
         if bf16:
             kern = _bf16_kernel(op)
         else:
@@ -745,6 +773,7 @@ class CudaBackend:
             return
         prev = self._enter()
         try:
+            self._ensure_ctx()      # (a thread without a current context: not a refusal)
             drv.check(drv.flush(0, 100), "cuFlushGPUDirectRDMAWrites")
         except TransportError as e:
             self._no_flush = True

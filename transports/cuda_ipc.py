@@ -19,10 +19,13 @@ code runs on a GPU and, for tests, on the host-memory stand-in):
   completes when the acknowledgement arrives, so the sender cannot reuse its buffer while
   the peer still reads it.  A receiver whose posted size differs stores a refusal instead
   and both ranks raise ``CollectiveMismatchError``.
-* The sender records its event when the call is made (so the peer reads what the stream
-  holds at that point, whatever the application queues after it); events come from a
-  per-peer pool of interprocess events, and one returns to the pool only when its
-  message has been acknowledged (the peer may wait on it until then).
+* The sender records its event when the call is made, so the peer's read waits for the
+  work queued on the stream before the call.  Nothing orders work queued after it behind
+  the peer's read: as with MPI's non-blocking sends, the application must not write the
+  buffer (on any stream) until the request completes (a blocking call returns only
+  then).  Events come from a per-peer pool of interprocess events, and one returns to
+  the pool only when its message has been acknowledged (the peer may wait on it until
+  then).
 
 Staging (``StagedEndpoint``): device buffers to a peer that ``cuda_ipc`` cannot reach (other
 nodes, or GPUs without P2P) move through page-locked host buffers in chunks of
@@ -49,7 +52,12 @@ _DESC = struct.Struct("<8sQQQqQ64s64s")  # magic, nbytes, offset, seq, device, a
 _MAGIC = b"gpurtDV1"
 _NAK = 1 << 63
 _OPEN_MAX = 64         # idle opened peer allocations kept (LRU; an opened one stays mapped,
-                       # so memory its owner freed is held until it is closed)
+                       # so memory its owner freed is held until it is closed — and CUDA
+                       # calls freeing an exported allocation before the importers closed it
+                       # undefined (cudaIpcOpenMemHandle); the caching pools of CuPy and
+                       # PyTorch return freed blocks to the driver only on empty_cache() /
+                       # free_all_blocks() or when an allocation fails; a reused address is
+                       # told apart by the allocation id)
 _U8 = np.dtype(np.uint8)
 
 

@@ -227,6 +227,51 @@ def test_views_ranges_and_devices(be, cp):
         assert be.current_stream() == s.ptr
 
 
+def test_driver_calls_from_a_fresh_thread(be, cp):
+    """A thread that never used CUDA has no current context, and its current device (0)
+    is the bound one, so the backend switches nothing: its driver API calls (the IPC
+    cache's allocation id, the address range, the GPUDirect RDMA flush) still work there
+    (CUDA_ERROR_INVALID_CONTEXT otherwise; the flush would have been switched off for
+    good), and leaving a call never sets a device whose primary context does not exist."""
+    import threading
+
+    a = cp.arange(1 << 16, dtype=cp.float32)
+    want = (be.alloc_id(a.data.ptr), be.address_range(a.data.ptr + 64))
+    be.rdma_flush()             # (here: whether this device takes the flush at all)
+    refused = be._no_flush
+    got, errors = [], []
+
+    def fresh():
+        try:
+            got.append((be.alloc_id(a.data.ptr), be.address_range(a.data.ptr + 64)))
+            be.rdma_flush()
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    t = threading.Thread(target=fresh)
+    t.start()
+    t.join()
+    assert not errors and got == [want], errors
+    assert be._no_flush == refused      # (taken here, taken there too)
+    from gpurt.device_cuda import _driver
+    assert _driver().primary_active(0)
+
+
+def test_reduce_with_src_and_out_one_range(be, cp):
+    """Recursive doubling's acc op out -> out: ``src`` and ``out`` are two objects over one
+    range (exact, and no copy of ``src`` first)."""
+    x = cp.arange(4096, dtype=cp.float32)
+    acc = cp.full(4096, 2, dtype=cp.float32)
+    v = x.view(cp.uint8)
+    src, out = v[:], v[:]
+    assert src is not out and src.data.ptr == out.data.ptr
+    stream = cp.cuda.Stream(non_blocking=True)
+    be.reduce(Op.SUM, be.typed(acc.view(cp.uint8), np.float32), src, out, stream.ptr,
+              dtype=np.float32)
+    be.synchronize(stream.ptr)
+    assert np.array_equal(cp.asnumpy(x), np.arange(4096, dtype=np.float32) + 2)
+
+
 def test_empty_like_cupy_and_torch(be, cp):
     x = cp.zeros((3, 4), cp.int32)
     y = be.empty((2, 5), np.dtype(np.int32), x)
