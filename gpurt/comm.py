@@ -43,7 +43,7 @@ from .errors import (CollectiveMismatchError, CollectiveTimeout, CommunicatorClo
                      GpurtError, ResourceError, relay_text,
                      TransportError)
 from .executor import (Chain, Completed, Engine, P2PRun, QuickRecv, Request, RowsRun,
-                       _ArraySink, _Run, check_timeout, wait_mpi)
+                       _ArraySink, _CopySink, _Run, check_timeout, wait_mpi)
 from .flight import FlightRecorder
 from .ops import FAST_OPS as _FAST_OPS, Op, _SUPPORTED, as_op, check_op, host_finalize, reducer, \
     supported
@@ -58,6 +58,7 @@ from gpurt.transports import shm_board, shm_direct  # noqa: E402  (after the cor
 from gpurt.transports.base import LANE_P2P, p2p_sig  # noqa: E402
 from gpurt.transports.shm import _SEND_CHECK, _Msg  # noqa: E402
 from gpurt.transports.tcp import _settings as tcp_settings  # noqa: E402
+from gpurt.transports import tcp as tcp_mod  # noqa: E402
 
 _PLAIN = shm_board.PLAIN   # the compiled check of x and out for allreduce's quick path
 
@@ -2096,9 +2097,17 @@ class Communicator:
     def _p2p_quick_table(self) -> dict:
         """Per local peer on shm (host endpoints; none with a device endpoint, whose
         staged sends a host send must stay behind): the p2p lane's two rings and their
-        compiled ends (``_fastboard.P2PRing``), for ``_qsend``/``_qrecv``."""
+        compiled ends (``_fastboard.P2PRing``), for ``_qsend``/``_qrecv``; per peer on
+        tcp, its endpoint (``_TcpQuick``: ``_tsend``/``_trecv``)."""
         from gpurt.transports.shm import ShmEndpoint, _SLOT_HDR
-        table: dict = {}
+        from gpurt.transports.tcp import TcpEndpoint
+        # (the compiled end spins holding the GIL: at most 100 µs of GPURT_SPIN_US; a
+        # quick tcp receive polls its socket as long)
+        self._qspin = min(int((self.engine.spin or 0.0) * 1e9), 100_000)
+        # peers on tcp: the endpoint's own send and receive, without a Request or a run
+        # (_tsend, _trecv)
+        table: dict = {peer: _TcpQuick(ep) for peer, ep in self.endpoints.items()
+                       if type(ep) is TcpEndpoint and peer not in self.dev_endpoints}
         if _PLAIN is None or not shm_board.native_enabled():
             return table
         ring_type = shm_board.NATIVE.P2PRing
@@ -2128,8 +2137,6 @@ class Communicator:
                             rx.nslots, rx.slot, pid, rx.ack_i)
             table[peer] = _QuickPeer(ep, tx, txf, rx, rxf, lim, max(lim, rlim),
                                      tx.map_min or 1 << 62)
-        # (the compiled end spins holding the GIL: at most 100 µs of GPURT_SPIN_US)
-        self._qspin = min(int((self.engine.spin or 0.0) * 1e9), 100_000)
         return table
 
     def _qsend(self, e: "_QuickPeer", x: np.ndarray, tag: int):
@@ -2139,6 +2146,8 @@ class Communicator:
         run); a message with chunks left is posted as the general protocol's record from
         where the compiled end stopped: that Request, not complete.  False: take the
         general path (which also raises every error)."""
+        if type(e) is _TcpQuick:
+            return self._tsend(e, x, tag)
         eng, ring = self.engine, e.tx
         me = _get_ident()
         if self._closed or eng.poisoned is not None or eng.busy or eng.owner or ring.queue:
@@ -2214,6 +2223,83 @@ class Communicator:
             raise
         return self._qsend_rest(e, x, nb, tag, s, nb, ring.acks)
 
+    def _tsend(self, e: "_TcpQuick", x: np.ndarray, tag: int):
+        """The quick path of a host send to a peer on tcp: the endpoint's own send (its
+        frame written now, or queued behind what the connection still holds), without
+        the argument checks of ``isend``, a Request or a run — True when the kernel took
+        all of it; else its Request, not complete (the waits write the rest).  False:
+        the general path (which raises every error) — also where the endpoint is due to
+        look at its peer (``TcpEndpoint._send_check``), so nothing here raises but an
+        exception from outside (a Ctrl-C), which poisons the communicator."""
+        eng, ep = self.engine, e.ep
+        if self._closed or eng.poisoned is not None or eng.busy or eng.owner or \
+                ep.failure is not None or ep.fails != tcp_mod._fails or \
+                time.monotonic() - ep.polled > tcp_mod._SEND_CHECK:
+            return False
+        s = _QSIGS.get(x.dtype)
+        if s is None or not x.size or not x.flags.c_contiguous:
+            return False
+        eng.busy = _get_ident()     # (a test and set: see _qsend)
+        try:
+            if eng.poisoned is not None:
+                return False
+            try:
+                m = ep.send(x.reshape(-1).view(np.uint8), LANE_P2P, tag, s[0])
+                if m.done:
+                    fl = self.flight
+                    if fl is not None:
+                        fl.finished(tag, "p2p", (s[1], x.size, None, None), e.send_name, tag)
+                    return True
+                run = P2PRun(ep, True, x, LANE_P2P, tag, s[0], ep.peer)
+                run.k, run.pending = 1, [m]
+                return self._qpost(None, None, run, x, e.send_name, s[1], tag)
+            except BaseException as exc:
+                eng.poison(exc)         # (the frame went in part, or whole, without its
+                raise                   # Request)
+        finally:
+            eng.leave(0)
+
+    def _trecv(self, e: "_TcpQuick", out: np.ndarray, tag: int, spin: int):
+        """The quick path of a host receive from a peer on tcp: the endpoint's own receive,
+        posted and read at once (a message that came already is copied out of the
+        connection's buffer), polled up to ``spin`` ns — True when all of it was read;
+        else its Request, not complete (the waits read the rest, and raise a mismatch or
+        the peer's failure).  False: the general path."""
+        eng, ep = self.engine, e.ep
+        if self._closed or eng.poisoned is not None or eng.busy or eng.owner or \
+                ep.failure is not None:
+            return False
+        s = _QSIGS.get(out.dtype)
+        if s is None or not out.size or not out.flags.c_contiguous or \
+                not out.flags.writeable:
+            return False
+        eng.busy = _get_ident()
+        try:
+            if eng.poisoned is not None:
+                return False
+            try:
+                m = ep.recv(out.nbytes, _CopySink(out.reshape(-1).view(np.uint8)), LANE_P2P,
+                            tag, s[0])
+                if not m.done and spin:
+                    until = time.perf_counter() + spin * 1e-9
+                    while not m.done and m.error is None and ep.failure is None and \
+                            time.perf_counter() < until:
+                        ep.pump()
+                if m.done:
+                    fl = self.flight
+                    if fl is not None:
+                        fl.finished(tag, "p2p", (s[1], out.size, None, None), e.recv_name,
+                                    tag)
+                    return True
+                run = P2PRun(ep, False, out, LANE_P2P, tag, s[0], ep.peer)
+                run.k, run.pending = 1, [m]
+                return self._qpost(None, None, run, out, e.recv_name, s[1], tag)
+            except BaseException as exc:
+                eng.poison(exc)         # (posted, or read in part, without its Request)
+                raise
+        finally:
+            eng.leave(0)
+
     def _qpost(self, ring, m: _Msg, run, arr: np.ndarray, name: str, dt: str,
                tag: int) -> Request:
         """A quick call's rest posted as the general protocol's: ``m`` queued on ``ring``
@@ -2258,6 +2344,8 @@ class Communicator:
         here only by a ``blocking`` receive: an ``irecv``'s caller may post next the send
         its peer waits for, and the two copies should then run side by side, not one
         after the other (docs/performance.md: no difference measurable on 2 ranks here)."""
+        if type(e) is _TcpQuick:
+            return self._trecv(e, out, tag, spin)
         eng, ring = self.engine, e.rx
         me = _get_ident()
         if self._closed or eng.poisoned is not None or eng.busy or eng.owner or ring.queue:
@@ -2691,6 +2779,17 @@ class _QuickPeer:
     def __init__(self, ep, tx, txf, rx, rxf, lim: int, rlim: int, map_min: int):
         self.ep, self.tx, self.txf, self.rx, self.rxf = ep, tx, txf, rx, rxf
         self.lim, self.rlim, self.map_min = lim, rlim, map_min
+        self.send_name, self.recv_name = f"send to rank {ep.peer}", f"recv from rank {ep.peer}"
+
+
+class _TcpQuick:
+    """A peer on tcp in the quick send/recv table: its endpoint and the names a request
+    and a flight record give the calls."""
+
+    __slots__ = ("ep", "send_name", "recv_name")
+
+    def __init__(self, ep):
+        self.ep = ep
         self.send_name, self.recv_name = f"send to rank {ep.peer}", f"recv from rank {ep.peer}"
 
 

@@ -220,7 +220,7 @@ else:
 fl = comm.flight
 if fl is not None:
     chk.count += 1
-    names = {e[3] for e in fl.events if e[1] == "p2p" and e[6] == "done"}
+    names = {e["algorithm"] for e in fl.records() if e["kind"] == "p2p" and e["state"] == "done"}
     if f"send to rank {right} tag 0" not in names and f"send to rank {right} tag 1" \
             not in names:
         chk.bad.append(f"rank {r}: no done flight record of a send: {sorted(names)[:5]}")

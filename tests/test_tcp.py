@@ -461,6 +461,30 @@ def test_point_to_point_and_both_lanes_at_once(n, env):
     assert out.count("p2p ok on rank") == n, out
 
 
+CLIQUES = {"MPIR_CVAR_NUM_CLIQUES": "2", "MPIR_CVAR_CLIQUES_BY_BLOCK": "1"}
+
+
+@pytest.mark.parametrize("n,env,mode", [(2, TCP, "quick"), (3, TCP, "mixed"),
+                                        (5, TCP, "quick"), (2, STRIPED, "quick"),
+                                        (4, CLIQUES, "mixed"), (5, CLIQUES, "quick")])
+def test_quick_send_and_receive_over_tcp(n, env, mode):
+    """send/recv's quick path to tcp peers (the endpoint's own send and receive, no Request
+    or run) moves messages exactly as the general path does and interoperates with it
+    (``mixed``: the odd ranks use the general path only): every size class and dtype —
+    past the socket buffers a send goes in part and its Request writes the rest —,
+    blocking and non-blocking in several orders, bursts, receives posted early; a
+    receive posted early is advanced by a wait on another communicator while its sender
+    fills the connection; a Ctrl-C right after the endpoint's send or receive poisons the
+    communicator; after it is warm every mismatch kind raises on the receiver and
+    poisons it; a receive posted early times out, then completes; test() polls one; the
+    flight records name the calls.  On cliques (shm inside a node, tcp between) a rank's
+    quick table holds both kinds.  tests/tcp_quick_cases.py; the quick path must have
+    carried messages (counted)."""
+    out = run_mpi(n, ["tests/tcp_quick_cases.py", mode], env=dict(env, GPURT_TIMEOUT="60"),
+                  timeout=240).stdout
+    assert f"checks on {n} ranks ({mode})" in out and "\nok " in "\n" + out, out
+
+
 @pytest.mark.parametrize("env", [TCP, STRIPED])
 def test_mismatched_calls_raise_not_hang(env):
     """Different sizes on two ranks: CollectiveMismatchError on both (then poisoned); a
