@@ -139,3 +139,202 @@ def wait_for_file(path: str, cap: float = 15.0) -> bool:
             return False
         time.sleep(5e-4)
     return True
+
+
+# -- point-to-point cases shared by the quick paths' scripts (quick_p2p_cases.py: shm,
+#    tcp_quick_cases.py: tcp) ---------------------------------------------------------------
+def payload(src: int, i: int, nbytes: int, dtype) -> np.ndarray:
+    """Rank ``src``'s ``i``-th message of about ``nbytes`` bytes of ``dtype``: values that
+    differ by rank, message and element."""
+    dt = np.dtype(dtype)
+    n = max(0, nbytes // dt.itemsize)
+    if dt == np.bool_:
+        return (np.arange(n) + src + i) % 3 == 0
+    v = (np.arange(n, dtype=np.int64) * 7 + 1000 * src + i) % 251
+    return v.astype(dt) + (1j if dt.kind == "c" else 0)
+
+
+def outcome(fn) -> str:
+    """"ok", "KeyboardInterrupt", or the gpurt error's type and text."""
+    import gpurt
+
+    try:
+        fn()
+        return "ok"
+    except KeyboardInterrupt:
+        return "KeyboardInterrupt"
+    except gpurt.GpurtError as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def p2p_mismatches(world, comm, chk: Checks) -> None:
+    """After the quick path is warm, between ranks 0 and 1, every kind of mismatch (dtype,
+    tag, size; blocking and posted early) raises CollectiveMismatchError on the receiver,
+    which is poisoned after it; each on a dup of ``comm``."""
+    r = comm.rank
+    for case in ("dtype", "tag", "size", "dtype-early"):
+        c = comm.dup()
+        if r in (0, 1):
+            for j in range(3):      # warm: the same dtype, quick on both sides
+                if r == 0:
+                    c.send(np.full(4, j, np.float32), 1, 3)
+                else:
+                    g = np.empty(4, np.float32)
+                    c.recv(g, 0, 3)
+                    chk.expect(f"warm {case} {j}", g, np.full(4, j, np.float32))
+            if r == 0:
+                c.send(np.ones(4, np.float32), 1, 3)
+            if r == 1:
+                if case == "dtype":
+                    text = outcome(lambda: c.recv(np.empty(4, np.int32), 0, 3))
+                    want = "float32 x 4 (16 bytes) and the receive int32 x 4"
+                elif case == "tag":
+                    text = outcome(lambda: c.recv(np.empty(4, np.float32), 0, 4))
+                    want = "tag 3"
+                elif case == "size":
+                    text = outcome(lambda: c.recv(np.empty(5, np.float32), 0, 3))
+                    want = "rank 0"
+                else:
+                    text = outcome(lambda: c.irecv(np.empty(4, np.int32), 0, 3).wait())
+                    want = "float32 x 4 (16 bytes) and the receive int32 x 4"
+                chk.count += 1
+                if not text.startswith("CollectiveMismatchError: rank 1:") or want not in text:
+                    chk.bad.append(f"rank 1: {case} mismatch: {text}")
+                chk.count += 1
+                after = outcome(lambda: c.send(np.ones(1), 0))
+                if not after.startswith("CommunicatorClosed"):
+                    chk.bad.append(f"rank 1: after the {case} mismatch: {after}")
+        world.Barrier()
+        c.abort() if r in (0, 1) else None
+        c.close()
+
+
+def p2p_early_timeout(world, comm, chk: Checks) -> None:
+    """Between ranks 0 and 1: a receive posted early times out (still in flight), then
+    completes; test() polls another to completion."""
+    r = comm.rank
+    c = comm.dup()
+    if r == 1:
+        c.recv(np.empty(2, np.float64), 0, 8)     # (warm)
+        q = c.irecv(got := np.empty(3, np.float64), 0, 9)
+        text = outcome(lambda: q.wait(timeout=0.3))
+        chk.count += 1
+        if not text.startswith("CollectiveTimeout: rank 1: recv from rank 0 (tag 9) did not "
+                               "complete within 0.3 s; still waiting for rank(s) [0]"):
+            chk.bad.append(f"rank 1: early receive's timeout: {text}")
+        world.send(None, 0)
+        q.wait()
+        chk.expect("after the timeout", got, np.arange(3.0))
+        q2 = c.irecv(got2 := np.empty(3, np.float64), 0, 10)
+        world.send(None, 0)
+        while not q2.test():
+            pass
+        chk.expect("polled", got2, np.arange(3.0) + 1)
+    elif r == 0:
+        c.send(np.zeros(2), 1, 8)
+        world.recv(source=1)
+        c.send(np.arange(3.0), 1, 9)
+        world.recv(source=1)
+        c.send(np.arange(3.0) + 1, 1, 10)
+    world.Barrier()
+    c.close()
+
+
+def flight_names_a_send(comm, chk: Checks, right: int) -> None:
+    """The flight recorder holds a done record of a send to ``right`` (tags 0-4), named
+    as the general path names one."""
+    fl = comm.flight
+    if fl is None:
+        return
+    chk.count += 1
+    names = {e["algorithm"] for e in fl.records() if e["kind"] == "p2p" and e["state"] == "done"}
+    if not any(f"send to rank {right} tag {t}" in names for t in range(5)):
+        chk.bad.append(f"rank {comm.rank}: no done flight record of a send: {sorted(names)[:5]}")
+
+
+def p2p_exchange(comm, chk: Checks, i: int, size: int, dt, mode: str, burst: int = 12) -> bool:
+    """Exchange ``i`` of the ring (every rank sends to its right neighbour and receives from
+    its left one) of ``size`` bytes of ``dt``, checked exactly, in ``mode``: ``block``
+    (send/recv, the even ranks sending first), ``irecv-first``, ``isend-first``, or
+    ``burst`` (``burst`` messages sent before any receive is posted).  False for another
+    mode (the caller's own)."""
+    r, p = comm.rank, comm.size
+    right, left = (r + 1) % p, (r - 1) % p
+    x, want = payload(r, i, size, dt), payload(left, i, size, dt)
+    got = np.full_like(want, 1) if want.size else np.empty_like(want)
+    tag = i % 5
+    what = f"#{i} {mode} {size}B {np.dtype(dt).name}"
+    if mode == "block":
+        if r % 2 == 0:
+            comm.send(x, right, tag)
+            comm.recv(got, left, tag)
+        else:
+            comm.recv(got, left, tag)
+            comm.send(x, right, tag)
+    elif mode == "irecv-first":
+        a = comm.irecv(got, left, tag)
+        b = comm.isend(x, right, tag)
+        (b.wait(), a.wait()) if i % 2 else (a.wait(), b.wait())
+    elif mode == "isend-first":
+        b = comm.isend(x, right, tag)
+        comm.recv(got, left, tag)
+        b.wait()
+    elif mode == "burst":
+        xs = [payload(r, i + j, size, dt) for j in range(burst)]
+        ws = [payload(left, i + j, size, dt) for j in range(burst)]
+        gs = [np.empty_like(w) for w in ws]
+        sends = [comm.isend(xs[j], right, j) for j in range(burst)]
+        if i % 2:
+            for j in range(burst):
+                comm.recv(gs[j], left, j)
+        else:
+            recvs = [comm.irecv(gs[j], left, j) for j in range(burst)]
+            for q in reversed(recvs):
+                q.wait()
+        for q in sends:
+            q.wait()
+        for j in range(burst):
+            chk.expect(f"{what}.{j}", gs[j], ws[j])
+        return True
+    else:
+        return False
+    chk.expect(what, got, want)
+    return True
+
+
+def p2p_progress_rule(world, comm, chk: Checks, sizes) -> None:
+    """MPI's progress rule, between ranks 0 and 1 on two dups c1, c2 of ``comm``: rank 0
+    posts a receive on c1 (quick: its Request) and waits in c2's barrier; rank 1 sends
+    it messages of ``sizes`` bytes on c1 (message k filled with k), more than the
+    transport holds, so its sends need rank 0's wait on c2 to advance c1's receive,
+    then joins the barrier.  Rank 0 receives the rest afterwards; exact values."""
+    import time
+
+    r = comm.rank
+    c1, c2 = comm.dup(), comm.dup()
+    if r == 0:
+        first = np.zeros(sizes[0], np.uint8)
+        q = c1.irecv(first, 1)
+        text = outcome(lambda: c2.barrier(timeout=30))
+        chk.count += 1
+        if text != "ok":
+            chk.bad.append(f"rank 0: barrier with a receive posted early: {text}")
+        q.wait()
+        chk.expect("early receive, advanced elsewhere", first, np.zeros(sizes[0], np.uint8))
+        for k, n in enumerate(sizes[1:], 1):
+            g = np.zeros(n, np.uint8)
+            c1.recv(g, 1)
+            chk.expect(f"after it, #{k}", g, np.full(n, k % 251, np.uint8))
+    elif r == 1:
+        time.sleep(0.3)                 # (rank 0 is in the barrier by then)
+        for k, n in enumerate(sizes):
+            c1.send(np.full(n, k % 251, np.uint8), 0)
+        text = outcome(lambda: c2.barrier(timeout=30))
+        chk.count += 1
+        if text != "ok":
+            chk.bad.append(f"rank 1: barrier after filling the transport: {text}")
+    else:
+        c2.barrier(timeout=30)
+    world.Barrier()
+    c1.close()
+    c2.close()

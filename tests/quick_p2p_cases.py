@@ -22,9 +22,9 @@ import sys
 
 import numpy as np
 
-from casekit import Checks, start, verdict
+from casekit import (flight_names_a_send, outcome, p2p_early_timeout, p2p_exchange,
+                     p2p_mismatches, p2p_progress_rule, payload, start, verdict)
 
-import gpurt
 
 MODE = sys.argv[1]
 DTYPES = [np.float32, np.int64, np.uint8, np.float64, np.complex64, np.bool_, np.int16]
@@ -86,70 +86,25 @@ def spy(comm) -> list[Counting]:
     return spies
 
 
-def payload(src: int, i: int, nbytes: int, dtype) -> np.ndarray:
-    dt = np.dtype(dtype)
-    n = max(0, nbytes // dt.itemsize)
-    if dt == np.bool_:
-        return (np.arange(n) + src + i) % 3 == 0
-    v = (np.arange(n, dtype=np.int64) * 7 + 1000 * src + i) % 251
-    return v.astype(dt) + (1j if dt.kind == "c" else 0)
-
-
 world, comm, r, p, chk = start()
 if MODE == "python" or MODE == "mixed" and r % 2:
     comm._qt = {}
 spies = spy(comm) if comm._qt else []
 right, left = (r + 1) % p, (r - 1) % p
 modes = ["block", "irecv-first", "isend-first", "burst", "early-then-late"]
-sent_tags = []
 i = 0
 for rnd in range(6):
     for size in SIZES:
         for mode in modes:
             i += 1
             dt = DTYPES[i % len(DTYPES)]
-            x, want = payload(r, i, size, dt), payload(left, i, size, dt)
-            got = np.full_like(want, 1) if want.size else np.empty_like(want)
-            tag = i % 5
-            if mode == "block":
-                if r % 2 == 0:
-                    comm.send(x, right, tag)
-                    comm.recv(got, left, tag)
-                else:
-                    comm.recv(got, left, tag)
-                    comm.send(x, right, tag)
-                chk.expect(f"#{i} {mode} {size}B {dt.__name__}", got, want)
-            elif mode == "irecv-first":
-                a = comm.irecv(got, left, tag)
-                b = comm.isend(x, right, tag)
-                (b.wait(), a.wait()) if i % 2 else (a.wait(), b.wait())
-                chk.expect(f"#{i} {mode} {size}B {dt.__name__}", got, want)
-            elif mode == "isend-first":
-                b = comm.isend(x, right, tag)
-                comm.recv(got, left, tag)
-                b.wait()
-                chk.expect(f"#{i} {mode} {size}B {dt.__name__}", got, want)
-            elif mode == "burst" and (size <= 16384 or size > 262_144):
-                # more messages (or chunks) than the ring has slots: the later ones queue
-                # behind, a large one partly written by the compiled end, the rest by
-                # the waits
-                k = 12 if size <= 16384 else 3
-                xs = [payload(r, i + j, size, dt) for j in range(k)]
-                ws = [payload(left, i + j, size, dt) for j in range(k)]
-                gs = [np.empty_like(w) for w in ws]
-                sends = [comm.isend(xs[j], right, j) for j in range(k)]
-                if i % 2:
-                    for j in range(k):
-                        comm.recv(gs[j], left, j)
-                else:
-                    recvs = [comm.irecv(gs[j], left, j) for j in range(k)]
-                    for q in reversed(recvs):
-                        q.wait()
-                for q in sends:
-                    q.wait()
-                for j in range(k):
-                    chk.expect(f"#{i}.{j} {mode} {size}B {dt.__name__}", gs[j], ws[j])
-            elif mode == "early-then-late":
+            if mode != "early-then-late":
+                # (burst: more messages (or chunks) than the ring has slots: the later ones
+                # queue behind, a large one partly written by the compiled end, the rest
+                # by the waits)
+                if mode != "burst" or size <= 16384 or size > 262_144:
+                    p2p_exchange(comm, chk, i, size, dt, mode, 12 if size <= 16384 else 3)
+            else:
                 # a small receive posted early (quick), a large one queued behind it on
                 # the same ring, the sends in order; waited in the opposite order
                 small_w = payload(left, i, 64, np.float32)
@@ -217,94 +172,17 @@ else:
         chk.bad.append(f"rank {r}: the Python-only rank has a quick table")
 
 # flight records of quick calls: done, named as the general path names them
-fl = comm.flight
-if fl is not None:
-    chk.count += 1
-    names = {e["algorithm"] for e in fl.records() if e["kind"] == "p2p" and e["state"] == "done"}
-    if f"send to rank {right} tag 0" not in names and f"send to rank {right} tag 1" \
-            not in names:
-        chk.bad.append(f"rank {r}: no done flight record of a send: {sorted(names)[:5]}")
-
-
-def outcome(fn) -> str:
-    try:
-        fn()
-        return "ok"
-    except gpurt.GpurtError as e:
-        return f"{type(e).__name__}: {e}"
-
+flight_names_a_send(comm, chk, right)
 
 # errors after the quick path is warm: every one on a dup, between ranks 0 and 1
-for case in ("dtype", "tag", "size", "dtype-early"):
-    c = comm.dup()
-    if r in (0, 1):
-        for j in range(3):      # warm: the same dtype, quick on both sides
-            if r == 0:
-                c.send(np.full(4, j, np.float32), 1, 3)
-            else:
-                g = np.empty(4, np.float32)
-                c.recv(g, 0, 3)
-                chk.expect(f"warm {case} {j}", g, np.full(4, j, np.float32))
-        if r == 0:
-            c.send(np.ones(4, np.float32), 1, 3)
-        if r == 1:
-            if case == "dtype":
-                text = outcome(lambda: c.recv(np.empty(4, np.int32), 0, 3))
-                want = "tag 3 but the message is float32 x 4 (16 bytes) and the receive int32 x 4"
-            elif case == "tag":
-                text = outcome(lambda: c.recv(np.empty(4, np.float32), 0, 4))
-                want = "tag 3"
-            elif case == "size":
-                text = outcome(lambda: c.recv(np.empty(5, np.float32), 0, 3))
-                want = "rank 0"
-            else:
-                text = outcome(lambda: c.irecv(np.empty(4, np.int32), 0, 3).wait())
-                want = "float32 x 4 (16 bytes) and the receive int32 x 4"
-            chk.count += 1
-            if not text.startswith("CollectiveMismatchError: rank 1:") or want not in text:
-                chk.bad.append(f"rank 1: {case} mismatch: {text}")
-            chk.count += 1
-            after = outcome(lambda: c.send(np.ones(1), 0))
-            if not after.startswith("CommunicatorClosed"):
-                chk.bad.append(f"rank 1: after the {case} mismatch: {after}")
-    world.Barrier()
-    c.abort() if r in (0, 1) else None
-    c.close()
+p2p_mismatches(world, comm, chk)
 
 # a receive posted early is advanced by a wait on another communicator (MPI's progress
 # rule): rank 1 fills the ring past its slots, so its last send needs rank 0's receive
 # to move while rank 0 waits in c2's barrier (it hung until both timed out: the quick
 # post did not mark the engine as this thread's)
-c1, c2 = comm.dup(), comm.dup()
-if r in (0, 1):
-    nslots = c1.endpoints[1 - r].tx[1].nslots
-    if r == 0:
-        first = np.zeros(8, np.uint8)
-        q = c1.irecv(first, 1)
-        text = outcome(lambda: c2.barrier(timeout=20))
-        chk.count += 1
-        if text != "ok":
-            chk.bad.append(f"rank 0: barrier with a receive posted early: {text}")
-        q.wait()
-        chk.expect("early receive, advanced elsewhere", first, np.full(8, 0, np.uint8))
-        for j in range(1, nslots + 1):
-            g = np.zeros(8, np.uint8)
-            c1.recv(g, 1)
-            chk.expect(f"after it, #{j}", g, np.full(8, j, np.uint8))
-    else:
-        import time
-        time.sleep(0.3)                 # (rank 0 is in the barrier by then)
-        for j in range(nslots + 1):
-            c1.send(np.full(8, j, np.uint8), 0)
-        text = outcome(lambda: c2.barrier(timeout=20))
-        chk.count += 1
-        if text != "ok":
-            chk.bad.append(f"rank 1: barrier after filling the ring: {text}")
-else:
-    c2.barrier(timeout=20)
-world.Barrier()
-c1.close()
-c2.close()
+p2p_progress_rule(world, comm, chk,
+                  [8] * (comm.endpoints[1 - r].tx[1].nslots + 1 if r in (0, 1) else 1))
 
 
 class Interrupting:
@@ -339,16 +217,6 @@ class Interrupting:
 
 # a Ctrl-C right after the compiled end moved a message poisons the communicator (as one
 # inside any transfer does): it delivered the message twice before
-def interrupted(fn) -> str:
-    try:
-        fn()
-        return "ok"
-    except KeyboardInterrupt:
-        return "KeyboardInterrupt"
-    except gpurt.GpurtError as exc:
-        return f"{type(exc).__name__}: {exc}"
-
-
 for side, n in [(s, n) for n in (2, 40_000) for s in ("recv", "send", "wait")]:
     # (40000 int64: 320 KB, a single-copy message where the threshold is 128 KiB)
     c = comm.dup()
@@ -367,7 +235,7 @@ for side, n in [(s, n) for n in (2, 40_000) for s in ("recv", "send", "wait")]:
         world.Barrier()
         if side != "send":
             world.Barrier()             # (rank 1 sent meanwhile)
-        text = interrupted(q.wait if q is not None else
+        text = outcome(q.wait if q is not None else
                            lambda: c.recv(np.zeros(n, np.int64), 1))
         if side == "send":
             world.Barrier()
@@ -376,18 +244,18 @@ for side, n in [(s, n) for n in (2, 40_000) for s in ("recv", "send", "wait")]:
         import time
         c.endpoints[0]._process().state(time.monotonic())   # (fresh: the send is quick)
         if side == "send":
-            text = interrupted(lambda: c.send(np.arange(n), 0))
+            text = outcome(lambda: c.send(np.arange(n), 0))
             world.Barrier()
         else:   # (a single-copy send completes once read: rank 0 reads after the barrier)
             sent = c.isend(src := np.arange(n), 0)
             world.Barrier()
-            text = interrupted(sent.wait)
+            text = outcome(sent.wait)
     else:
         world.Barrier()
         world.Barrier()
     if armed and (r == 1) == (side == "send"):
         chk.count += 1
-        after = interrupted(lambda: c.send(np.ones(1), 1 - r))
+        after = outcome(lambda: c.send(np.ones(1), 1 - r))
         if text != "KeyboardInterrupt" or not after.startswith("CommunicatorClosed"):
             chk.bad.append(f"rank {r}: Ctrl-C in a quick {side} of {8 * n} B: {text}; "
                            f"then {after}")
@@ -397,30 +265,6 @@ for side, n in [(s, n) for n in (2, 40_000) for s in ("recv", "send", "wait")]:
     c.close()
 
 # a receive posted early times out (still in flight), then completes
-c = comm.dup()
-if p >= 2 and r in (0, 1):
-    if r == 1:
-        c.recv(np.empty(2, np.float64), 0, 8)     # (warm)
-        q = c.irecv(got := np.empty(3, np.float64), 0, 9)
-        text = outcome(lambda: q.wait(timeout=0.3))
-        chk.count += 1
-        if not text.startswith("CollectiveTimeout: rank 1: recv from rank 0 (tag 9) did not "
-                               "complete within 0.3 s; still waiting for rank(s) [0]"):
-            chk.bad.append(f"rank 1: early receive's timeout: {text}")
-        world.send(None, 0)
-        q.wait()
-        chk.expect("after the timeout", got, np.arange(3.0))
-        q2 = c.irecv(got2 := np.empty(3, np.float64), 0, 10)
-        world.send(None, 0)
-        while not q2.test():
-            pass
-        chk.expect("polled", got2, np.arange(3.0) + 1)
-    else:
-        c.send(np.zeros(2), 1, 8)
-        world.recv(source=1)
-        c.send(np.arange(3.0), 1, 9)
-        world.recv(source=1)
-        c.send(np.arange(3.0) + 1, 1, 10)
-world.Barrier()
-c.close()
+if p >= 2:
+    p2p_early_timeout(world, comm, chk)
 verdict(world, comm, chk, f"({MODE})")
