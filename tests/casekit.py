@@ -154,17 +154,9 @@ def payload(src: int, i: int, nbytes: int, dtype) -> np.ndarray:
     return v.astype(dt) + (1j if dt.kind == "c" else 0)
 
 
-def outcome(fn) -> str:
-    """"ok", "KeyboardInterrupt", or the gpurt error's type and text."""
-    import gpurt
-
-    try:
-        fn()
-        return "ok"
-    except KeyboardInterrupt:
-        return "KeyboardInterrupt"
-    except gpurt.GpurtError as e:
-        return f"{type(e).__name__}: {e}"
+def ended(fn) -> str:
+    """How ``fn()`` ended: "ok" or "Type: message" (``outcome`` without the time)."""
+    return outcome(fn)[0]
 
 
 def p2p_mismatches(world, comm, chk: Checks) -> None:
@@ -186,22 +178,22 @@ def p2p_mismatches(world, comm, chk: Checks) -> None:
                 c.send(np.ones(4, np.float32), 1, 3)
             if r == 1:
                 if case == "dtype":
-                    text = outcome(lambda: c.recv(np.empty(4, np.int32), 0, 3))
+                    text = ended(lambda: c.recv(np.empty(4, np.int32), 0, 3))
                     want = "float32 x 4 (16 bytes) and the receive int32 x 4"
                 elif case == "tag":
-                    text = outcome(lambda: c.recv(np.empty(4, np.float32), 0, 4))
+                    text = ended(lambda: c.recv(np.empty(4, np.float32), 0, 4))
                     want = "tag 3"
                 elif case == "size":
-                    text = outcome(lambda: c.recv(np.empty(5, np.float32), 0, 3))
+                    text = ended(lambda: c.recv(np.empty(5, np.float32), 0, 3))
                     want = "rank 0"
                 else:
-                    text = outcome(lambda: c.irecv(np.empty(4, np.int32), 0, 3).wait())
+                    text = ended(lambda: c.irecv(np.empty(4, np.int32), 0, 3).wait())
                     want = "float32 x 4 (16 bytes) and the receive int32 x 4"
                 chk.count += 1
                 if not text.startswith("CollectiveMismatchError: rank 1:") or want not in text:
                     chk.bad.append(f"rank 1: {case} mismatch: {text}")
                 chk.count += 1
-                after = outcome(lambda: c.send(np.ones(1), 0))
+                after = ended(lambda: c.send(np.ones(1), 0))
                 if not after.startswith("CommunicatorClosed"):
                     chk.bad.append(f"rank 1: after the {case} mismatch: {after}")
         world.Barrier()
@@ -217,7 +209,7 @@ def p2p_early_timeout(world, comm, chk: Checks) -> None:
     if r == 1:
         c.recv(np.empty(2, np.float64), 0, 8)     # (warm)
         q = c.irecv(got := np.empty(3, np.float64), 0, 9)
-        text = outcome(lambda: q.wait(timeout=0.3))
+        text = ended(lambda: q.wait(timeout=0.3))
         chk.count += 1
         if not text.startswith("CollectiveTimeout: rank 1: recv from rank 0 (tag 9) did not "
                                "complete within 0.3 s; still waiting for rank(s) [0]"):
@@ -315,7 +307,7 @@ def p2p_progress_rule(world, comm, chk: Checks, sizes) -> None:
     if r == 0:
         first = np.zeros(sizes[0], np.uint8)
         q = c1.irecv(first, 1)
-        text = outcome(lambda: c2.barrier(timeout=30))
+        text = ended(lambda: c2.barrier(timeout=30))
         chk.count += 1
         if text != "ok":
             chk.bad.append(f"rank 0: barrier with a receive posted early: {text}")
@@ -329,7 +321,7 @@ def p2p_progress_rule(world, comm, chk: Checks, sizes) -> None:
         time.sleep(0.3)                 # (rank 0 is in the barrier by then)
         for k, n in enumerate(sizes):
             c1.send(np.full(n, k % 251, np.uint8), 0)
-        text = outcome(lambda: c2.barrier(timeout=30))
+        text = ended(lambda: c2.barrier(timeout=30))
         chk.count += 1
         if text != "ok":
             chk.bad.append(f"rank 1: barrier after filling the transport: {text}")

@@ -22,7 +22,7 @@ import sys
 
 import numpy as np
 
-from casekit import (flight_names_a_send, outcome, p2p_early_timeout, p2p_exchange,
+from casekit import (ended, flight_names_a_send, p2p_early_timeout, p2p_exchange,
                      p2p_mismatches, p2p_progress_rule, payload, start, verdict)
 
 
@@ -235,7 +235,7 @@ for side, n in [(s, n) for n in (2, 40_000) for s in ("recv", "send", "wait")]:
         world.Barrier()
         if side != "send":
             world.Barrier()             # (rank 1 sent meanwhile)
-        text = outcome(q.wait if q is not None else
+        text = ended(q.wait if q is not None else
                            lambda: c.recv(np.zeros(n, np.int64), 1))
         if side == "send":
             world.Barrier()
@@ -244,19 +244,19 @@ for side, n in [(s, n) for n in (2, 40_000) for s in ("recv", "send", "wait")]:
         import time
         c.endpoints[0]._process().state(time.monotonic())   # (fresh: the send is quick)
         if side == "send":
-            text = outcome(lambda: c.send(np.arange(n), 0))
+            text = ended(lambda: c.send(np.arange(n), 0))
             world.Barrier()
         else:   # (a single-copy send completes once read: rank 0 reads after the barrier)
             sent = c.isend(src := np.arange(n), 0)
             world.Barrier()
-            text = outcome(sent.wait)
+            text = ended(sent.wait)
     else:
         world.Barrier()
         world.Barrier()
     if armed and (r == 1) == (side == "send"):
         chk.count += 1
-        after = outcome(lambda: c.send(np.ones(1), 1 - r))
-        if text != "KeyboardInterrupt" or not after.startswith("CommunicatorClosed"):
+        after = ended(lambda: c.send(np.ones(1), 1 - r))
+        if not text.startswith("KeyboardInterrupt") or not after.startswith("CommunicatorClosed"):
             chk.bad.append(f"rank {r}: Ctrl-C in a quick {side} of {8 * n} B: {text}; "
                            f"then {after}")
     world.Barrier()
