@@ -978,11 +978,11 @@ def _sweep(libs: list[_Lib], cfg: dict) -> list[dict] | None:
             if r == 0:
                 per_iter = np.max(np.vstack(every), axis=0)
                 st = _stats(per_iter)
+                means = [float(np.mean(t)) for t in every]
                 row = {"size": S, "count": S // it if it else 0, "per_rank_count": c, **st,
-                       "iter_max_s": per_iter.tolist(),
-                       "rank_mean_s": [float(np.mean(t)) for t in every],
+                       "iter_max_s": per_iter.tolist(), "rank_mean_s": means,
                        # nccl-tests' time: the timed loop / iterations (the slowest rank's)
-                       "loop_s": float(max(np.mean(t) for t in every)),
+                       "loop_s": max(means),
                        "wrong": wrong, "algo": "/".join(sorted(set(algos[k]))) or "-"}
                 ex = lb.explain(coll, S)
                 if ex:

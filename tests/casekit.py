@@ -330,3 +330,14 @@ def p2p_progress_rule(world, comm, chk: Checks, sizes) -> None:
     world.Barrier()
     c1.close()
     c2.close()
+
+
+def p2p_sweep(rounds: int, sizes, dtypes, modes):
+    """(i, size, dtype, mode) of a case script's exchanges: ``rounds`` times every size in
+    every mode, the dtypes in turn (``i`` counts from 1)."""
+    i = 0
+    for _ in range(rounds):
+        for size in sizes:
+            for mode in modes:
+                i += 1
+                yield i, size, dtypes[i % len(dtypes)], mode

@@ -23,7 +23,8 @@ import sys
 import numpy as np
 
 from casekit import (ended, flight_names_a_send, p2p_early_timeout, p2p_exchange,
-                     p2p_mismatches, p2p_progress_rule, payload, start, verdict)
+                     p2p_mismatches, p2p_progress_rule, p2p_sweep, payload, start,
+                     verdict)
 
 
 MODE = sys.argv[1]
@@ -91,37 +92,32 @@ if MODE == "python" or MODE == "mixed" and r % 2:
     comm._qt = {}
 spies = spy(comm) if comm._qt else []
 right, left = (r + 1) % p, (r - 1) % p
-modes = ["block", "irecv-first", "isend-first", "burst", "early-then-late"]
-i = 0
-for rnd in range(6):
-    for size in SIZES:
-        for mode in modes:
-            i += 1
-            dt = DTYPES[i % len(DTYPES)]
-            if mode != "early-then-late":
-                # (burst: more messages (or chunks) than the ring has slots: the later ones
-                # queue behind, a large one partly written by the compiled end, the rest
-                # by the waits)
-                if mode != "burst" or size <= 16384 or size > 262_144:
-                    p2p_exchange(comm, chk, i, size, dt, mode, 12 if size <= 16384 else 3)
-            else:
-                # a small receive posted early (quick), a large one queued behind it on
-                # the same ring, the sends in order; waited in the opposite order
-                small_w = payload(left, i, 64, np.float32)
-                small = np.empty_like(small_w)
-                big_w = payload(left, i + 1, 300_000, np.float64)
-                big = np.empty_like(big_w)
-                a = comm.irecv(small, left, 11)
-                b = comm.irecv(big, left, 12)
-                s1 = comm.isend(payload(r, i, 64, np.float32), right, 11)
-                s2 = comm.isend(payload(r, i + 1, 300_000, np.float64), right, 12)
-                b.wait()
-                while not a.test():
-                    pass
-                s1.wait()
-                s2.wait()
-                chk.expect(f"#{i} {mode} small", small, small_w)
-                chk.expect(f"#{i} {mode} big", big, big_w)
+for i, size, dt, mode in p2p_sweep(6, SIZES, DTYPES, ["block", "irecv-first", "isend-first",
+                                                     "burst", "early-then-late"]):
+    if mode != "early-then-late":
+        # (burst: more messages (or chunks) than the ring has slots: the later ones
+        # queue behind, a large one partly written by the compiled end, the rest
+        # by the waits)
+        if mode != "burst" or size <= 16384 or size > 262_144:
+            p2p_exchange(comm, chk, i, size, dt, mode, 12 if size <= 16384 else 3)
+    else:
+        # a small receive posted early (quick), a large one queued behind it on
+        # the same ring, the sends in order; waited in the opposite order
+        small_w = payload(left, i, 64, np.float32)
+        small = np.empty_like(small_w)
+        big_w = payload(left, i + 1, 300_000, np.float64)
+        big = np.empty_like(big_w)
+        a = comm.irecv(small, left, 11)
+        b = comm.irecv(big, left, 12)
+        s1 = comm.isend(payload(r, i, 64, np.float32), right, 11)
+        s2 = comm.isend(payload(r, i + 1, 300_000, np.float64), right, 12)
+        b.wait()
+        while not a.test():
+            pass
+        s1.wait()
+        s2.wait()
+        chk.expect(f"#{i} {mode} small", small, small_w)
+        chk.expect(f"#{i} {mode} big", big, big_w)
 
 # shared arrays (comm.empty) of at least the mapping's threshold take the general path (a
 # single copy through a mapping of the sender's memory): exact, whatever the destination

@@ -23,7 +23,7 @@ import sys
 import numpy as np
 
 from casekit import (ended, flight_names_a_send, p2p_early_timeout, p2p_exchange,
-                     p2p_mismatches, p2p_progress_rule, start, verdict)
+                     p2p_mismatches, p2p_progress_rule, p2p_sweep, start, verdict)
 
 from gpurt.comm import _TcpQuick
 
@@ -66,17 +66,12 @@ if MODE == "mixed" and r % 2:
 count = Count(comm)
 right, left = (r + 1) % p, (r - 1) % p
 over_tcp = right in tcp_peers(comm) or left in tcp_peers(comm)
-modes = ["block", "irecv-first", "isend-first", "burst"]
-i = 0
-for rnd in range(4):
-    for size in SIZES:
-        for mode in modes:
-            i += 1
-            dt = DTYPES[i % len(DTYPES)]
-            # (burst: sends before any receive is posted; past the socket buffers the
-            # later ones queue on the connection, their Requests written by the waits)
-            if mode != "burst" or size <= 300_000:
-                p2p_exchange(comm, chk, i, size, dt, mode)
+for i, size, dt, mode in p2p_sweep(4, SIZES, DTYPES,
+                                   ["block", "irecv-first", "isend-first", "burst"]):
+    # (burst: sends before any receive is posted; past the socket buffers the later ones
+    # queue on the connection, their Requests written by the waits)
+    if mode != "burst" or size <= 300_000:
+        p2p_exchange(comm, chk, i, size, dt, mode)
 
 quick_rank = over_tcp and (MODE == "quick" or r % 2 == 0)
 posted = world.allreduce(count.posted if quick_rank else 0)
