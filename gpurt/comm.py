@@ -58,7 +58,6 @@ from gpurt.transports import shm_board, shm_direct  # noqa: E402  (after the cor
 from gpurt.transports.base import LANE_P2P, p2p_sig  # noqa: E402
 from gpurt.transports.shm import _SEND_CHECK, _Msg  # noqa: E402
 from gpurt.transports.tcp import _settings as tcp_settings  # noqa: E402
-from gpurt.transports import tcp as tcp_mod  # noqa: E402
 
 _PLAIN = shm_board.PLAIN   # the compiled check of x and out for allreduce's quick path
 
@@ -2233,8 +2232,7 @@ class Communicator:
         exception from outside (a Ctrl-C), which poisons the communicator."""
         eng, ep = self.engine, e.ep
         if self._closed or eng.poisoned is not None or eng.busy or eng.owner or \
-                ep.failure is not None or ep.fails != tcp_mod._fails or \
-                time.monotonic() - ep.polled > tcp_mod._SEND_CHECK:
+                ep.look_due():
             return False
         s = _QSIGS.get(x.dtype)
         if s is None or not x.size or not x.flags.c_contiguous:
@@ -2245,14 +2243,7 @@ class Communicator:
                 return False
             try:
                 m = ep.send(x.reshape(-1).view(np.uint8), LANE_P2P, tag, s[0])
-                if m.done:
-                    fl = self.flight
-                    if fl is not None:
-                        fl.finished(tag, "p2p", (s[1], x.size, None, None), e.send_name, tag)
-                    return True
-                run = P2PRun(ep, True, x, LANE_P2P, tag, s[0], ep.peer)
-                run.k, run.pending = 1, [m]
-                return self._qpost(None, None, run, x, e.send_name, s[1], tag)
+                return self._tend(e, x, m, True, tag, s)
             except BaseException as exc:
                 eng.poison(exc)         # (the frame went in part, or whole, without its
                 raise                   # Request)
@@ -2285,20 +2276,25 @@ class Communicator:
                     while not m.done and m.error is None and ep.failure is None and \
                             time.perf_counter() < until:
                         ep.pump()
-                if m.done:
-                    fl = self.flight
-                    if fl is not None:
-                        fl.finished(tag, "p2p", (s[1], out.size, None, None), e.recv_name,
-                                    tag)
-                    return True
-                run = P2PRun(ep, False, out, LANE_P2P, tag, s[0], ep.peer)
-                run.k, run.pending = 1, [m]
-                return self._qpost(None, None, run, out, e.recv_name, s[1], tag)
+                return self._tend(e, out, m, False, tag, s)
             except BaseException as exc:
                 eng.poison(exc)         # (posted, or read in part, without its Request)
                 raise
         finally:
             eng.leave(0)
+
+    def _tend(self, e: "_TcpQuick", arr: np.ndarray, m, send: bool, tag: int, s):
+        """A quick tcp call's end: ``m`` (the endpoint's ``_Send``/``_Recv``) done — its
+        flight record, True; else a ``P2PRun`` holding it, posted (that Request)."""
+        name = e.send_name if send else e.recv_name
+        if m.done:
+            fl = self.flight
+            if fl is not None:
+                fl.finished(tag, "p2p", (s[1], arr.size, None, None), name, tag)
+            return True
+        run = P2PRun(e.ep, send, arr, LANE_P2P, tag, s[0], e.ep.peer)
+        run.k, run.pending = 1, [m]
+        return self._qpost(None, None, run, arr, name, s[1], tag)
 
     def _qpost(self, ring, m: _Msg, run, arr: np.ndarray, name: str, dt: str,
                tag: int) -> Request:

@@ -695,9 +695,13 @@ class TcpEndpoint:
         self.polled = -1e18         # time.monotonic() of send()'s last look at the peer
         self.fails = 0              # _fails then
 
+    def look_due(self) -> bool:
+        """Is a send due to look at the peer first (``_send_check``)?"""
+        return self.failure is not None or self.fails != _fails or \
+            time.monotonic() - self.polled > _SEND_CHECK
+
     def send(self, src: np.ndarray, lane: int, tag: int, sig: int) -> _Send:
-        if self.failure is not None or self.fails != _fails or \
-                time.monotonic() - self.polled > _SEND_CHECK:
+        if self.look_due():
             self._send_check()
         total = src.nbytes
         mv = memoryview(src)
