@@ -176,14 +176,19 @@ def check_writable(b: Buf, what: str) -> None:
                          f"(pass a writable array)")
 
 
-def empty_like(b: Buf, count: int, shape: tuple[int, ...] | None = None) -> tuple[Any, Buf]:
+def empty_like(b: Buf, count: int, shape: tuple[int, ...] | None = None,
+               stream: int | None = None) -> tuple[Any, Buf]:
     """A new array of the same kind and dtype as ``b`` with ``count`` elements
     (``shape`` if given): a PyTorch tensor for a PyTorch input (``new_empty``),
-    else a NumPy array."""
+    else a NumPy array.  A device array is taken from its pool for ``stream`` (the
+    stream of the call that writes it, resolved by the caller): CuPy's and PyTorch's
+    pools are stream-ordered, and a block taken for another stream may still be read
+    there by kernels of its previous owner, or be handed out there again while this
+    call's stream still writes it."""
     shape = shape if shape is not None else (count,)
     if b.kind != "host":   # on the same device, of the same kind (CuPy, torch, ...)
         from . import device
-        obj = device.get().empty(shape, b.dtype, b.owner)
+        obj = device.get().empty(shape, b.dtype, b.owner, stream)
         return obj, as_buf(obj, "out")
     new_empty = getattr(b.owner, "new_empty", None)
     if new_empty is not None and not isinstance(b.owner, np.ndarray):

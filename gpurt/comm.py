@@ -1231,6 +1231,16 @@ class Communicator:
                              f"{count} expected")
         return ob
 
+    def _new_out(self, xb: Buf, count: int, shape: tuple[int, ...], stream: Any) -> tuple:
+        """A result for ``out=None`` like ``xb``: for device memory taken for the stream the
+        call will run on (``stream=``, else ``xb``'s, else the current one), which is also
+        the stream the result is ready on."""
+        st = None
+        if xb.kind != "host":
+            with _ranked(self.rank):
+                st = devpath.stream_of(self.dev, stream, xb)
+        return empty_like(xb, count, shape, st)
+
     def _same_kind(self, x: Buf, ob: Buf, what: str = "out") -> None:
         if ob.kind != x.kind:
             raise TypeError(f"rank {self.rank}: {what} is {ob.kind} memory and x is {x.kind} "
@@ -1857,7 +1867,7 @@ class Communicator:
         self._check_open()
         xb = self._in(x)
         if out is None:
-            out, ob = empty_like(xb, self.size * xb.count, (self.size,) + xb.shape)
+            out, ob = self._new_out(xb, self.size * xb.count, (self.size,) + xb.shape, stream)
         else:
             ob = self._out(out, xb, self.size * xb.count)
             self._distinct(xb, ob, "allgather")
@@ -1882,7 +1892,7 @@ class Communicator:
         o = self._op(op, xb.dtype)
         n = self._blocks(xb, "reduce_scatter")
         if out is None:
-            out, ob = empty_like(xb, n, self._blocked_shape(xb, self.size))
+            out, ob = self._new_out(xb, n, self._blocked_shape(xb, self.size), stream)
         else:
             ob = self._out(out, xb, n)
             self._distinct(xb, ob, "reduce_scatter")
@@ -1911,7 +1921,7 @@ class Communicator:
         xb = self._in(x)
         n = self._blocks(xb, "alltoall")
         if out is None:
-            out, ob = empty_like(xb, xb.count, xb.shape)
+            out, ob = self._new_out(xb, xb.count, xb.shape, stream)
         else:
             ob = self._out(out, xb, xb.count)
             self._distinct(xb, ob, "alltoall")
@@ -1939,7 +1949,7 @@ class Communicator:
         ob, result = None, None
         if self.rank == root:
             if out is None:
-                out, ob = empty_like(xb, self.size * xb.count, (self.size,) + xb.shape)
+                out, ob = self._new_out(xb, self.size * xb.count, (self.size,) + xb.shape, stream)
             else:
                 ob = self._out(out, xb, self.size * xb.count)
                 self._distinct(xb, ob, "gather")
@@ -1972,7 +1982,7 @@ class Communicator:
                 raise ValueError(f"rank {self.rank}: scatter: pass out= (or x with the full "
                                  f"shape, to allocate out) on every rank that is not the root")
             n = self._blocks(xb, "scatter")
-            out, ob = empty_like(xb, n, self._blocked_shape(xb, self.size))
+            out, ob = self._new_out(xb, n, self._blocked_shape(xb, self.size), stream)
         else:
             with _ranked(self.rank):
                 ob = self._host(as_buf(out, "out"), "out")

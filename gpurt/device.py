@@ -45,8 +45,10 @@ Interface (all methods; errors are raised as ``gpurt.errors.TransportError`` or
   alloc(nbytes, stream=None) -> view     scratch device memory for use on ``stream`` (CuPy's
                                          pool is stream-ordered; freed with the view: keep
                                          it until an event after its last use has fired)
-  empty(shape, dtype, like) -> object    a user-facing array of ``like``'s kind (CuPy array,
-                                         torch tensor, stand-in array) for ``out=None``
+  empty(shape, dtype, like, stream=None) -> object
+                                         a user-facing array of ``like``'s kind (CuPy array,
+                                         torch tensor, stand-in array) for ``out=None``,
+                                         taken from its pool for ``stream`` (the call's)
   pinned(nbytes) -> numpy uint8 array    page-locked host memory (staging)
   current_stream() -> int
   event(ipc: bool) -> Event              ``.handle`` (bytes) when ipc

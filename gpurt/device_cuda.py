@@ -21,6 +21,7 @@ hand the bytes to the next allocation on the same stream at once).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import threading
@@ -566,10 +567,12 @@ class CudaBackend:
         finally:
             self._leave(prev)
 
-    def empty(self, shape, dtype, like):
+    def empty(self, shape, dtype, like, stream: int | None = None):
         """A new array like ``like``: a torch tensor (same device) for a torch input, a CuPy
         array on ``like``'s device for CuPy (or any other ``__cuda_array_interface__``)
-        input.  bfloat16 exists only as a torch tensor here."""
+        input.  bfloat16 exists only as a torch tensor here.  ``stream`` (a raw handle):
+        the stream that will write it, which the block is taken from the pool for (both
+        pools are stream-ordered; ``None``: the current stream)."""
         shape = tuple(int(s) for s in shape) if isinstance(shape, (tuple, list)) else \
             (int(shape),)
         dtype = np.dtype(dtype)
@@ -579,7 +582,8 @@ class CudaBackend:
 
             tdt = like.dtype if _torch_matches(like.dtype, dtype) else _torch_dtype(dtype)
             try:
-                return torch.empty(shape, dtype=tdt, device=like.device)
+                with _torch_stream(torch, like.device, stream):
+                    return torch.empty(shape, dtype=tdt, device=like.device)
             except Exception as e:  # noqa: BLE001
                 _reraise(f"torch.empty({shape}, {tdt})", e)
         if is_bfloat16(dtype):
@@ -596,7 +600,11 @@ class CudaBackend:
             dev = self.device_of(ptr) if ptr else self._device
         try:
             with cp.cuda.Device(dev):
-                return cp.empty(shape, dtype=dtype)
+                if stream is None or stream == cp.cuda.get_current_stream().ptr or \
+                        dev != self._device:      # (_stream's streams are on ours)
+                    return cp.empty(shape, dtype=dtype)
+                with self._stream(int(stream)):
+                    return cp.empty(shape, dtype=dtype)
         except Exception as e:  # noqa: BLE001
             _reraise(f"cupy.empty({shape}, {dtype})", e)
 
@@ -821,6 +829,17 @@ def _torch_dtype(dtype: np.dtype):
     if is_bfloat16(dtype):
         return torch.bfloat16
     return torch.from_numpy(np.empty(0, dtype)).dtype
+
+
+def _torch_stream(torch, device, stream: int | None):
+    """A context in which ``stream`` (a raw handle) is PyTorch's current stream on
+    ``device``, so that its caching allocator takes the block for that stream (nothing to
+    do for None, or where it is current already)."""
+    if stream is None or int(torch.cuda.current_stream(device).cuda_stream) == int(stream):
+        return contextlib.nullcontext()
+    if int(stream) in (0, 1):      # the legacy default stream: PyTorch's default stream
+        return torch.cuda.stream(torch.cuda.default_stream(device))
+    return torch.cuda.stream(torch.cuda.ExternalStream(int(stream), device=device))
 
 
 def _torch_matches(tdt, dtype: np.dtype) -> bool:

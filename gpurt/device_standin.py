@@ -530,11 +530,12 @@ class StandinBackend:
         a = _Alloc(nbytes, StandinBackend._device)
         return View(a.map.base, nbytes, _U8, a)
 
-    def empty(self, shape, dtype, like) -> Array:
-        """On ``like``'s device and, like it, tagged with its stream (what the result of
-        a call on that stream is ordered on)."""
+    def empty(self, shape, dtype, like, stream: int | None = None) -> Array:
+        """On ``like``'s device, tagged with the stream of the call that writes it
+        (``stream``, else ``like``'s): what later work on the result is ordered after,
+        as CuPy's and PyTorch's pools take a block for the stream that will use it."""
         return Array(shape, dtype, device=getattr(like, "device", None),
-                     stream=getattr(like, "stream", None))
+                     stream=stream if stream is not None else getattr(like, "stream", None))
 
     def pinned(self, nbytes: int) -> np.ndarray:
         return np.empty(nbytes, np.uint8)

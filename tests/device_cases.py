@@ -73,6 +73,29 @@ def case_streams(comm) -> None:
     comm.allreduce(y, stream=s2)          # an object with .ptr
     s2.synchronize()
     assert (y.get() == 2 * total).all(), "stream= object"
+    # out=None with stream=: the result is taken for the call's stream and tagged with it
+    # (so later work on it is ordered after the call), not with the current stream's
+    q = 7
+    yb = si.zeros(p * q, np.float32)
+    si.fill(yb, r + 1.0, stream=s2.ptr)
+    calls = {"allgather": (lambda: comm.allgather(yb, stream=s2.ptr),
+                           np.repeat(np.arange(1.0, p + 1), p * q)),
+             "reduce_scatter": (lambda: comm.reduce_scatter(yb, stream=s2.ptr),
+                                np.full(q, float(total))),
+             "alltoall": (lambda: comm.alltoall(yb, stream=s2.ptr),
+                          np.repeat(np.arange(1.0, p + 1), q)),
+             "gather": (lambda: comm.gather(yb, root=p - 1, stream=s2.ptr),
+                        np.repeat(np.arange(1.0, p + 1), p * q) if r == p - 1 else None),
+             "scatter": (lambda: comm.scatter(yb, root=0, stream=s2.ptr), np.full(q, 1.0))}
+    for name, (call, want) in calls.items():
+        res = call()
+        if want is None:
+            assert res is None, (name, "off the root")
+            continue
+        assert res.stream == s2.ptr, (name, "out=None not taken for stream=", res.stream)
+        assert (res.get().reshape(-1) == want).all(), (name, res.get().reshape(-1)[:4])
+        si.fill(res, -1.0)       # on the result's stream: after the call's writes
+        assert (res.get() == -1.0).all(), (name, "a kernel on the result's stream")
     # 3. the current stream
     s3 = si.Stream()
     z = si.zeros(n, np.int64)

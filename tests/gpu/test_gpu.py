@@ -290,6 +290,46 @@ def test_empty_like_cupy_and_torch(be, cp):
     assert w.dtype == torch.float64
 
 
+def test_empty_is_taken_for_the_calls_stream(be, cp):
+    """An out=None result comes from the pool for the stream the call writes on (CuPy's
+    and PyTorch's pools are stream-ordered), not for whatever stream is current."""
+    seen = []
+    pool = cp.get_default_memory_pool()
+
+    def alloc(nbytes):
+        seen.append(cp.cuda.get_current_stream().ptr)
+        return pool.malloc(nbytes)
+
+    s = cp.cuda.Stream(non_blocking=True)
+    x = cp.zeros(8, cp.float32)
+    cur = cp.cuda.get_current_stream().ptr
+    assert cur != s.ptr
+    prev = cp.cuda.get_allocator()
+    cp.cuda.set_allocator(alloc)
+    try:
+        be.empty((8,), np.dtype(np.float32), x, s.ptr)
+        be.empty((8,), np.dtype(np.float32), x)
+        be.empty((8,), np.dtype(np.float32), x, cur)
+    finally:
+        cp.cuda.set_allocator(prev)
+    assert seen == [s.ptr, cur, cur]
+    assert cp.cuda.get_current_stream().ptr == cur
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    ts = torch.cuda.Stream()
+    t = torch.zeros(4, device="cuda:0")
+    u = be.empty((1 << 20,), np.dtype(np.float32), t, ts.cuda_stream)
+    assert torch.cuda.current_stream().cuda_stream != ts.cuda_stream   # (restored)
+    ptr = u.data_ptr()
+    del u          # back to the free blocks of ts: taken again on ts, not on another stream
+    w = torch.empty(1 << 20, device="cuda:0")
+    assert w.data_ptr() != ptr
+    with torch.cuda.stream(ts):
+        v = torch.empty(1 << 20, device="cuda:0")
+    assert v.data_ptr() == ptr
+
+
 def test_info_never_raises(be):
     info = be.info()
     assert info["available"] and info["gpus"] and len(info["p2p"]) == len(info["gpus"])
