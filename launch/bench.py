@@ -1048,6 +1048,8 @@ def _fail(cfg: dict, e: BaseException, together: float = 2.0) -> None:
         from mpi4py import MPI
     except Exception:  # noqa: BLE001 - no MPI: nobody to wait for
         return
+    if MPI.Is_finalized() or not MPI.Is_initialized():
+        return          # MPI has ended (or never began) in this process: no peers to tell
     try:
         req = MPI.COMM_WORLD.Ibarrier()
         deadline = time.monotonic() + together

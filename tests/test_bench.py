@@ -769,6 +769,20 @@ def test_a_memory_error_is_one_line_not_a_traceback(capsys):
            "TiB): a smaller -e" in err and "Traceback" not in err, err
 
 
+def test_a_failure_after_mpi_ended_in_the_process_is_reported_not_aborted():
+    """_fail in a process whose MPI was finalized (a pytest process that ran another
+    test's communicators first): it reports and returns; the barrier it used to try
+    raised there and its MPI_Abort killed the whole process."""
+    code = ("from mpi4py import MPI; MPI.Finalize()\n"
+            "from launch import bench\n"
+            "bench._fail({'lib': 'gpurt'}, ValueError('bad -b'), together=0.5)\n"
+            "print('returned')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, cwd=str(ROOT))
+    assert proc.returncode == 0 and "returned" in proc.stdout, (proc.returncode, proc.stderr)
+    assert "gpurt bench: gpurt on rank 0: ValueError: bad -b" in proc.stderr, proc.stderr
+
+
 def test_an_output_path_that_cannot_be_written_is_refused_before_the_launch(tmp_path):
     """--json into /proc (os.access says yes to root there): the write is tried before
     the sweep, not after it (the measurements were lost to a FileNotFoundError)."""
