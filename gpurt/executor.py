@@ -29,7 +29,7 @@ import numpy as np
 
 from . import memcopy
 from .errors import (CollectiveMismatchError, CollectiveTimeout, CommunicatorClosed, GpurtError,
-                     TransportError)
+                     PeerFailure, TransportError)
 from .schedule import Copy, Recv, Schedule, Send, Slice
 from .wait import Backoff
 
@@ -903,7 +903,14 @@ class Engine:
         if not isinstance(e, GpurtError):
             return  # keep foreign exceptions (NumPy's, KeyboardInterrupt) as they are
         if e.args and isinstance(e.args[0], str) and not e.args[0].startswith(prefix):
-            e.args = (prefix + where + e.args[0],) + e.args[1:]
+            text = e.args[0]
+            if isinstance(e, PeerFailure) and e.rank == self.rank:
+                # a rank the others gave up on hears it back relayed ("rank 0 failed:
+                # PeerFailure[rank=1]: ..."): say plainly that it is the one blamed
+                text = ("the other ranks declared this rank failed (it was stopped, hung "
+                        "or cut off for longer than they wait for a rank), and the "
+                        "communicator is poisoned; what they saw: " + text)
+            e.args = (prefix + where + text,) + e.args[1:]
 
     def run_inline(self, run, name: str, seq: int, timeout: float | None) -> None:
         """Drive one collective to completion right here — the blocking fast path, used

@@ -637,15 +637,23 @@ STOPPED_PEER = """
 import numpy as np, gpurt, os, signal, sys, time
 freeze, outdir, how = float(sys.argv[1]), sys.argv[2], sys.argv[3]
 c = gpurt.init()
-def report(text):   # one file per rank: the launcher interleaves stdout
-    with open(os.path.join(outdir, f"rank{c.rank}"), "w") as f:
+def report(text):   # one file per rank (the launcher interleaves stdout), whole at once
+    path = os.path.join(outdir, f"rank{c.rank}")
+    with open(path + ".part", "w") as f:
         f.write(text)
+    os.replace(path + ".part", path)
 x = np.ones(8, np.float32)
 c.allreduce(x)
 if c.rank == 1:
-    os.kill(os.getpid(), signal.SIGSTOP)   # with freeze > 0, rank 2 wakes us up
-    c.allreduce(x, timeout=60)
-    report("rank 1: resumed and done")
+    os.kill(os.getpid(), signal.SIGSTOP)   # rank 2 (freeze > 0) or rank 0 wakes us up
+    said = []
+    for _ in range(1 if freeze else 2):   # (freeze 0: the others gave up on it meanwhile)
+        try:
+            c.allreduce(x, timeout=60)
+            said.append(f"done {x[0]:g}")
+        except gpurt.GpurtError as e:
+            said.append(f"{type(e).__name__} rank={getattr(e, 'rank', None)}: {e}")
+    report("rank 1: resumed: " + " | ".join(said))
     os._exit(0)
 if c.rank == 2 and freeze > 0:
     time.sleep(freeze)
@@ -662,11 +670,20 @@ try:
     report(f"rank {c.rank}: done after {time.monotonic() - t:.1f}s")
 except gpurt.PeerFailure as e:
     report(f"rank {c.rank}: PeerFailure rank={e.rank} after {time.monotonic() - t:.1f}s: {e}")
-    if c.rank == 0:   # once rank 2 has reported too, don't leave rank 1 stopped
+    def reported(r):
         deadline = time.monotonic() + 20
-        while not os.path.exists(os.path.join(outdir, "rank2")) and time.monotonic() < deadline:
+        while not os.path.exists(os.path.join(outdir, f"rank{r}")) and \
+                time.monotonic() < deadline:
             time.sleep(0.05)
-        os.kill(c.pids[1], signal.SIGKILL)
+    if c.rank == 0:   # once rank 2 has reported too, wake rank 1: what does it hear?
+        reported(2)
+        os.kill(c.pids[1], signal.SIGCONT)
+    reported(1)       # (both stay until it has said, so that no rank's exit is its news)
+    if c.rank == 0:
+        try:          # (gone already where it said, and ended)
+            os.kill(c.pids[1], signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 os._exit(0)
 """
 
@@ -681,7 +698,9 @@ def test_stopped_peer_is_a_failure_after_the_bound_and_a_short_freeze_is_not(fre
     shm sees the state of a local process; tcp (as between nodes, where the stopped
     process's kernel keeps the connections alive) sees its heartbeats stop.  The same
     whether the survivors block in the call or poll a request's ``test()`` (which asked
-    no peer's liveness before: the loop never ended)."""
+    no peer's liveness before: the loop never ended).  Woken after the survivors gave up
+    on it, the stopped rank hears that it is the one declared failed (it heard its own
+    rank relayed back as a peer's failure, "rank 0 failed: PeerFailure[rank=1]")."""
     if not is_hydra():
         pytest.skip("uses MPICH hydra's -disable-auto-cleanup; this launcher is not hydra")
     proc = subprocess.run([*mpiexec(), "-disable-auto-cleanup", "-n", "3", sys.executable, "-c",
@@ -701,7 +720,21 @@ def test_stopped_peer_is_a_failure_after_the_bound_and_a_short_freeze_is_not(fre
             assert "PeerFailure rank=1 " in line and why in line, got
             assert 3.0 <= float(line.split(" after ")[1].split("s:")[0]) < 8.0, line
     if freeze:
-        assert got.get("rank1") == "rank 1: resumed and done", got
+        assert got.get("rank1") == "rank 1: resumed: done 9", got
+    else:
+        # woken after the others gave it up: its call either completed from what they
+        # had posted (exact), or it hears that it is the one declared failed, saying so
+        # plainly (it was relayed back naming itself); the next call hears it too (or
+        # that the communicator is poisoned by it, where the first call failed)
+        said = got.get("rank1", "").removeprefix("rank 1: resumed: ").split(" | ")
+        blamed = "the other ranks declared this rank failed"
+        assert len(said) == 2, got
+        assert said[0] == "done 9" or said[0].startswith(
+            "PeerFailure rank=1: rank 1: in allreduce (call #2): " + blamed), got
+        assert said[1].startswith(("PeerFailure rank=1: rank 1: in allreduce (call #3): ",
+                                   "CommunicatorClosed rank=None: rank 1: communicator "
+                                   "unusable after an earlier failure")), got
+        assert blamed in said[1] and why in said[1], got
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
