@@ -845,12 +845,12 @@ class Communicator:
         costs one memcpy instead of ``process_vm_readv``/``writev`` (about three times
         slower).  Allocate the buffers you reuse with it; any array still works anywhere.
         Local to this rank (not collective); the array outlives the communicator."""
-        with _ranked(self.rank):
+        with _ranked(self.rank, (ValueError, TypeError, ResourceError)):
             return sharedmem.empty(shape, dtype)
 
     def zeros(self, shape, dtype=np.float32) -> np.ndarray:
         """``empty``, zero-filled."""
-        with _ranked(self.rank):
+        with _ranked(self.rank, (ValueError, TypeError, ResourceError)):
             return sharedmem.zeros(shape, dtype)
 
     # -- the funnel ----------------------------------------------------------------
@@ -2500,7 +2500,8 @@ class Communicator:
         the call first tries ``shm_direct`` (taken when every rank's buffers are
         reachable; the table's choice is then the fallback); across nodes, whether it is
         folded into the agreement's exchange."""
-        nbytes = _nbytes(nbytes)
+        with _ranked(self.rank):
+            nbytes = _nbytes(nbytes)
         with _ranked(self.rank, ValueError):
             text = self.tuner.explain(collective, nbytes)
         if self.direct_choice(collective, nbytes):
@@ -2527,8 +2528,10 @@ class Communicator:
     def candidates(self, collective: str, nbytes: int) -> list[dict]:
         """The same as ``explain`` as data: ``[{"algorithm", "predicted_s", "chosen"}]``,
         cheapest first (a forced choice — ``GPURT_ALGO`` — is marked chosen)."""
+        with _ranked(self.rank):
+            n = _nbytes(nbytes)
         with _ranked(self.rank, ValueError):
-            return self.tuner.table(collective, _nbytes(nbytes))
+            return self.tuner.table(collective, n)
 
     def abort(self, reason: str = "aborted by the application") -> None:
         """Fail every request in flight and poison the communicator (local, immediate)."""

@@ -999,7 +999,14 @@ class Engine:
                         return
                     raise
                 if now >= deadline:
-                    raise timed_out(timeout, waiting_on())
+                    # who is missing now, then one last step: a part that came since the
+                    # step above completes the call (a timeout of 0 s often finds it so:
+                    # it named nobody); else the ranks named were missing at the deadline
+                    exc = timed_out(timeout, waiting_on())
+                    step()
+                    if finished():
+                        return
+                    raise exc
 
     def pending_peers(self, naming: bool = False) -> list[int]:
         """The peers the runs in flight wait on (liveness is asked of them); ``naming``:

@@ -295,6 +295,29 @@ def test_nonblocking_variants(comm):
         make().wait()
 
 
+def test_a_zero_timeout_wait_names_who_is_missing_or_completes(comm):
+    """``wait(timeout=0)`` right after posting: it completes where the call can complete
+    without waiting, else its CollectiveTimeout names a rank that was missing (a third of
+    them named nobody, "still waiting for rank(s) []": the peer's part came between the
+    last step and the naming); a later wait completes the call, exact."""
+    p, r = comm.size, comm.rank
+    timeouts = 0
+    for i in range(150):
+        x = np.full(8, r + i, np.float32)
+        q = comm.iallreduce(x)
+        try:
+            q.wait(timeout=0)
+        except gpurt.CollectiveTimeout as e:
+            timeouts += 1
+            assert p > 1 and e.missing and all(0 <= k < p and k != r for k in e.missing), \
+                (str(e), e.missing)
+            assert f"still waiting for rank(s) {list(e.missing)}" in str(e), str(e)
+            q.wait(timeout=30)
+        assert q.done and (x == sum(q_ + i for q_ in range(p))).all(), (i, x[:2])
+    if p == 1:
+        assert timeouts == 0
+
+
 def test_point_to_point(comm):
     p, r = comm.size, comm.rank
     if p == 1:
@@ -751,6 +774,12 @@ def test_argument_errors_name_the_rank_and_the_argument(comm):
     with pytest.raises(TypeError, match=rf"rank {r}: gpurt.empty: data type 'nope' not "
                                         r"understood"):
         comm.zeros(4, "nope")
+    with pytest.raises(gpurt.ResourceError, match=rf"rank {r}: gpurt.empty: cannot allocate "):
+        comm.empty(2 ** 50)                         # 4 PiB
+    with pytest.raises(ValueError, match=rf"rank {r}: nbytes must be >= 0, got -5"):
+        comm.explain("allreduce", -5)
+    with pytest.raises(TypeError, match=rf"rank {r}: nbytes must be an integer, got 1.5"):
+        comm.candidates("allreduce", 1.5)
     y = np.full(3, r + 1.0)
     comm.allreduce(y, timeout=30)                   # in step
     assert (y == p * (p + 1) / 2).all()
