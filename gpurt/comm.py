@@ -38,6 +38,7 @@ from typing import Any, Callable
 import numpy as np
 
 from . import callsite, config, devpath, flight, memcopy, sharedmem, wait
+from . import executor as _executor
 from .buffers import Buf, as_buf, check_writable, empty_like, overlaps, same
 from .errors import (CollectiveMismatchError, CollectiveTimeout, CommunicatorClosed,
                      GpurtError, ResourceError, relay_text,
@@ -3322,14 +3323,18 @@ def _close_all() -> None:  # runs before mpi4py's own finalisation (registered e
 
 def _dying_of_a_failure() -> bool:
     """Does this process end on an unhandled gpurt failure (a timeout, a failed peer, a
-    mismatch: the job has failed, and a peer may never come to MPI_Finalize)?  Not in an
-    interactive session, whose shown errors also leave ``sys.last_value``; not for the
-    program's own exceptions (the other ranks may still have work to finish, a
+    mismatch: the job has failed, and a peer may never come to MPI_Finalize)?  Or on any
+    unhandled exception after such a failure had poisoned one of its communicators (the
+    program caught the PeerFailure, then died of something else: MPI_Finalize waited for
+    the failed peer for ever — a stopped one never comes).  Not in an interactive session,
+    whose shown errors also leave ``sys.last_value``; not for the program's own exceptions
+    in a job that has not failed (the other ranks may still have work to finish, a
     checkpoint to write: MPI_Finalize waits for them as before)."""
     if hasattr(sys, "ps1") or sys.flags.interactive:
         return False
     dying = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
-    return isinstance(dying, GpurtError)
+    return isinstance(dying, GpurtError) or (dying is not None and
+                                             _executor.JOB_FAILED is not None)
 
 
 def _finalize_bounded(MPI, code: int = 1) -> None:

@@ -577,6 +577,13 @@ def wait_mpi(req, spin: float = 0.0) -> None:
         backoff.pause()
 
 
+#: the first failure of the job that poisoned an engine of this process (a failed peer,
+#: a timeout, a mismatch, a transport's error; not a close or a Ctrl-C): the process
+#: dying later of any unhandled exception leaves MPI_Finalize bounded
+#: (``comm._dying_of_a_failure``), since a peer may never come to it
+JOB_FAILED: "BaseException | None" = None
+
+
 def _count_engine(k: int) -> None:
     global _LIVE_ENGINES
     _LIVE_ENGINES += k
@@ -778,9 +785,13 @@ class Engine:
 
     def poison(self, exc: BaseException) -> None:
         if self.poisoned is None:
+            global JOB_FAILED
             self.teller = threading.get_ident()
             self.poisoned = exc
             _count_engine(-1)
+            if JOB_FAILED is None and isinstance(exc, GpurtError) and \
+                    not isinstance(exc, CommunicatorClosed):
+                JOB_FAILED = exc
             if self.on_poison is None:
                 self.told.set()
             else:       # (it sets told once the peers know, or leaves that to on_stopped)

@@ -242,23 +242,36 @@ c = gpurt.init()
 c.allreduce(np.ones(4))
 if c.rank == 1:
     time.sleep(120)             # never comes to the call, nor to MPI_Finalize in time
+if sys.argv[1] == "caught":     # the program handles the failure, then dies of its own error
+    try:
+        c.allreduce(np.ones(4), timeout=2)
+    except gpurt.CollectiveTimeout:
+        raise KeyError("the program's own error, after the timeout it caught") from None
 c.allreduce(np.ones(4), timeout=2)      # raises CollectiveTimeout: unhandled
 """
 
 
-def test_a_rank_dying_of_an_unhandled_error_ends_the_job_though_a_peer_sleeps():
+@pytest.mark.parametrize("how", ["raise", "caught"])
+def test_a_rank_dying_of_an_unhandled_error_ends_the_job_though_a_peer_sleeps(how):
     """Ranks 0 and 2 die of an unhandled CollectiveTimeout while rank 1 sleeps outside
     gpurt: MPI_Finalize at their exit waited for rank 1, so the job lived as long as
     rank 1 slept (for ever if it never came; review of the launcher). Now a dying process
-    gives MPI_Finalize max(2 s, GPURT_PEER_STOPPED) and then leaves, and the job ends."""
+    gives MPI_Finalize max(2 s, GPURT_PEER_STOPPED) and then leaves, and the job ends.
+    The same where the program caught the timeout and then died of an error of its own
+    (it waited for ever: a bug hunt's rank that caught PeerFailure, then failed to kill
+    the stopped peer)."""
     t0 = time.monotonic()
-    proc = subprocess.run([*mpiexec(), "-n", "3", sys.executable, "-c", _DIES_WHILE_A_RANK_SLEEPS],
+    proc = subprocess.run([*mpiexec(), "-n", "3", sys.executable, "-c",
+                           _DIES_WHILE_A_RANK_SLEEPS, how],
                           cwd=ROOT, capture_output=True, text=True, timeout=110,
                           env=dict(os.environ, GPURT_PEER_STOPPED="3"))
     took = time.monotonic() - t0
     assert proc.returncode != 0, proc.stdout + proc.stderr
     assert took < 60, f"the job took {took:.0f} s"
-    assert "CollectiveTimeout: rank 0: allreduce (call #2)" in proc.stderr, proc.stderr
+    if how == "raise":
+        assert "CollectiveTimeout: rank 0: allreduce (call #2)" in proc.stderr, proc.stderr
+    else:
+        assert "KeyError: \"the program's own error" in proc.stderr, proc.stderr
     assert "rank 0 of MPI_COMM_WORLD" in proc.stderr and \
         "MPI_Finalize still waits 3 s" in proc.stderr, proc.stderr
 
