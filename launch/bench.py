@@ -21,16 +21,19 @@ columns and the formulas (bus bandwidth factors, the memory ceiling).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
 import os
 import platform
 import shlex
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from time import perf_counter
@@ -694,6 +697,19 @@ def _quiet_barrier(comm) -> None:
         time.sleep(0.0005)
 
 
+def _yielding_barrier(comm) -> None:
+    """A barrier that gives its CPU away between polls (``sched_yield``) instead of
+    spinning in MPI's progress loop: what follows a timed region, so that a rank done
+    with it never takes the CPU from one still timing (with more ranks than cores, that
+    rank's last call came out 10-100x too long, and loop/mean/p99 with it).  Not
+    ``_quiet_barrier``: ranks that slept there ran the next timed block slower, every
+    call of it (3 ranks on 2 cores, 4 KiB allreduce: p50 ~20 us -> ~40 us), where this
+    keeps them as before."""
+    req = comm.Ibarrier()
+    while not req.Test():
+        os.sched_yield()
+
+
 def measure_ceiling(comm, nbytes: int, reps: int = 3) -> dict:
     """Memory bandwidth from ``np.copyto`` of ``nbytes``, counted as bytes read + written
     per second: per rank with every rank copying at once (the ceiling), and rank 0 alone."""
@@ -708,6 +724,7 @@ def measure_ceiling(comm, nbytes: int, reps: int = 3) -> dict:
         t0 = perf_counter()
         np.copyto(dst, src)
         t = perf_counter() - t0
+        _yielding_barrier(comm)  # (not spinning in the allreduce beside a rank that copies)
         together.append(comm.allreduce(t, op=MPI.MAX))
     alone = []
     _quiet_barrier(comm)
@@ -822,7 +839,9 @@ def measure_device_ceiling(comm, io: DeviceIO, nbytes: int, reps: int = 5) -> di
         t0 = perf_counter()
         io.copy(dst, src)
         io.sync()
-        together.append(comm.allreduce(perf_counter() - t0, op=MPI.MAX))
+        t = perf_counter() - t0
+        _yielding_barrier(comm)  # (not spinning in the allreduce beside a rank that copies)
+        together.append(comm.allreduce(t, op=MPI.MAX))
     _quiet_barrier(comm)
     if comm.Get_rank() == 0:
         for _ in range(reps):
@@ -949,6 +968,11 @@ def _sweep(libs: list[_Lib], cfg: dict) -> list[dict] | None:
                     a = call()
                     tk[i] = perf_counter() - t0
                     ak.append(a)
+                # before the next block's Barrier or the gathers below: a rank done with
+                # its loop spun there in MPI's progress loop and, with more ranks than
+                # cores, took the CPU from a rank still in its last timed call (which
+                # yields rather than spins then) — the same for every library timed here
+                _yielding_barrier(ctl)
         for k, lb in enumerate(libs):
             every = ctl.gather(times[k], 0)
             wrong = None
@@ -1111,7 +1135,129 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class _Stopped(BaseException):
+    """SIGINT or SIGTERM reached `gpurt bench` while it launched (``_stop_on_signals``).
+    (A BaseException: no ``except Exception`` on its way out swallows it.)"""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _stop_on_signals():
+    """While the launches run, SIGINT and SIGTERM raise _Stopped: ``_launch`` stops the
+    running job on its way out, as `gpurt launch` does, ``run_bench`` removes its
+    directory, and ``bench_command`` exits 128 + N.  (SIGTERM's default action ended this
+    process alone: mpiexec and the ranks ran on, orphaned, beside the directory and
+    MPICH's segment.)  A second signal while the first is handled is ignored: the
+    stopping runs to its end."""
+    got: list[int] = []
+
+    def on_signal(signum, _frame) -> None:
+        if not got:
+            got.append(signum)
+            raise _Stopped(signum)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield       # (signal handlers are the main thread's to set)
+        return
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _start(cmd: list[str], env: dict) -> subprocess.Popen:
+    """``cmd`` (the launcher) started as `gpurt launch` starts it: in a session of its
+    own, so that its process group is the job's to stop (``_stop_launch``) and a Ctrl-C
+    at the terminal reaches the job through ``_stop_on_signals`` only; with SIGTERM when
+    this process dies (even by SIGKILL: hydra then ends the ranks); and one line, not a
+    traceback, when it cannot be started (a bad $GPURT_MPIEXEC)."""
+    from gpurt.launch.launcher import _set_pdeathsig, quote
+    me = os.getpid()
+
+    def orphan_guard() -> None:          # (in the child, before the exec)
+        _set_pdeathsig(signal.SIGTERM)
+        if os.getppid() != me:           # (this process already gone before the prctl)
+            os._exit(1)
+
+    try:
+        return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=sys.stderr,
+                                stderr=sys.stderr, start_new_session=True,
+                                preexec_fn=orphan_guard)
+    except OSError as e:
+        raise click.ClickException(f"cannot start {quote(cmd)}: {e}") from None
+
+
+def _job_processes(token: str) -> dict[int, set[str]]:
+    """This host's processes whose command line holds ``token`` (a launch's config file:
+    mpiexec and its ranks), each with the MPI library's /dev/shm segments it maps."""
+    from gpurt.launch.launcher import _MPI_SHM_PREFIXES
+    out: dict[int, set[str]] = {}
+    try:
+        pids = [int(d) for d in os.listdir("/proc") if d.isdigit()]
+    except OSError:
+        return out
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:   # (empty for a zombie)
+                if token.encode() not in f.read():
+                    continue
+            segs = set()
+            with open(f"/proc/{pid}/maps", errors="replace") as f:
+                for line in f:
+                    name = line.rstrip("\n").split(maxsplit=5)[-1]
+                    if name.startswith("/dev/shm/"):
+                        name = name[len("/dev/shm/"):].removesuffix(" (deleted)")
+                        if name.startswith(_MPI_SHM_PREFIXES):
+                            segs.add(name)
+        except (OSError, ValueError):
+            continue
+        out[pid] = segs
+    return out
+
+
+def _stop_launch(proc: subprocess.Popen, token: str, shm_before: set[str]) -> None:
+    """Stop a running launch as `gpurt launch` stops its job (launcher._stop: a signal to
+    the launcher, which passes it on to every rank, then SIGTERM, then SIGKILL to its
+    process group); then end any rank still here (hydra runs each in a session of its
+    own, out of that group's reach), and remove the MPI library's segments that the
+    ranks mapped and nothing maps any more: ranks ended by a signal never unlink MPICH's
+    (`gpurt launch` only names them; here they are known to be this job's).  The first
+    signal is SIGTERM, for a Ctrl-C too: the ranks run our worker, not a user's program
+    that may want its SIGINT, and a SIGINT had each print a KeyboardInterrupt traceback."""
+    from gpurt.launch.launcher import STOP_GRACE, _group_alive, _orphaned, _stop
+    ranks = _job_processes(token)        # (while they run: the segments they map)
+    segments = {s for segs in ranks.values() for s in segs} - shm_before
+    _stop(proc, proc.pid, signal.SIGTERM)
+    if _group_alive(proc.pid):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for last in (False, True):      # a grace, then SIGKILL and another (bounded: no hang)
+        deadline = time.monotonic() + STOP_GRACE
+        while (left := _job_processes(token)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not left or last:
+            break
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for name in _orphaned(sorted(segments)):
+        try:
+            os.unlink(os.path.join("/dev/shm", name))
+        except OSError:
+            pass
+
+
 def _launch(cfg: dict, nranks: int, tmp: Path, tag: str) -> dict:
+    from gpurt.launch.launcher import _mpi_shm_files
     cfg = dict(cfg, result=str(tmp / f"{tag}.result.json"))
     cpath = tmp / f"{tag}.config.json"
     cpath.write_text(json.dumps(cfg))
@@ -1119,14 +1265,12 @@ def _launch(cfg: dict, nranks: int, tmp: Path, tag: str) -> dict:
     if cfg["lib"] == "gloo":
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     cmd = launch_command(nranks, [sys.executable, "-m", "gpurt.launch.bench", str(cpath)])
-    proc = subprocess.Popen(cmd, env=env, stdout=sys.stderr, stderr=sys.stderr)
+    shm_before = set(_mpi_shm_files())
+    proc = _start(cmd, env)
     try:
         rc = proc.wait()
-    except KeyboardInterrupt:
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.terminate()
+    except BaseException:     # (_Stopped: SIGINT/SIGTERM; anything else stops it too)
+        _stop_launch(proc, str(cpath), shm_before)
         raise
     res_path = Path(cfg["result"])
     if rc != 0 or not res_path.exists():
@@ -1464,7 +1608,8 @@ def run_bench(cfg: dict, nranks: int | None, json_path: str | None, plot_path: s
                 _log(f"gpurt bench: skipping the {b} baseline: {skipped[b]}")
             elif b != paired:
                 launches[b] = []
-        with tempfile.TemporaryDirectory(prefix="gpurt-bench-") as td:
+        # (the directory inside: removed on a _Stopped too, before the handlers go)
+        with _stop_on_signals(), tempfile.TemporaryDirectory(prefix="gpurt-bench-") as td:
             tmp = Path(td)
             for rep in range(cfg["repeat"]):
                 for lib in list(launches):
@@ -1492,12 +1637,25 @@ def run_bench(cfg: dict, nranks: int | None, json_path: str | None, plot_path: s
                                    f"{skipped.get('gpurt', 'no result')}")
     report = build_report(cfg, nranks, launches, skipped, command)
     click.echo(format_table(report))
+    # checked before the sweep, a file can still fail here (/dev/full, a disk that filled
+    # up): one line saying so, after the table (stdout) that holds the numbers, and the
+    # other file still written — not a traceback that lost them
+    unwritten = []
     if json_path:
-        Path(json_path).write_text(json.dumps(report, indent=1))
-        _log(f"gpurt bench: wrote {json_path}")
+        try:
+            Path(json_path).write_text(json.dumps(report, indent=1))
+            _log(f"gpurt bench: wrote {json_path}")
+        except OSError as e:
+            unwritten.append(f"--json {json_path} ({e.strerror or e})")
     if plot_path:
-        plot(report, plot_path)
-        _log(f"gpurt bench: wrote {plot_path}")
+        try:
+            plot(report, plot_path)
+            _log(f"gpurt bench: wrote {plot_path}")
+        except OSError as e:
+            unwritten.append(f"--plot {plot_path} ({e.strerror or e})")
+    if unwritten:
+        raise click.ClickException(f"could not write {' nor '.join(unwritten)}; the numbers "
+                                   f"are in the table printed to stdout")
     return report
 
 
@@ -1539,13 +1697,29 @@ def check_writable_path(path: str, hint: str) -> None:
     """An output file the run will write at its end (bench's --json/--plot, tune's -o):
     refused before the launch when it cannot be written — else the whole sweep ran and
     its write ended in a traceback, the measurements lost."""
-    if launcher_rank() != 0:
-        return      # (in place under a launch: rank 0 checks, and writes, alone)
+    if launcher_size() > 1:
+        # in place under a launch: rank 0 writes the file, alone, and it may be writable
+        # (its directory may exist) on rank 0's node only, so rank 0 checks and every rank
+        # learns its verdict — rank 0 alone refusing left the others waiting in the sweep
+        # for it, forever.  (A collective: every rank gets here, in the same order.)
+        from mpi4py import MPI
+        world = MPI.COMM_WORLD
+        why = world.bcast(_unwritable(path) if world.Get_rank() == 0 else None, 0)
+        if why and world.Get_rank() != 0:
+            raise SystemExit(2)   # rank 0 says why, once
+    else:
+        why = _unwritable(path)
+    if why:
+        raise click.BadParameter(why, param_hint=hint)
+
+
+def _unwritable(path: str) -> str | None:
+    """Why ``path`` cannot be written here (``check_writable_path``), or None."""
     p = Path(os.path.realpath(path))        # (a symlink: where the write will go)
     if not p.parent.is_dir():
-        raise click.BadParameter(f"{path}: no directory {p.parent}", param_hint=hint)
+        return f"{path}: no directory {p.parent}"
     if p.is_dir():
-        raise click.BadParameter(f"{path}: is a directory", param_hint=hint)
+        return f"{path}: is a directory"
     # tried, not asked where it can be (os.access says yes to root everywhere, /proc
     # included): an existing regular file opened for appending (nothing written, never
     # created), a missing one by a temporary file beside it (the path itself untouched);
@@ -1561,8 +1735,8 @@ def check_writable_path(path: str, hint: str) -> None:
             os.close(fd)
             os.unlink(tmp)
     except OSError as e:
-        raise click.BadParameter(f"{path}: not writable here ({e.strerror or e})",
-                                 param_hint=hint) from None
+        return f"{path}: not writable here ({e.strerror or e})"
+    return None
 
 
 def algo_names(coll: str) -> list[str]:
@@ -1706,8 +1880,13 @@ def bench_command(collective, nranks, minbytes, maxbytes, factor, warmup, iters,
            "factor": factor, "warmup": warmup, "iters": iters, "dtype": dtype, "op": op,
            "root": root, "algo": algo, "check": check, "baselines": list(baselines),
            "repeat": repeat, "ceiling_bytes": ceiling_bytes, "memory": memory}
-    report = run_bench(cfg, nranks, json_path, plot_path,
-                       [Path(sys.argv[0]).name] + sys.argv[1:])
+    try:
+        report = run_bench(cfg, nranks, json_path, plot_path,
+                           [Path(sys.argv[0]).name] + sys.argv[1:])
+    except _Stopped as e:    # (SIGINT/SIGTERM while launching: the job is stopped)
+        from gpurt.launch.launcher import _signame
+        _log(f"gpurt bench: {_signame(e.signum)}: stopped every rank")
+        raise SystemExit(128 + e.signum) from None   # (as `gpurt launch`: 130, 143)
     bad = wrong_sizes(report)       # (empty on the ranks but 0 of an in-place run)
     if bad:
         raise click.ClickException("the checked pass (-c) found wrong elements: " + "; ".join(

@@ -81,7 +81,8 @@ def worker(cfg: dict) -> dict | None:
     import gpurt
     from mpi4py import MPI
 
-    from gpurt.launch.bench import parse_dtype, size_unit   # (bfloat16 through ml_dtypes)
+    # (parse_dtype: bfloat16 through ml_dtypes)
+    from gpurt.launch.bench import _yielding_barrier, parse_dtype, size_unit
     from gpurt.tuner import FOLD
 
     comm = gpurt.init()
@@ -128,6 +129,10 @@ def worker(cfg: dict) -> dict | None:
                     t0 = perf_counter()
                     call()
                     t[i] = perf_counter() - t0
+                # (first: a rank spinning in the Allreduce below took the CPU from one
+                # still in its last timed call when ranks outnumber cores; bench's
+                # _yielding_barrier says more)
+                _yielding_barrier(ctl)
                 if name == FOLD and comm.last_algorithm != FOLD:
                     raise RuntimeError(f"gpurt tune: {coll} of {Sreal} B was to fold, but "
                                        f"ran {comm.last_algorithm}")
@@ -167,7 +172,13 @@ def run(nranks: int, collectives: list[str], sizes: list[int], out: str, warmup:
         env.pop("GPURT_PROFILE", None)   # measure the candidates, not a previous profile
         env.pop("GPURT_ALGO", None)
         cmd = launch_command(nranks, [sys.executable, "-m", "gpurt.launch.tune", cpath])
-        proc = subprocess.run(cmd, env=env)
+        try:
+            proc = subprocess.run(cmd, env=env)
+        except OSError as e:     # (a bad $GPURT_MPIEXEC: one line, as `gpurt launch` says it)
+            import click
+
+            from gpurt.launch.launcher import quote
+            raise click.ClickException(f"cannot start {quote(cmd)}: {e}") from None
         if proc.returncode != 0:
             raise SystemExit(f"gpurt tune: the tuning launch failed (exit {proc.returncode})")
         with open(rpath) as f:

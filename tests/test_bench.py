@@ -10,14 +10,17 @@ import importlib.util
 import json
 import os
 import shlex
+import shutil
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import ROOT, mpiexec, run_mpi
+from conftest import ROOT, is_hydra, mpiexec, run_mpi
 
 from gpurt.launch import bench as B
 
@@ -173,6 +176,9 @@ def test_paired_sweep_alternates_blocks(monkeypatch):
 
         def reduce(self, x, root):
             return x
+
+        def Ibarrier(self):        # (_yielding_barrier after each block: done at once)
+            return types.SimpleNamespace(Test=lambda: True)
 
     class Fake(B._Lib):
         def __init__(self, name):
@@ -803,3 +809,218 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_the_launch(tmp_
     B.check_writable_path(str(link), "--json")
     assert not (tmp_path / "target.json").exists()
     assert sorted(f.name for f in tmp_path.iterdir()) == ["fifo", "link.json", "r.json"]
+
+
+def test_an_unwritable_output_path_ends_every_rank_in_place(tmp_path):
+    """In place under mpiexec, a --json rank 0 cannot write: rank 0 refused it and left,
+    the other ranks (which never checked) went into the sweep and waited for it forever
+    (bug hunt).  Rank 0's verdict is every rank's now: all exit 2 at once, one message.
+    And it is rank 0's, not each rank's own (rank 0 writes the file; other nodes may not
+    even have its directory): with working directories that differ per rank, the
+    directory on rank 0's side only runs and writes there; on the other side only, every
+    rank is refused."""
+    bench = [sys.executable, "-m", "gpurt.launch.cli", "bench", "allreduce", "-b", "64",
+             "-e", "64", "-w", "1", "-i", "2", "--ceiling-size", "0"]
+    env = dict(os.environ, GPURT_TIMEOUT="60")
+    before = _mpich_segments()
+    proc = subprocess.run([*mpiexec(), "-n", "2", *bench, "--json", "/nonexistent/dir/x.json"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert proc.stderr.count("Error: Invalid value for '--json': /nonexistent/dir/x.json: "
+                             "no directory /nonexistent/dir\n") == 1, proc.stderr
+    assert "Traceback" not in proc.stderr and "[gpurt" not in proc.stderr, proc.stderr
+    from gpurt.launch.launcher import _orphaned
+
+    new = _orphaned(sorted(_mpich_segments() - before))   # (not another live job's)
+    assert not new, f"left in /dev/shm: {new}"            # (every rank ended MPI normally)
+    if not is_hydra():
+        return            # (a working directory per rank: hydra's MPMD -wdir below)
+    a, b = tmp_path / "a", tmp_path / "b"
+    (a / "out").mkdir(parents=True)
+    b.mkdir()
+
+    def per_rank_cwd() -> subprocess.CompletedProcess:
+        cmd = [*mpiexec(), "-n", "1", "-wdir", str(a), *bench, "--json", "out/r.json", ":",
+               "-n", "1", "-wdir", str(b), *bench, "--json", "out/r.json"]
+        return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=60)
+
+    ok = per_rank_cwd()           # rank 0's directory is there, rank 1's is not
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads((a / "out" / "r.json").read_text())["nranks"] == 2
+    (a / "out" / "r.json").unlink()
+    (a / "out").rename(b / "out")
+    bad = per_rank_cwd()          # rank 1's is, rank 0's is not
+    assert bad.returncode == 2, (bad.returncode, bad.stderr)
+    assert bad.stderr.count(f"no directory {a / 'out'}\n") == 1, bad.stderr
+    assert list((b / "out").iterdir()) == []
+
+
+def test_no_rank_spins_in_mpi_while_another_still_times(monkeypatch):
+    """With more ranks than cores, a rank done with its timed loop spun in MPI (the next
+    block's Barrier, the gather of the times) and took the CPU from a rank still in its
+    last timed call: that iteration came out 200-3900 us against ~20 (3 ranks on 2
+    cores), dragging loop, mean, p99 and lratio with it (bug hunt).  Every timed loop — a
+    library alone in its launch (gpurt, mpi, gloo), or gpurt and its paired nocheck — now
+    ends in a yielding barrier before any other control call, and so does each timed copy
+    of the memory ceiling.  (The order is under test, with fakes: timings would be flaky.)"""
+    import types
+    calls: list[str] = []
+
+    class Ctl:
+        def Barrier(self):
+            calls.append("|")
+
+        def gather(self, x, root):
+            calls.append("g")
+            return [x]
+
+        def reduce(self, x, root):
+            calls.append("r")
+            return x
+
+        def allreduce(self, x, op):
+            calls.append("a")
+            return x
+
+        def bcast(self, x, root):
+            calls.append("b")
+            return x
+
+        def Get_rank(self):
+            return 0
+
+    class Fake(B._Lib):
+        def __init__(self, name):
+            self.name, self.ctl, self.rank, self.size = name, Ctl(), 0, 1
+
+        def make(self, coll, x, y, op, root, algo):
+            def call():
+                calls.append(self.name)
+                return self.name
+            return call
+
+    yielding = B._yielding_barrier
+    monkeypatch.setattr(B, "_yielding_barrier", lambda comm: calls.append("y"))
+    monkeypatch.setattr(B, "_quiet_barrier", lambda comm: calls.append("q"))
+    mpi = types.SimpleNamespace(Get_library_version=lambda: "fake MPI", MAX="max")
+    monkeypatch.setitem(sys.modules, "mpi4py", types.SimpleNamespace(MPI=mpi))
+    cfg = {"collective": "allreduce", "sizes": [64, 128], "dtype": "float32", "op": "sum",
+           "root": 0, "warmup": 1, "iters": 3, "algo": None, "check": True,
+           "memory": "host", "label": "t"}
+    B._sweep([Fake("m")], cfg)    # warm-up, timed loop, then the times and the check pass
+    assert "".join(calls) == "m|mmmyg|mr" * 2
+    calls.clear()
+    B._sweep([Fake("a"), Fake("b")], dict(cfg, check=False))   # 3 blocks of 1 iteration
+    assert "".join(calls) == ("ab" + "|ay|by" + "|by|ay" + "|ay|by" + "gg") * 2
+    calls.clear()
+    B.measure_ceiling(Ctl(), 1024, reps=2)     # (then rank 0 alone: others sleep there)
+    assert "".join(calls) == "|ya|yaqqb"
+    # the barrier gives its CPU away between polls and never sleeps: ranks that slept
+    # (_quiet_barrier) ran the next timed block slower, every call of it
+    polls = iter([False, False, True])
+    yields: list[int] = []
+    monkeypatch.setattr(B.os, "sched_yield", lambda: yields.append(1))
+    monkeypatch.setattr(B.time, "sleep", lambda s: pytest.fail("slept"))
+    yielding(types.SimpleNamespace(Ibarrier=lambda: types.SimpleNamespace(
+        Test=lambda: next(polls))))
+    assert yields == [1, 1]
+
+
+def _processes_with(text: str) -> list[int]:
+    """Live processes whose command line holds ``text`` (a zombie's is empty)."""
+    out = []
+    for d in os.listdir("/proc"):
+        try:
+            if d.isdigit() and text.encode() in Path(f"/proc/{d}/cmdline").read_bytes():
+                out.append(int(d))
+        except OSError:
+            pass
+    return out
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["TERM", "INT"])
+def test_a_signal_stops_the_whole_job_and_leaves_nothing(sig, tmp_path):
+    """SIGTERM to `gpurt bench` ended it alone (rc -15, no word): its mpiexec, both ranks,
+    its /tmp/gpurt-bench-* directory and MPICH's segment in /dev/shm stayed (bug hunt).
+    Now, as `gpurt launch`: the job is stopped, 128 + N, one line; and the directory and
+    the segment are removed.  The job runs with a /dev/shm of its own (a directory bound
+    over it in a private mount namespace), so that what it leaves is told apart from
+    other jobs' segments on this machine."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None or subprocess.run(
+            ["unshare", "-m", "mount", "--bind", str(tmp_path), "/dev/shm"],
+            capture_output=True).returncode != 0:
+        pytest.skip("needs root and unshare -m (a private /dev/shm)")
+    shm, tmp = tmp_path / "shm", tmp_path / "tmp"
+    shm.mkdir()
+    tmp.mkdir()
+    env = dict(os.environ, TMPDIR=str(tmp), GPURT_TIMEOUT="60",
+               GPURT_MPIEXEC=shlex.join(mpiexec()))
+    cmd = ["unshare", "-m", "sh", "-c", 'mount --bind "$0" /dev/shm && exec "$@"', str(shm),
+           str(GPURT) if GPURT.exists() else sys.executable, *([] if GPURT.exists() else
+                                                              ["-m", "gpurt.launch.cli"]),
+           "bench", "allreduce", "-n", "2", "-b", "8", "-e", "64M", "-i", "2000",
+           "--ceiling-size", "0"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    err: list[str] = []
+    running = threading.Event()
+
+    def read() -> None:
+        for line in proc.stderr:
+            err.append(line)
+            if line.startswith("[gpurt 1/1] allreduce"):   # (a size measured: MPI is up)
+                running.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert running.wait(60), "".join(err)
+        job = _processes_with(str(tmp))         # mpiexec and the two ranks
+        assert len(job) == 3, job
+        assert [f for f in os.listdir(shm) if f.startswith("mpich_shm_")], os.listdir(shm)
+        proc.send_signal(sig)
+        rc = proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in _processes_with(str(tmp)):
+            os.kill(pid, signal.SIGKILL)
+    reader.join(timeout=10)
+    text = "".join(err)
+    assert rc == 128 + sig, (rc, text[-3000:])
+    assert text.endswith(f"gpurt bench: {signal.Signals(sig).name}: stopped every rank\n")
+    assert "Traceback" not in text, text[-3000:]
+    assert _processes_with(str(tmp)) == []
+    assert os.listdir(tmp) == []
+    assert os.listdir(shm) == []
+
+
+def test_a_launcher_that_cannot_start_is_one_line(tmp_path):
+    """$GPURT_MPIEXEC that does not exist: a FileNotFoundError traceback before; one line
+    now, as `gpurt launch` says it, and no directory left behind."""
+    proc = run_bench(["allreduce", "-e", "64", "--ceiling-size", "0"], check=False,
+                     env={"GPURT_MPIEXEC": "/nonexistent/mpiexec", "TMPDIR": str(tmp_path)})
+    assert proc.returncode == 1, (proc.returncode, proc.stderr)
+    assert proc.stderr.startswith("Error: cannot start /nonexistent/mpiexec -n 2 "), \
+        proc.stderr
+    assert proc.stderr.endswith(": [Errno 2] No such file or directory: "
+                                "'/nonexistent/mpiexec'\n") and \
+        proc.stderr.count("\n") == 1, proc.stderr
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full here")
+def test_a_json_that_fails_at_the_end_is_one_line_after_the_table():
+    """--json /dev/full passes the check before the sweep (a device: asked, not opened)
+    and its write fails after it: an OSError traceback before, the numbers lost; now the
+    table is printed (stdout) and one line says which file could not be written, why."""
+    proc = run_bench(["allreduce", "-n", "2", "-b", "8", "-e", "64", "-f", "8", "-w", "1",
+                      "-i", "2", "--ceiling-size", "0", "--json", "/dev/full"], check=False)
+    assert proc.returncode == 1, (proc.returncode, proc.stderr)
+    rows = [ln.split()[0] for ln in proc.stdout.splitlines() if ln and ln[0] != "#"]
+    assert rows == ["8", "64"], proc.stdout
+    assert proc.stderr.endswith("\nError: could not write --json /dev/full (No space left "
+                                "on device); the numbers are in the table printed to "
+                                "stdout\n"), proc.stderr
+    assert "Traceback" not in proc.stderr

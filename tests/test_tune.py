@@ -244,3 +244,20 @@ def test_tune_bfloat16_runs(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     prof = json.loads(out.read_text())
     assert prof["dtype"] == "bfloat16" and [r[0] for r in prof["entries"]["allreduce"]] == [64]
+
+
+def test_a_launcher_that_cannot_start_is_one_line(tmp_path):
+    """$GPURT_MPIEXEC that does not exist: a FileNotFoundError traceback before (bug
+    hunt); one line now, as `gpurt launch` says it, and nothing written or left."""
+    proc = subprocess.run([sys.executable, "-m", "gpurt.launch.cli", "tune", "-n", "2", "-e",
+                           "64", "-o", str(tmp_path / "p.json")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, GPURT_MPIEXEC="/nonexistent/mpiexec",
+                                   TMPDIR=str(tmp_path)))
+    assert proc.returncode == 1, (proc.returncode, proc.stderr)
+    assert proc.stderr.startswith("Error: cannot start /nonexistent/mpiexec -n 2 "), \
+        proc.stderr
+    assert proc.stderr.endswith(": [Errno 2] No such file or directory: "
+                                "'/nonexistent/mpiexec'\n") and \
+        proc.stderr.count("\n") == 1, proc.stderr
+    assert os.listdir(tmp_path) == []
