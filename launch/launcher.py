@@ -72,17 +72,24 @@ class Launcher:
     argv: list[str]           # the launcher executable and any flags it came with
 
 
-def _detect_kind(argv: list[str]) -> str:
-    """mpich or openmpi, from ``--version``; mpich if it cannot tell."""
+def _version_kind(argv: list[str]) -> str | None:
+    """mpich or openmpi, as the launcher's ``--version`` says; None if it does not say."""
     try:
         out = subprocess.run(argv + ["--version"], capture_output=True, text=True,
                              timeout=20)
         text = (out.stdout + out.stderr).lower()
     except (OSError, subprocess.TimeoutExpired):
-        return "mpich"
+        return None
     if "open mpi" in text or "openrte" in text or "open-rte" in text:
         return "openmpi"
-    return "mpich"
+    if "hydra" in text or "mpich" in text:
+        return "mpich"
+    return None
+
+
+def _detect_kind(argv: list[str]) -> str:
+    """mpich or openmpi, from ``--version``; mpich if it cannot tell."""
+    return _version_kind(argv) or "mpich"
 
 
 def find_launcher(kind: str | None = None, env: dict | None = None) -> Launcher:
@@ -115,7 +122,19 @@ def find_launcher(kind: str | None = None, env: dict | None = None) -> Launcher:
         if not exe:
             raise LaunchError("no mpiexec found: pip install mpich (or set GPURT_MPIEXEC)")
         argv = [exe]
-    return Launcher(kind or _detect_kind(argv), argv)
+    if kind is None:
+        return Launcher(_detect_kind(argv), argv)
+    said = _version_kind(argv)
+    if said is not None and said != kind:
+        # (driven with the other's flags it failed as "the launcher (openmpi) exited 255",
+        # hydra's "error parsing parameters" in the ranks' output)
+        raise LaunchError(f"--launcher {kind}: {argv[0]} is {_KIND_NAMES[said]}'s launcher, "
+                          f"not {_KIND_NAMES[kind]}'s (install {_KIND_NAMES[kind]} and set "
+                          f"GPURT_MPIEXEC to its launcher, or use --launcher {said})")
+    return Launcher(kind, argv)
+
+
+_KIND_NAMES = {"mpich": "MPICH", "openmpi": "Open MPI"}
 
 
 def parse_hosts(text: str) -> list[tuple[str, int | None]]:
@@ -1032,6 +1051,11 @@ def launch_command():
                 rc = _simulated(launcher, simulate, simulate_rate, simulate_with, nranks, hosts,
                                 hostfile, prog, env, tag_output, timeout, dry_run)
                 sys.exit(rc)
+            if simulate_rate is not None or simulate_with != "auto":
+                # (they shape the simulated cluster: without one they would be ignored
+                # silently, and an unshaped run taken for a shaped one)
+                opt = "--simulate-rate" if simulate_rate is not None else "--simulate-with"
+                raise LaunchError(f"{opt} needs --simulate NxK")
             if nranks is None:
                 raise LaunchError("-n is required (or --simulate NxK)")
             if dry_run:

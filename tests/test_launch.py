@@ -590,6 +590,28 @@ def test_simulate_shapes_and_plans():
         L.simulate_plan([2, 2], L.Launcher("openmpi", ["mpirun"]), root=False)
 
 
+def test_simulate_options_without_simulate_are_refused():
+    """--simulate-rate and --simulate-with shape the simulated cluster: without --simulate
+    they were ignored, and an unshaped run could be taken for a shaped one."""
+    for opts in (["--simulate-rate", "1gbit"], ["--simulate-with", "cliques"]):
+        p = run(["launch", "-n", "1", *opts, "true"])
+        assert p.returncode == 2 and f"Error: {opts[0]} needs --simulate NxK" in p.stderr, \
+            (opts, both(p))
+
+
+def test_a_launcher_kind_that_the_launcher_denies_is_refused():
+    """--launcher openmpi where the mpirun found is MPICH's hydra: it was driven with
+    Open MPI's flags and failed as "the launcher (openmpi) exited 255"."""
+    mpich = L.find_launcher()
+    if mpich.kind != "mpich" or L._version_kind(mpich.argv) != "mpich":
+        pytest.skip("needs MPICH's launcher as the default one")
+    p = run(["launch", "--launcher", "openmpi", "-n", "1", "true"])
+    assert p.returncode == 2 and "is MPICH's launcher, not Open MPI's" in p.stderr and \
+        "--launcher mpich" in p.stderr, both(p)
+    p = run(["launch", "--launcher", "mpich", "-n", "1", "true"])
+    assert p.returncode == 0, both(p)
+
+
 SIM_PROG = """
 import json
 import socket
