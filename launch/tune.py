@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -160,11 +159,13 @@ def worker(cfg: dict) -> dict | None:
 def run(nranks: int, collectives: list[str], sizes: list[int], out: str, warmup: int,
         iters: int, dtype: str) -> dict:
     """Launch the tuning ranks and write the profile to ``out``."""
-    from gpurt.launch.bench import launch_command   # the bench's launcher discovery
+    # the bench's launcher discovery, start and stop (a signal stops the whole launch)
+    from gpurt.launch.bench import _start, _stop_launch, _stop_on_signals, launch_command
+    from gpurt.launch.launcher import _mpi_shm_files
 
     cfg = {"collectives": collectives, "sizes": sizes, "warmup": warmup, "iters": iters,
            "dtype": dtype}
-    with tempfile.TemporaryDirectory(prefix="gpurt-tune-") as d:
+    with _stop_on_signals(), tempfile.TemporaryDirectory(prefix="gpurt-tune-") as d:
         cpath, rpath = os.path.join(d, "cfg.json"), os.path.join(d, "profile.json")
         with open(cpath, "w") as f:
             json.dump({**cfg, "result": rpath}, f)
@@ -172,15 +173,15 @@ def run(nranks: int, collectives: list[str], sizes: list[int], out: str, warmup:
         env.pop("GPURT_PROFILE", None)   # measure the candidates, not a previous profile
         env.pop("GPURT_ALGO", None)
         cmd = launch_command(nranks, [sys.executable, "-m", "gpurt.launch.tune", cpath])
+        shm_before = set(_mpi_shm_files())
+        proc = _start(cmd, env)        # (a bad $GPURT_MPIEXEC: one line)
         try:
-            proc = subprocess.run(cmd, env=env)
-        except OSError as e:     # (a bad $GPURT_MPIEXEC: one line, as `gpurt launch` says it)
-            import click
-
-            from gpurt.launch.launcher import quote
-            raise click.ClickException(f"cannot start {quote(cmd)}: {e}") from None
-        if proc.returncode != 0:
-            raise SystemExit(f"gpurt tune: the tuning launch failed (exit {proc.returncode})")
+            rc = proc.wait()
+        except BaseException:   # (SIGINT/SIGTERM: the job is stopped, not left running)
+            _stop_launch(proc, cpath, shm_before)
+            raise
+        if rc != 0:
+            raise SystemExit(f"gpurt tune: the tuning launch failed (exit {rc})")
         with open(rpath) as f:
             prof = json.load(f)
     with open(out, "w") as f:
@@ -253,8 +254,14 @@ def tune_command():
             parse_dtype(dtype)
         except ValueError as e:      # bfloat16 without ml_dtypes
             raise click.BadParameter(str(e), param_hint="'-d' / '--datatype'") from None
-        prof = run(nranks, list(colls or DEFAULT_COLLS), _sizes(minbytes, maxbytes, factor),
-                   out, warmup, iters, dtype)
+        from gpurt.launch.bench import _Stopped
+        try:
+            prof = run(nranks, list(colls or DEFAULT_COLLS), _sizes(minbytes, maxbytes, factor),
+                       out, warmup, iters, dtype)
+        except _Stopped as e:    # (SIGINT/SIGTERM while it ran: the job is stopped)
+            from gpurt.launch.launcher import _signame
+            click.echo(f"gpurt tune: {_signame(e.signum)}: stopped every rank", err=True)
+            raise SystemExit(128 + e.signum) from None
         rows = prof["model_vs_best"]
         off = [r for r in rows if r["model_s"] > 1.1 * r["best_s"]]
         click.echo(f"wrote {out}: {len(rows)} (collective, size) points on {nranks} ranks; "

@@ -261,3 +261,50 @@ def test_a_launcher_that_cannot_start_is_one_line(tmp_path):
                                 "'/nonexistent/mpiexec'\n") and \
         proc.stderr.count("\n") == 1, proc.stderr
     assert os.listdir(tmp_path) == []
+
+
+def _processes_with(text: str) -> list[int]:
+    """Live processes whose command line holds ``text``."""
+    out = []
+    for d in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                if d.isdigit() and text.encode() in f.read():
+                    out.append(int(d))
+        except OSError:
+            pass
+    return out
+
+
+def test_sigterm_stops_the_whole_tuning_launch(tmp_path):
+    """SIGTERM to `gpurt tune` ended it alone: its mpiexec and ranks ran on, orphaned,
+    beside its directory (as bench's did). Now the job is stopped, 143, one line, and
+    nothing of it is left (bench's stopping: MPICH's segments included, tested there)."""
+    import signal
+    import time
+
+    out = tmp_path / "p.json"
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "gpurt.launch.cli", "tune", "-n", "2",
+                             "-c", "allreduce", "-b", "64M", "-e", "64M", "-i", "500", "-o",
+                             str(out)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, TMPDIR=str(tmp)))
+    try:
+        deadline = time.monotonic() + 60
+        while len(_processes_with(str(tmp))) < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)             # mpiexec and the two ranks
+        assert len(_processes_with(str(tmp))) >= 3, _processes_with(str(tmp))
+        time.sleep(1.0)                 # (the ranks in their sweep)
+        proc.send_signal(signal.SIGTERM)
+        _out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in _processes_with(str(tmp)):
+            os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 143, (proc.returncode, err[-3000:])
+    assert err.endswith("gpurt tune: SIGTERM: stopped every rank\n") and \
+        "Traceback" not in err, err[-3000:]
+    assert _processes_with(str(tmp)) == [] and os.listdir(tmp) == [] and not out.exists()
