@@ -1136,7 +1136,7 @@ def _free_port() -> int:
 
 
 class _Stopped(BaseException):
-    """SIGINT or SIGTERM reached `gpurt bench` while it launched (``_stop_on_signals``).
+    """SIGINT, SIGTERM or SIGHUP reached `gpurt bench` while it launched (``_stop_on_signals``).
     (A BaseException: no ``except Exception`` on its way out swallows it.)"""
 
     def __init__(self, signum: int) -> None:
@@ -1146,7 +1146,7 @@ class _Stopped(BaseException):
 
 @contextlib.contextmanager
 def _stop_on_signals():
-    """While the launches run, SIGINT and SIGTERM raise _Stopped: ``_launch`` stops the
+    """While the launches run, SIGINT, SIGTERM and SIGHUP raise _Stopped: ``_launch`` stops the
     running job on its way out, as `gpurt launch` does, ``run_bench`` removes its
     directory, and ``bench_command`` exits 128 + N.  (SIGTERM's default action ended this
     process alone: mpiexec and the ranks ran on, orphaned, beside the directory and
@@ -1162,7 +1162,8 @@ def _stop_on_signals():
     if threading.current_thread() is not threading.main_thread():
         yield       # (signal handlers are the main thread's to set)
         return
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    old = {s: signal.signal(s, on_signal)
+           for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}   # (HUP: a closed terminal)
     try:
         yield
     finally:

@@ -18,13 +18,13 @@ Three pieces live here:
   intercepts.  Then it ends the way the child ended (same exit code, same signal).
 * **the parent** (``run_job``): starts the launcher in its own session (so its process
   group holds every local process of the job), passes its output through, watches for a
-  failed rank, the deadline and SIGINT/SIGTERM, stops everything in steps (the signal, then
+  failed rank, the deadline and SIGINT/SIGTERM/SIGHUP, stops everything in steps (the signal, then
   SIGTERM, then SIGKILL to the whole process group), reads the records, reports, and
   removes its directory.
 
 Exit code of ``gpurt launch``: 0 when every rank exited 0; else the exit code of the first
-rank that failed (128 + N for a rank killed by signal N); 124 on ``--timeout``; 130/143
-when it was interrupted by SIGINT/SIGTERM itself.
+rank that failed (128 + N for a rank killed by signal N); 124 on ``--timeout``;
+130/143/129 when it was interrupted by SIGINT/SIGTERM/SIGHUP itself.
 """
 
 from __future__ import annotations
@@ -741,7 +741,9 @@ def run_job(launcher: Launcher, nranks: int, program: Sequence[str], *,
 
         old = {}
         if threading.current_thread() is threading.main_thread():
-            for s in (signal.SIGINT, signal.SIGTERM):
+            # (SIGHUP: the terminal closed — its default ended the launcher alone, and the
+            # job's MPICH segment stayed)
+            for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                 old[s] = signal.signal(s, on_signal)
         reason = "done"
         deadline = time.monotonic() + timeout if timeout else None
