@@ -806,9 +806,20 @@ def run_job(launcher: Launcher, nranks: int, program: Sequence[str], *,
     elif launcher_rc != 0:
         res.returncode = launcher_rc if launcher_rc > 0 else 128 - launcher_rc
         res.reason = "failed"
+        # a rank that ended with status 0 while the others ran on (os._exit, or a return
+        # without MPI_Finalize): MPICH's launcher then kills the job at once, and its
+        # ranks leave no record of their own — name the one that left
+        early = sorted((r for r in records if r.get("exit_code") == 0),
+                       key=lambda r: r.get("time") or 0)
+        left = "" if not early or len(records) >= nranks else \
+            (f": rank {early[0].get('rank')} (host {early[0].get('host')}, pid "
+             f"{early[0].get('pid')}) ended (exit code 0) while {nranks - len(records)} "
+             f"other rank(s) still ran, and the launcher then killed them (it does so when "
+             f"a rank leaves without MPI_Finalize: os._exit, an interpreter that crashed "
+             f"on its way out)")
         report(f"gpurt launch: the launcher ({launcher.kind}) exited "
                f"{'with signal ' + _signame(-launcher_rc) if launcher_rc < 0 else launcher_rc}"
-               f" and no rank reported a failure")
+               f" and no rank reported a failure{left}")
     if first is not None and reason in ("done", "failed"):
         report(failure_report(first, res.records, nranks))
     # (after any failed ending: a rank killed by SIGKILL, or ranks the MPI launcher

@@ -385,6 +385,34 @@ def test_rank_killed_by_a_realtime_signal(tmp_path):
     assert_nothing_left(str(tmp_path))
 
 
+def test_a_rank_that_leaves_early_with_status_0_is_named(tmp_path):
+    """Rank 1 leaves by os._exit(0) (no MPI_Finalize) while the others still run: MPICH's
+    launcher kills the job at once and the others leave no record, so the launch said
+    only 'the launcher (mpich) exited 9 and no rank reported a failure' (bug hunt). Now
+    it names rank 1 and what it did."""
+    if L.find_launcher().kind != "mpich":
+        pytest.skip("MPICH's launcher's behaviour (Open MPI's is reported as a failure)")
+    s = script(tmp_path, "early.py", """
+        import numpy as np
+        import gpurt
+        c = gpurt.init()
+        c.allreduce(np.ones(2))
+        if c.rank == 1:
+            os._exit(0)
+        time.sleep(60)
+        """)
+    before = set(L._mpi_shm_files())
+    t0 = time.monotonic()
+    p = run(["launch", "-n", "3", s], timeout=40)
+    for name in L._orphaned([f for f in L._mpi_shm_files() if f not in before]):
+        os.unlink(os.path.join("/dev/shm", name))     # (MPICH's, of the killed ranks)
+    assert p.returncode != 0 and time.monotonic() - t0 < 20, both(p)
+    assert "no rank reported a failure: rank 1 (host " in p.stderr and \
+        "ended (exit code 0) while 2 other rank(s) still ran, and the launcher then " \
+        "killed them" in p.stderr, p.stderr
+    assert_nothing_left(str(tmp_path))
+
+
 def test_the_raising_rank_is_named_first_though_its_victims_end_before_it(tmp_path):
     """Rank 1 raises ValueError (gpurt tells ranks 0 and 2 at once: PeerFailure) and then
     takes 1.5 s to exit (an exit handler): the report still names rank 1 first."""
