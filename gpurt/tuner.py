@@ -51,6 +51,13 @@ DEFAULT_COSTS: dict[str, Cost] = {
 NATIVE_NAMES = frozenset({"shm_board", "shm_direct"})
 
 
+#: the transports' native protocols, and what a communicator needs to have them
+_NATIVE_NEEDS = {"shm_board": "needs a communicator of 2 or more ranks on one node (the "
+                              "shm transport's board)",
+                 "shm_direct": "needs a communicator of 2 or more ranks on one node (the "
+                               "shm transport)"}
+
+
 def check_forced(forced: dict[str, str]) -> None:
     """GPURT_ALGO's names without a communicator: every collective exists, and every
     algorithm is one of its registered schedules, a compiled one (``NATIVE_NAMES``: where
@@ -240,6 +247,11 @@ class Tuner:
         try:
             return lookup(coll, name)
         except ValueError as e:
+            if name in _NATIVE_NEEDS:
+                # a native protocol this communicator lacks: say so, not "unknown" (the
+                # name is right; the communicator is one rank, or spans several nodes)
+                raise ValueError(f"algorithm {name!r} is not available here: it "
+                                 f"{_NATIVE_NEEDS[name]}") from None
             if self.natives.get(coll):
                 raise ValueError(f"{e}; here also: {', '.join(self.natives[coll])}") from None
             raise

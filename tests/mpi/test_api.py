@@ -756,6 +756,11 @@ def test_argument_errors_name_the_rank_and_the_argument(comm):
             call()
     with pytest.raises(ValueError, match=rf"rank {r}: unknown algorithm 'nope'"):
         comm.barrier(algo="nope")                   # on 1 rank too
+    if comm.board is None:      # (one rank, or several nodes: no board; it was "unknown")
+        with pytest.raises(ValueError, match=rf"rank {r}: algorithm 'shm_board' is not "
+                                             r"available here: it needs a communicator of "
+                                             r"2 or more ranks on one node"):
+            comm.allreduce(x, algo="shm_board")
     with pytest.raises(ValueError, match=rf"rank {r}: send peer True is not a rank"):
         comm.send(x, True)
     with pytest.raises(ValueError, match=rf"rank {r}: recv peer np.True_|rank {r}: recv "
