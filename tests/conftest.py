@@ -94,6 +94,15 @@ def gpurt_shm_files() -> list[str]:
     return sorted(f for f in os.listdir("/dev/shm") if f.startswith("gpurt-"))
 
 
+def assert_cannot_start(proc, exe: str, nranks: int) -> None:
+    """``proc`` (gpurt bench or tune run with GPURT_MPIEXEC=``exe``, which does not exist)
+    said so in one line, as `gpurt launch` does, and exited 1."""
+    assert proc.returncode == 1, (proc.returncode, proc.stderr)
+    assert proc.stderr.startswith(f"Error: cannot start {exe} -n {nranks} "), proc.stderr
+    assert proc.stderr.endswith(f": [Errno 2] No such file or directory: '{exe}'\n") and \
+        proc.stderr.count("\n") == 1, proc.stderr
+
+
 @functools.lru_cache(maxsize=None)
 def is_hydra() -> bool:
     """Is the launcher MPICH's hydra (whose flags some tests use)?"""

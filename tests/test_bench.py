@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import ROOT, is_hydra, mpiexec, run_mpi
+from conftest import ROOT, assert_cannot_start, is_hydra, mpiexec, run_mpi
 
 from gpurt.launch import bench as B
 
@@ -159,6 +159,24 @@ def test_baseline_nocheck_prices_the_agreement_check(tmp_path):
     assert "nocheck" in B.BASELINES and B._LIBS["nocheck"].name == "nocheck"
 
 
+def _fake_lib(calls: list[str], ctl, name: str, algo_suffix: str = "") -> B._Lib:
+    """A library for _sweep's order tests: its call notes its name in ``calls`` and
+    returns its name (+ ``algo_suffix``, what the algorithm column shows); ``ctl`` the
+    stand-in control communicator."""
+
+    class Fake(B._Lib):
+        def __init__(self):
+            self.name, self.ctl, self.rank, self.size = name, ctl, 0, 1
+
+        def make(self, coll, x, y, op, root, algo):
+            def call():
+                calls.append(self.name)
+                return self.name + algo_suffix
+            return call
+
+    return Fake()
+
+
 def test_paired_sweep_alternates_blocks(monkeypatch):
     """Two libraries in one sweep: each size's iterations in blocks whose order turns
     (a, b, then b, a, ...), every iteration timed and counted once per library.  (Fake
@@ -180,22 +198,12 @@ def test_paired_sweep_alternates_blocks(monkeypatch):
         def Ibarrier(self):        # (_yielding_barrier after each block: done at once)
             return types.SimpleNamespace(Test=lambda: True)
 
-    class Fake(B._Lib):
-        def __init__(self, name):
-            self.name, self.ctl, self.rank, self.size = name, Ctl(), 0, 1
-
-        def make(self, coll, x, y, op, root, algo):
-            def call():
-                calls.append(self.name)
-                return self.name + "-algo"
-            return call
-
     mpi = types.SimpleNamespace(Get_library_version=lambda: "fake MPI")
     monkeypatch.setitem(sys.modules, "mpi4py", types.SimpleNamespace(MPI=mpi))
     cfg = {"collective": "allreduce", "sizes": [64], "dtype": "float32", "op": "sum",
            "root": 0, "warmup": 1, "iters": 7, "algo": None, "check": False,
            "memory": "host", "label": "t"}
-    a, b = Fake("a"), Fake("b")
+    a, b = (_fake_lib(calls, Ctl(), n, "-algo") for n in "ab")
     res = B._sweep([a, b], cfg)
     timed = "".join(calls).split("|")[1:]         # after the warm-ups, per block
     blocks = min(7, B._BLOCKS)
@@ -890,16 +898,6 @@ def test_no_rank_spins_in_mpi_while_another_still_times(monkeypatch):
         def Get_rank(self):
             return 0
 
-    class Fake(B._Lib):
-        def __init__(self, name):
-            self.name, self.ctl, self.rank, self.size = name, Ctl(), 0, 1
-
-        def make(self, coll, x, y, op, root, algo):
-            def call():
-                calls.append(self.name)
-                return self.name
-            return call
-
     yielding = B._yielding_barrier
     monkeypatch.setattr(B, "_yielding_barrier", lambda comm: calls.append("y"))
     monkeypatch.setattr(B, "_quiet_barrier", lambda comm: calls.append("q"))
@@ -908,10 +906,11 @@ def test_no_rank_spins_in_mpi_while_another_still_times(monkeypatch):
     cfg = {"collective": "allreduce", "sizes": [64, 128], "dtype": "float32", "op": "sum",
            "root": 0, "warmup": 1, "iters": 3, "algo": None, "check": True,
            "memory": "host", "label": "t"}
-    B._sweep([Fake("m")], cfg)    # warm-up, timed loop, then the times and the check pass
+    B._sweep([_fake_lib(calls, Ctl(), "m")], cfg)    # warm-up, timed loop, then the times and the check pass
     assert "".join(calls) == "m|mmmyg|mr" * 2
     calls.clear()
-    B._sweep([Fake("a"), Fake("b")], dict(cfg, check=False))   # 3 blocks of 1 iteration
+    B._sweep([_fake_lib(calls, Ctl(), n) for n in "ab"],
+             dict(cfg, check=False))       # 3 blocks of 1 iteration
     assert "".join(calls) == ("ab" + "|ay|by" + "|by|ay" + "|ay|by" + "gg") * 2
     calls.clear()
     B.measure_ceiling(Ctl(), 1024, reps=2)     # (then rank 0 alone: others sleep there)
@@ -1001,12 +1000,7 @@ def test_a_launcher_that_cannot_start_is_one_line(tmp_path):
     now, as `gpurt launch` says it, and no directory left behind."""
     proc = run_bench(["allreduce", "-e", "64", "--ceiling-size", "0"], check=False,
                      env={"GPURT_MPIEXEC": "/nonexistent/mpiexec", "TMPDIR": str(tmp_path)})
-    assert proc.returncode == 1, (proc.returncode, proc.stderr)
-    assert proc.stderr.startswith("Error: cannot start /nonexistent/mpiexec -n 2 "), \
-        proc.stderr
-    assert proc.stderr.endswith(": [Errno 2] No such file or directory: "
-                                "'/nonexistent/mpiexec'\n") and \
-        proc.stderr.count("\n") == 1, proc.stderr
+    assert_cannot_start(proc, "/nonexistent/mpiexec", 2)
     assert os.listdir(tmp_path) == []
 
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, run_mpi
+from conftest import ROOT, assert_cannot_start, run_mpi
 
 USE_PROFILE = """
 import numpy as np, gpurt, json, sys
@@ -254,12 +254,7 @@ def test_a_launcher_that_cannot_start_is_one_line(tmp_path):
                           capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, GPURT_MPIEXEC="/nonexistent/mpiexec",
                                    TMPDIR=str(tmp_path)))
-    assert proc.returncode == 1, (proc.returncode, proc.stderr)
-    assert proc.stderr.startswith("Error: cannot start /nonexistent/mpiexec -n 2 "), \
-        proc.stderr
-    assert proc.stderr.endswith(": [Errno 2] No such file or directory: "
-                                "'/nonexistent/mpiexec'\n") and \
-        proc.stderr.count("\n") == 1, proc.stderr
+    assert_cannot_start(proc, "/nonexistent/mpiexec", 2)
     assert os.listdir(tmp_path) == []
 
 
