@@ -92,10 +92,12 @@ def _detect_kind(argv: list[str]) -> str:
     return _version_kind(argv) or "mpich"
 
 
-def find_launcher(kind: str | None = None, env: dict | None = None) -> Launcher:
+def find_launcher(kind: str | None = None, env: dict | None = None,
+                  verify: bool = True) -> Launcher:
     """The launcher to drive.  ``kind`` None: ``srun`` inside a Slurm job (SLURM_JOB_ID),
     else $GPURT_MPIEXEC / the mpiexec beside this Python / PATH's, its kind read from
-    ``--version``."""
+    ``--version``.  A ``kind`` given is checked against that (``verify``; not for a dry
+    run, which may print another machine's command)."""
     env = os.environ if env is None else env
     if kind is None and env.get("SLURM_JOB_ID"):
         kind = "srun"
@@ -124,7 +126,7 @@ def find_launcher(kind: str | None = None, env: dict | None = None) -> Launcher:
         argv = [exe]
     if kind is None:
         return Launcher(_detect_kind(argv), argv)
-    said = _version_kind(argv)
+    said = _version_kind(argv) if verify else None
     if said is not None and said != kind:
         # (driven with the other's flags it failed as "the launcher (openmpi) exited 255",
         # hydra's "error parsing parameters" in the ranks' output)
@@ -1057,7 +1059,7 @@ def launch_command():
             # before PROGRAM is a typo, not a program to run)
             raise click.NoSuchOption(program)
         try:
-            launcher = find_launcher(launcher_kind)
+            launcher = find_launcher(launcher_kind, verify=not dry_run)
             prog = program_argv(program, args, module)
             env = job_env(parse_env(env_items))
             if simulate:
