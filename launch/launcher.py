@@ -465,6 +465,10 @@ def rank_wrapper(cmd: list[str]) -> int:
         t.start()
     if reaper:
         threading.Thread(target=_reaper, args=(child.pid,), daemon=True).start()
+    jobdir = os.environ.get(DIR_VAR)
+    if jobdir and os.path.isdir(jobdir):
+        threading.Thread(target=_note_segments, args=(child.pid, jobdir, rank),
+                         daemon=True).start()
     while True:
         try:
             rc = child.wait()
@@ -502,6 +506,77 @@ def rank_wrapper(cmd: list[str]) -> int:
         time.sleep(1)
         return 128 + sig
     return rc
+
+
+def _mapped_mpi_segments(pid: int) -> set[str]:
+    """The MPI library's /dev/shm segments (``_MPI_SHM_PREFIXES``) process ``pid`` maps."""
+    out: set[str] = set()
+    try:
+        with open(f"/proc/{pid}/maps", errors="replace") as f:
+            for line in f:
+                if "/dev/shm/" in line:
+                    name = line.rstrip("\n").split(maxsplit=5)[-1]
+                    name = name[len("/dev/shm/"):].removesuffix(" (deleted)")
+                    if name.startswith(_MPI_SHM_PREFIXES):
+                        out.add(name)
+    except OSError:
+        pass
+    return out
+
+
+def _note_segments(pid: int, jobdir: str, rank) -> None:
+    """Note in the job's directory the MPI library's segments the rank's program maps
+    (MPICH's, made in MPI_Init): a rank killed by a signal never unlinks them, and the
+    parent removes those of its job that nothing maps any more (``_remove_segments``) —
+    it could only name them before, and /dev/shm filled up job by job.  Polled while the
+    program starts (every 0.1 s for 10 s, then 0.5 s, then every 5 s after 2 minutes), a
+    few more times once found, then left alone."""
+    seen: set[str] = set()
+    t0, found = time.monotonic(), 0
+    while found < 5:
+        now = _mapped_mpi_segments(pid)
+        if not os.path.exists(f"/proc/{pid}"):
+            return
+        if now - seen:
+            seen |= now
+            tmp = os.path.join(jobdir, f".segments-{rank}-{os.getpid()}.tmp")
+            try:
+                with open(tmp, "w") as f:
+                    f.write("\n".join(sorted(seen)))
+                os.replace(tmp, os.path.join(jobdir, f"segments-{rank}-{os.getpid()}"))
+            except OSError:
+                return          # (the job's directory is gone: the job is over)
+        if seen:
+            found += 1
+            time.sleep(1.0)
+        else:
+            age = time.monotonic() - t0
+            time.sleep(0.1 if age < 10 else 0.5 if age < 120 else 5.0)
+
+
+def _job_segments(d: Path) -> set[str]:
+    """The segments the ranks' wrappers noted (``_note_segments``)."""
+    out: set[str] = set()
+    for p in d.glob("segments-*"):
+        try:
+            out.update(n for n in p.read_text().split("\n") if n)
+        except OSError:
+            pass
+    return out
+
+
+def _remove_segments(names: set[str]) -> list[str]:
+    """Unlink those of the job's MPI segments ``names`` that nothing maps any more (the
+    job's ranks that ended by a signal left them); the names removed."""
+    gone = []
+    for name in _orphaned(sorted(n for n in names if n.startswith(_MPI_SHM_PREFIXES)
+                                 and "/" not in n)):
+        try:
+            os.unlink(os.path.join("/dev/shm", name))
+            gone.append(name)
+        except OSError:
+            pass
+    return gone
 
 
 def _write_record(rec: dict) -> None:
@@ -789,6 +864,8 @@ def run_job(launcher: Launcher, nranks: int, program: Sequence[str], *,
         for t in pumps:
             t.join(timeout=2.0)
         records = _read_records(jobdir, marker_records)
+        removed = _remove_segments(_job_segments(jobdir)) if launcher_rc != 0 or any(
+            r.get("exit_code") != 0 for r in records) else []
     finally:
         shutil.rmtree(jobdir, ignore_errors=True)
 
