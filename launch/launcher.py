@@ -864,8 +864,8 @@ def run_job(launcher: Launcher, nranks: int, program: Sequence[str], *,
         for t in pumps:
             t.join(timeout=2.0)
         records = _read_records(jobdir, marker_records)
-        removed = _remove_segments(_job_segments(jobdir)) if launcher_rc != 0 or any(
-            r.get("exit_code") != 0 for r in records) else []
+        if launcher_rc != 0 or any(r.get("exit_code") != 0 for r in records):
+            _remove_segments(_job_segments(jobdir))    # (what the killed ranks left)
     finally:
         shutil.rmtree(jobdir, ignore_errors=True)
 
