@@ -1196,7 +1196,7 @@ def _start(cmd: list[str], env: dict) -> subprocess.Popen:
 def _job_processes(token: str) -> dict[int, set[str]]:
     """This host's processes whose command line holds ``token`` (a launch's config file:
     mpiexec and its ranks), each with the MPI library's /dev/shm segments it maps."""
-    from gpurt.launch.launcher import _MPI_SHM_PREFIXES
+    from gpurt.launch.launcher import _mapped_mpi_segments
     out: dict[int, set[str]] = {}
     try:
         pids = [int(d) for d in os.listdir("/proc") if d.isdigit()]
@@ -1207,17 +1207,9 @@ def _job_processes(token: str) -> dict[int, set[str]]:
             with open(f"/proc/{pid}/cmdline", "rb") as f:   # (empty for a zombie)
                 if token.encode() not in f.read():
                     continue
-            segs = set()
-            with open(f"/proc/{pid}/maps", errors="replace") as f:
-                for line in f:
-                    name = line.rstrip("\n").split(maxsplit=5)[-1]
-                    if name.startswith("/dev/shm/"):
-                        name = name[len("/dev/shm/"):].removesuffix(" (deleted)")
-                        if name.startswith(_MPI_SHM_PREFIXES):
-                            segs.add(name)
-        except (OSError, ValueError):
+        except OSError:
             continue
-        out[pid] = segs
+        out[pid] = _mapped_mpi_segments(pid)
     return out
 
 

@@ -103,6 +103,19 @@ def assert_cannot_start(proc, exe: str, nranks: int) -> None:
         proc.stderr.count("\n") == 1, proc.stderr
 
 
+def private_shm(tmp_path: Path) -> Path | None:
+    """A directory to bind over /dev/shm in a private mount namespace (``unshare -m``), so
+    that what a job leaves there is told apart from other jobs' segments on this machine;
+    None where that cannot be done (not root, no unshare)."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None or subprocess.run(
+            ["unshare", "-m", "mount", "--bind", str(tmp_path), "/dev/shm"],
+            capture_output=True).returncode != 0:
+        return None
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    return shm
+
+
 @functools.lru_cache(maxsize=None)
 def is_hydra() -> bool:
     """Is the launcher MPICH's hydra (whose flags some tests use)?"""
@@ -118,19 +131,10 @@ def remove_leaked_mpich_segments(before: set[str]) -> list[str]:
     """MPICH leaks its own ``mpich_shm_*`` segments when ranks are killed (FIELD-NOTES),
     Open MPI its ``sm_segment.*`` ones; gpurt's never leak.  Remove those that appeared
     since ``before`` and that no live process maps any more — never a segment some
-    running job still uses (``gpurt launch``'s own test of that: launcher._orphaned)."""
-    from gpurt.launch.launcher import _MPI_SHM_PREFIXES, _orphaned
+    running job still uses (``gpurt launch``'s own removal: launcher._remove_segments)."""
+    from gpurt.launch.launcher import _remove_segments
 
-    removed = []
-    new = sorted(f for f in set(os.listdir("/dev/shm")) - before
-                 if f.startswith(_MPI_SHM_PREFIXES))
-    for f in _orphaned(new):
-        try:
-            os.unlink(os.path.join("/dev/shm", f))
-            removed.append(f)
-        except OSError:
-            pass
-    return removed
+    return _remove_segments(set(os.listdir("/dev/shm")) - before)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -10,7 +10,6 @@ import importlib.util
 import json
 import os
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import ROOT, assert_cannot_start, is_hydra, mpiexec, run_mpi
+from conftest import ROOT, assert_cannot_start, is_hydra, mpiexec, private_shm, run_mpi
 
 from gpurt.launch import bench as B
 
@@ -946,12 +945,10 @@ def test_a_signal_stops_the_whole_job_and_leaves_nothing(sig, tmp_path):
     the segment are removed.  The job runs with a /dev/shm of its own (a directory bound
     over it in a private mount namespace), so that what it leaves is told apart from
     other jobs' segments on this machine."""
-    if os.geteuid() != 0 or shutil.which("unshare") is None or subprocess.run(
-            ["unshare", "-m", "mount", "--bind", str(tmp_path), "/dev/shm"],
-            capture_output=True).returncode != 0:
+    shm = private_shm(tmp_path)
+    if shm is None:
         pytest.skip("needs root and unshare -m (a private /dev/shm)")
-    shm, tmp = tmp_path / "shm", tmp_path / "tmp"
-    shm.mkdir()
+    tmp = tmp_path / "tmp"
     tmp.mkdir()
     env = dict(os.environ, TMPDIR=str(tmp), GPURT_TIMEOUT="60",
                GPURT_MPIEXEC=shlex.join(mpiexec()))

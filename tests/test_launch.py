@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, is_hydra, mpiexec
+from conftest import ROOT, is_hydra, mpiexec, private_shm
 
 from gpurt.launch import launcher as L
 from gpurt.launch.topo import render
@@ -386,19 +385,6 @@ def test_rank_killed_by_a_realtime_signal(tmp_path):
     assert_nothing_left(str(tmp_path))
 
 
-def _private_shm(tmp_path: Path) -> Path | None:
-    """A directory to bind over /dev/shm in a private mount namespace (``unshare -m``), so
-    that what a job leaves there is told apart from other jobs' segments on this machine;
-    None where that cannot be done (not root, no unshare)."""
-    if os.geteuid() != 0 or shutil.which("unshare") is None or subprocess.run(
-            ["unshare", "-m", "mount", "--bind", str(tmp_path), "/dev/shm"],
-            capture_output=True).returncode != 0:
-        return None
-    shm = tmp_path / "shm"
-    shm.mkdir()
-    return shm
-
-
 @pytest.mark.parametrize("how", ["exit0", "kill"])
 def test_a_rank_that_leaves_early_is_named_and_its_segments_removed(tmp_path, how):
     """Rank 1 leaves by os._exit(0) (no MPI_Finalize) while the others still run: MPICH's
@@ -410,7 +396,7 @@ def test_a_rank_that_leaves_early_is_named_and_its_segments_removed(tmp_path, ho
     machine are not this job's.)"""
     if L.find_launcher().kind != "mpich":
         pytest.skip("MPICH's launcher's behaviour (Open MPI's is reported as a failure)")
-    shm = _private_shm(tmp_path)
+    shm = private_shm(tmp_path)
     if shm is None:
         pytest.skip("needs root and unshare -m (a private /dev/shm)")
     s = script(tmp_path, "early.py", f"""
