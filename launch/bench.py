@@ -1218,11 +1218,11 @@ def _stop_launch(proc: subprocess.Popen, token: str, shm_before: set[str]) -> No
     the launcher, which passes it on to every rank, then SIGTERM, then SIGKILL to its
     process group); then end any rank still here (hydra runs each in a session of its
     own, out of that group's reach), and remove the MPI library's segments that the
-    ranks mapped and nothing maps any more: ranks ended by a signal never unlink MPICH's
-    (`gpurt launch` only names them; here they are known to be this job's).  The first
+    ranks mapped and nothing maps any more (``launcher._remove_segments``, as `gpurt
+    launch` does): ranks ended by a signal never unlink MPICH's.  The first
     signal is SIGTERM, for a Ctrl-C too: the ranks run our worker, not a user's program
     that may want its SIGINT, and a SIGINT had each print a KeyboardInterrupt traceback."""
-    from gpurt.launch.launcher import STOP_GRACE, _group_alive, _orphaned, _stop
+    from gpurt.launch.launcher import STOP_GRACE, _group_alive, _remove_segments, _stop
     ranks = _job_processes(token)        # (while they run: the segments they map)
     segments = {s for segs in ranks.values() for s in segs} - shm_before
     _stop(proc, proc.pid, signal.SIGTERM)
@@ -1242,11 +1242,7 @@ def _stop_launch(proc: subprocess.Popen, token: str, shm_before: set[str]) -> No
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-    for name in _orphaned(sorted(segments)):
-        try:
-            os.unlink(os.path.join("/dev/shm", name))
-        except OSError:
-            pass
+    _remove_segments(segments)
 
 
 def _launch(cfg: dict, nranks: int, tmp: Path, tag: str) -> dict:
