@@ -1144,6 +1144,12 @@ class _Stopped(BaseException):
         self.signum = signum
 
 
+class _Signals:
+    """What ``_stop_on_signals`` caught: the first signal, and whether it is held for now."""
+    got: list[int] = []
+    held = False
+
+
 @contextlib.contextmanager
 def _stop_on_signals():
     """While the launches run, SIGINT, SIGTERM and SIGHUP raise _Stopped: ``_launch`` stops the
@@ -1151,13 +1157,15 @@ def _stop_on_signals():
     directory, and ``bench_command`` exits 128 + N.  (SIGTERM's default action ended this
     process alone: mpiexec and the ranks ran on, orphaned, beside the directory and
     MPICH's segment.)  A second signal while the first is handled is ignored: the
-    stopping runs to its end."""
-    got: list[int] = []
+    stopping runs to its end.  While a launch starts (``_run_launch``) a signal is held,
+    then raised once the launch can be stopped."""
+    _Signals.got, _Signals.held = [], False
 
     def on_signal(signum, _frame) -> None:
-        if not got:
-            got.append(signum)
-            raise _Stopped(signum)
+        if not _Signals.got:
+            _Signals.got.append(signum)
+            if not _Signals.held:
+                raise _Stopped(signum)
 
     if threading.current_thread() is not threading.main_thread():
         yield       # (signal handlers are the main thread's to set)
@@ -1169,6 +1177,29 @@ def _stop_on_signals():
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+        _Signals.got, _Signals.held = [], False
+
+
+def _run_launch(cmd: list[str], env: dict, token: str, shm_before: set[str]) -> int:
+    """Start ``cmd`` (``_start``), wait for it and return its status; on any way out before
+    it ended (``_Stopped``, an error) stop the launch (``_stop_launch``: ``token`` names its
+    processes, ``shm_before`` the MPI segments that were there before it).  A signal that
+    comes while the launcher starts is held until ``proc`` is known (raised inside Popen,
+    or before the assignment, it left the launch running with no one to stop it)."""
+    proc = None
+    try:
+        _Signals.held = True
+        try:
+            proc = _start(cmd, env)
+        finally:
+            _Signals.held = False
+        if _Signals.got:
+            raise _Stopped(_Signals.got[0])
+        return proc.wait()
+    except BaseException:     # (_Stopped: SIGINT/SIGTERM; anything else stops it too)
+        if proc is not None:
+            _stop_launch(proc, token, shm_before)
+        raise
 
 
 def _start(cmd: list[str], env: dict) -> subprocess.Popen:
@@ -1254,13 +1285,7 @@ def _launch(cfg: dict, nranks: int, tmp: Path, tag: str) -> dict:
     if cfg["lib"] == "gloo":
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     cmd = launch_command(nranks, [sys.executable, "-m", "gpurt.launch.bench", str(cpath)])
-    shm_before = set(_mpi_shm_files())
-    proc = _start(cmd, env)
-    try:
-        rc = proc.wait()
-    except BaseException:     # (_Stopped: SIGINT/SIGTERM; anything else stops it too)
-        _stop_launch(proc, str(cpath), shm_before)
-        raise
+    rc = _run_launch(cmd, env, str(cpath), set(_mpi_shm_files()))
     res_path = Path(cfg["result"])
     if rc != 0 or not res_path.exists():
         raise click.ClickException(f"the {cfg['lib']} run failed (exit {rc}): "

@@ -797,20 +797,6 @@ def run_job(launcher: Launcher, nranks: int, program: Sequence[str], *,
             if os.getppid() != me:          # (already gone before the prctl)
                 os._exit(1)
 
-        try:
-            proc = subprocess.Popen(cmd, env=penv, stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    start_new_session=True, preexec_fn=orphan_guard)
-        except OSError as e:
-            raise LaunchError(f"cannot start {quote(cmd)}: {e}") from None
-        pgid = proc.pid
-        pumps = [threading.Thread(target=_pass_through, args=(proc.stdout, stdout, marker_records),
-                                  daemon=True),
-                 threading.Thread(target=_pass_through, args=(proc.stderr, stderr, marker_records),
-                                  daemon=True)]
-        for t in pumps:
-            t.start()
-
         got_signal: list[int] = []
 
         def on_signal(signum, _frame) -> None:
@@ -819,9 +805,28 @@ def run_job(launcher: Launcher, nranks: int, program: Sequence[str], *,
         old = {}
         if threading.current_thread() is threading.main_thread():
             # (SIGHUP: the terminal closed — its default ended the launcher alone, and the
-            # job's MPICH segment stayed)
+            # job's MPICH segment stayed.)  Caught from before the launcher starts: one that
+            # came while Popen ran, before they were set, ended this process alone.
             for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                 old[s] = signal.signal(s, on_signal)
+        try:
+            proc = subprocess.Popen(cmd, env=penv, stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    start_new_session=True, preexec_fn=orphan_guard)
+        except BaseException as e:
+            for s, h in old.items():
+                signal.signal(s, h)
+            if isinstance(e, OSError):
+                raise LaunchError(f"cannot start {quote(cmd)}: {e}") from None
+            raise
+        pgid = proc.pid
+        pumps = [threading.Thread(target=_pass_through, args=(proc.stdout, stdout, marker_records),
+                                  daemon=True),
+                 threading.Thread(target=_pass_through, args=(proc.stderr, stderr, marker_records),
+                                  daemon=True)]
+        for t in pumps:
+            t.start()
+
         reason = "done"
         deadline = time.monotonic() + timeout if timeout else None
         failed_at: float | None = None

@@ -160,7 +160,7 @@ def run(nranks: int, collectives: list[str], sizes: list[int], out: str, warmup:
         iters: int, dtype: str) -> dict:
     """Launch the tuning ranks and write the profile to ``out``."""
     # the bench's launcher discovery, start and stop (a signal stops the whole launch)
-    from gpurt.launch.bench import _start, _stop_launch, _stop_on_signals, launch_command
+    from gpurt.launch.bench import _run_launch, _stop_on_signals, launch_command
     from gpurt.launch.launcher import _mpi_shm_files
 
     cfg = {"collectives": collectives, "sizes": sizes, "warmup": warmup, "iters": iters,
@@ -173,13 +173,8 @@ def run(nranks: int, collectives: list[str], sizes: list[int], out: str, warmup:
         env.pop("GPURT_PROFILE", None)   # measure the candidates, not a previous profile
         env.pop("GPURT_ALGO", None)
         cmd = launch_command(nranks, [sys.executable, "-m", "gpurt.launch.tune", cpath])
-        shm_before = set(_mpi_shm_files())
-        proc = _start(cmd, env)        # (a bad $GPURT_MPIEXEC: one line)
-        try:
-            rc = proc.wait()
-        except BaseException:   # (SIGINT/SIGTERM: the job is stopped, not left running)
-            _stop_launch(proc, cpath, shm_before)
-            raise
+        # (a bad $GPURT_MPIEXEC: one line; SIGINT/SIGTERM: the job is stopped, not left running)
+        rc = _run_launch(cmd, env, cpath, set(_mpi_shm_files()))
         if rc != 0:
             raise SystemExit(f"gpurt tune: the tuning launch failed (exit {rc})")
         with open(rpath) as f:

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -935,6 +936,40 @@ def _processes_with(text: str) -> list[int]:
         except OSError:
             pass
     return out
+
+
+def test_a_signal_while_the_launch_starts_stops_it(tmp_path):
+    """A SIGTERM that came inside `subprocess.Popen` (after the fork) or before its result
+    was assigned raised `_Stopped` where no one knew the launch: mpiexec ran on until
+    PR_SET_PDEATHSIG ended it with bench, its MPICH segment unremoved (tools gap of an
+    earlier session). `_run_launch` holds the signal while the launch starts, then stops
+    the launch and raises. (Popen is wrapped in the child process to send the signal
+    right after the fork; the process sleeps a while after `_Stopped` so that a launch
+    left running shows.)"""
+    token = str(tmp_path / "bench-under-signal")
+    prog = textwrap.dedent(f"""
+        import os, signal, subprocess, sys, time
+        from gpurt.launch import bench as B
+        real = subprocess.Popen
+        def popen(*a, **k):
+            p = real(*a, **k)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return p
+        subprocess.Popen = popen
+        token = os.environ["TOKEN"]      # (not in this process's own command line)
+        cmd = [sys.executable, "-c", "import time; time.sleep(60)", token]
+        try:
+            with B._stop_on_signals():
+                B._run_launch(cmd, dict(os.environ), token, set())
+        except B._Stopped as e:
+            print("stopped", e.signum, flush=True)
+            time.sleep(3)
+        """)
+    p = subprocess.run([sys.executable, "-c", prog], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60, env=dict(os.environ, TOKEN=token))
+    assert p.returncode == 0 and p.stdout == f"stopped {int(signal.SIGTERM)}\n", \
+        (p.returncode, p.stdout, p.stderr)
+    assert _processes_with(token) == []
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["TERM", "INT"])

@@ -558,6 +558,37 @@ def test_a_signal_stops_everything(tmp_path, sig):
     assert_nothing_left(str(tmp_path))
 
 
+def test_a_signal_while_the_launcher_starts_stops_it(tmp_path):
+    """A SIGTERM that came while `subprocess.Popen` started the launcher, before the
+    handlers were set, ended `gpurt launch` alone (its default action) and left the launch
+    to PR_SET_PDEATHSIG (tools gap of an earlier session). The handlers are set before the
+    launcher starts now: the signal stops the launch as any other does. (Popen is wrapped
+    in the child process to send the signal right after the fork: the window is
+    microseconds wide and cannot be hit from outside.)"""
+    token = str(tmp_path / "launch-under-signal")
+    prog = textwrap.dedent(f"""
+        import os, signal, subprocess, sys
+        from gpurt.launch import launcher as L
+        real = subprocess.Popen
+        def popen(*a, **k):
+            p = real(*a, **k)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return p
+        subprocess.Popen = popen
+        cmd = [sys.executable, "-c", "import time; time.sleep(60)", {token!r}]
+        r = L.run_job(L.Launcher("mpich", ["mpiexec"]), 1, ["x"],
+                      command=lambda wrapped, env: cmd, report=lambda m: None)
+        print("reason", r.reason, r.returncode)
+        """)
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-c", prog], cwd=ROOT, env=env_for_tests(),
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, both(p)
+    assert p.stdout.startswith("reason interrupted"), both(p)
+    assert time.monotonic() - t0 < 30
+    assert_nothing_left(token)
+
+
 def test_a_killed_launcher_takes_its_ranks_along(tmp_path):
     """SIGKILL of `gpurt launch` itself (an OOM killer, a batch system's hard kill): the
     launch runs in a session of its own, so nothing reached it, and mpiexec, the rank
