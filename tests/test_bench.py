@@ -372,7 +372,8 @@ def _report(coll: str, wrongs: list[int | None], mpi_wrongs: list[int | None] | 
     def launch(lib, ws):
         return {"lib": lib, "rows": [
             {"size": S << i, "count": S // 4 << i, "p50_s": 1e-5, "p99_s": 2e-5,
-             "mean_s": 1.5e-5, "loop_s": 1.2e-5, "wrong": w, "algo": "ring"} for i, w in enumerate(ws)],
+             "mean_s": 1.5e-5, "loop_s": 1.2e-5, "wrong": w, "algo": "ring"}
+            for i, w in enumerate(ws)],
             "ceiling": None, "info": {}}
     S = 0 if coll == "barrier" else 1024
     launches = {"gpurt": [launch("gpurt", wrongs)]}
@@ -906,7 +907,8 @@ def test_no_rank_spins_in_mpi_while_another_still_times(monkeypatch):
     cfg = {"collective": "allreduce", "sizes": [64, 128], "dtype": "float32", "op": "sum",
            "root": 0, "warmup": 1, "iters": 3, "algo": None, "check": True,
            "memory": "host", "label": "t"}
-    B._sweep([_fake_lib(calls, Ctl(), "m")], cfg)    # warm-up, timed loop, then the times and the check pass
+    # warm-up, timed loop, then the times and the check pass
+    B._sweep([_fake_lib(calls, Ctl(), "m")], cfg)
     assert "".join(calls) == "m|mmmyg|mr" * 2
     calls.clear()
     B._sweep([_fake_lib(calls, Ctl(), n) for n in "ab"],
