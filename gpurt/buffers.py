@@ -142,6 +142,12 @@ def as_buf(x: Any, what: str = "x") -> Buf:
                                 f"__cuda_array_interface__ needs CuPy to be viewed: {e}") from None
             b = _cuda(view.__cuda_array_interface__, x, what)
             b.owner = x
+            if (type(x).__module__ or "").startswith("torch"):
+                # (torch < 2.5's bfloat16 and bool: the view's stream is CuPy's current one,
+                # which from_dlpack ordered after PyTorch's; but the caller's next kernels
+                # run on PyTorch's current stream, where the call must end: as for a
+                # tensor seen through its __cuda_array_interface__, which has no stream)
+                b.stream = None
             return b
         raise TypeError(f"{what}: DLPack device type {dev_type} is not supported")
     try:

@@ -80,15 +80,6 @@ def _reraise(call: str, e: BaseException):
     raise w from e
 
 
-def _runtime_error_text(status: int) -> str:
-    try:
-        import cupy
-
-        return str(cupy.cuda.runtime.CUDARuntimeError(status))
-    except Exception:  # noqa: BLE001 - only for the message
-        return f"CUDA error {status}"
-
-
 # -- the driver library (ctypes), for what CuPy does not wrap ------------------------------
 class _Driver:
     """``libcuda.so.1``: cuMemGetAddressRange_v2, cuDeviceGetUuid(_v2), cuCtxGetCurrent."""
@@ -119,6 +110,10 @@ class _Driver:
         if self.get_uuid is not None:
             self.get_uuid.argtypes = [ctypes.c_char * 16, c_int]
             self.get_uuid.restype = c_int
+        # (the driver's query keeps no per-thread "last error": the runtime's cudaEventQuery
+        # leaves cudaErrorNotReady there, which PyTorch's check after its next kernel
+        # launch reads as "CUDA error: device not ready" where both share one runtime)
+        lib.cuEventQuery.argtypes, lib.cuEventQuery.restype = [ctypes.c_void_p], c_int
         lib.cuPointerGetAttribute.argtypes = [ctypes.c_void_p, c_int, c_u64]
         lib.cuPointerGetAttribute.restype = c_int
         lib.cuPointerSetAttribute.argtypes = [ctypes.c_void_p, c_int, c_u64]
@@ -153,6 +148,10 @@ class _Driver:
                                                     ctypes.byref(active)) != 0:
             return True
         return bool(active.value)
+
+    def event_query(self, ev: int) -> int:
+        """cuEventQuery's status: 0 (done), 600 (CUDA_ERROR_NOT_READY) or an error."""
+        return int(self.lib.cuEventQuery(ctypes.c_void_p(ev)))
 
     def address_range(self, ptr: int) -> tuple[int, int]:
         base, size = ctypes.c_uint64(), ctypes.c_size_t()
@@ -298,23 +297,51 @@ class _StreamHandle:
         return (0, self.h)
 
 
+# -- device scope --------------------------------------------------------------------------------
+def _enter_device(rt, dev: int) -> int:
+    """Make ``dev`` current; the device that was (-1: it already was ``dev``)."""
+    prev = rt.getDevice()
+    if prev == dev:
+        return -1
+    rt.setDevice(dev)
+    return prev
+
+
+def _leave_device(rt, prev: int) -> None:
+    """The caller's device again — where it has a context: a thread that never used a
+    device reports device 0, and setting it would create a context there (hundreds of
+    MiB, and an error on a GPU in exclusive-process mode) for a rank bound to another
+    GPU; that thread keeps the bound device current (PyTorch's MaybeSetDevice does the
+    same)."""
+    if prev >= 0 and _driver().primary_active(prev):
+        rt.setDevice(prev)
+
+
 # -- events ------------------------------------------------------------------------------------
 class Event:
     """A CUDA event: ``ev`` (the ``cudaEvent_t`` as an int) and ``handle`` (the IPC handle's
     64 bytes when interprocess, else None).  Destroyed by ``close()`` or when collected."""
 
-    __slots__ = ("ev", "handle", "opened", "__weakref__")
+    __slots__ = ("ev", "handle", "opened", "dev", "__weakref__")
 
-    def __init__(self, ev: int, handle: bytes | None, opened: bool = False):
-        self.ev, self.handle, self.opened = ev, handle, opened
+    def __init__(self, ev: int, handle: bytes | None, opened: bool = False, dev: int = -1):
+        self.ev, self.handle, self.opened, self.dev = ev, handle, opened, dev
 
     def close(self) -> None:
+        """Destroyed with its device current (``_enter_device``: from a thread that never
+        used CUDA — a collection, a finaliser — the runtime call would otherwise create
+        device 0's context for a rank bound to another GPU)."""
         ev, self.ev = self.ev, 0
         if ev:
             try:
                 import cupy
 
-                cupy.cuda.runtime.eventDestroy(ev)
+                rt = cupy.cuda.runtime
+                prev = _enter_device(rt, self.dev) if self.dev >= 0 else -1
+                try:
+                    rt.eventDestroy(ev)
+                finally:
+                    _leave_device(rt, prev)
             except Exception:  # noqa: BLE001 - at exit the context may be gone already
                 pass
 
@@ -369,20 +396,10 @@ class CudaBackend:
 
     # -- device scope: the bound device is current during a call, the caller's after ------
     def _enter(self) -> int:
-        prev = self._rt.getDevice()
-        if prev == self._device:
-            return -1
-        self._rt.setDevice(self._device)
-        return prev
+        return _enter_device(self._rt, self._device)
 
     def _leave(self, prev: int) -> None:
-        # the caller's device again — where it has a context: a thread that never used a
-        # device reports device 0, and setting it would create a context there (hundreds
-        # of MiB, and an error on a GPU in exclusive-process mode) for a rank bound to
-        # another GPU; that thread keeps the bound device current (PyTorch's
-        # MaybeSetDevice does the same)
-        if prev >= 0 and _driver().primary_active(prev):
-            self._rt.setDevice(prev)
+        _leave_device(self._rt, prev)
 
     def _ensure_ctx(self) -> None:
         """A driver API call needs a current context, which a thread whose current device
@@ -463,10 +480,13 @@ class CudaBackend:
             _reraise(f"cudaDeviceCanAccessPeer({a}, {b})", e)
 
     def device_of(self, ptr: int) -> int:
+        prev = self._enter()      # (a thread that never used CUDA: no context made on GPU 0)
         try:
             attrs = self._rt.pointerGetAttributes(int(ptr))
         except Exception as e:  # noqa: BLE001
             _reraise("cudaPointerGetAttributes", e)
+        finally:
+            self._leave(prev)
         if attrs.type in (_MEMTYPE_UNREGISTERED, _MEMTYPE_HOST) or attrs.device < 0:
             raise TransportError(f"cudaPointerGetAttributes: {int(ptr):#x} is not device memory "
                                  f"(memory type {attrs.type})")
@@ -634,7 +654,7 @@ class CudaBackend:
         flags = _EVENT_DISABLE_TIMING | (_EVENT_INTERPROCESS if ipc else 0)
         prev = self._enter()
         try:
-            ev = Event(self._rt.eventCreateWithFlags(flags), None)
+            ev = Event(self._rt.eventCreateWithFlags(flags), None, dev=self._device)
             if ipc:       # on failure ev is collected, and destroyed
                 ev.handle = bytes(self._rt.ipcGetEventHandle(ev.ev))
             return ev
@@ -646,7 +666,8 @@ class CudaBackend:
     def event_open(self, handle: bytes) -> Event:
         prev = self._enter()
         try:
-            return Event(self._rt.ipcOpenEventHandle(bytes(handle)), bytes(handle), True)
+            return Event(self._rt.ipcOpenEventHandle(bytes(handle)), bytes(handle), True,
+                         self._device)
         except Exception as e:  # noqa: BLE001
             _reraise("cudaIpcOpenEventHandle", e)
         finally:
@@ -662,12 +683,20 @@ class CudaBackend:
             self._leave(prev)
 
     def query(self, ev: Event) -> bool:
-        st = self._rt.eventQuery(ev.ev)   # returns the status, raises nothing
+        """Through the driver (``_Driver.event_query``: no "last error" left behind), with
+        the bound device current (a polling thread that never used CUDA)."""
+        prev = self._enter()
+        try:
+            self._ensure_ctx()
+            st = _driver().event_query(ev.ev)
+        finally:
+            self._leave(prev)
         if st == _SUCCESS:
             return True
         if st == _NOT_READY:
             return False
-        raise TransportError(f"cudaEventQuery failed: {_runtime_error_text(st)}")
+        _driver().check(st, "cuEventQuery")
+        return False
 
     def wait_event(self, stream, ev: Event) -> None:
         prev = self._enter()

@@ -13,7 +13,7 @@
 #      editable from this tree (so the tests run this tree's code);
 #   2. env: nvidia-smi -L, Python/NumPy/CuPy/torch/mpi4py versions, `gpurt info`, the CUDA
 #      backend's info (GPUs, P2P matrix), /dev/shm;
-#   3. pytest: python -m pytest -m gpu tests/gpu -x -q (unit tests of the CUDA backend, then
+#   3. pytest: python -m pytest -m gpu tests/gpu -q (unit tests of the CUDA backend, then
 #      tests/gpu/gpu_cases.py under mpiexec -n 1..4 on the GPU);
 #   4. sweep: tests/mpi_sweep.py --device cupy (every collective x algorithm, exact) on 3
 #      ranks sharing the GPU;
@@ -57,7 +57,9 @@ stage() {
     fi
     start=$SECONDS
     echo "== $name (timeout ${t} s): $*"
-    timeout -k 5 "$t" "$@" > "$OUT/$name.log" 2>&1
+    # SIGINT first: pytest then still prints the failures so far and writes its JUnit
+    # XML (on SIGTERM it died without either), gpurt bench stops its job
+    timeout -s INT -k 15 "$t" "$@" > "$OUT/$name.log" 2>&1
     rc=$?
     tail -n "${TAIL_LINES:-40}" "$OUT/$name.log"
     local verdict="ok"
@@ -162,7 +164,7 @@ stage env 45 bash -c "$(declare -f envinfo); VPY='$VPY' MPIEXEC='$MPIEXEC'; envi
 RESERVE=130     # keep time for the sweep and the benchmark
 # (no -x: a first GPU run should report every failure it can within its time)
 GPURT_GPU_REQUIRED=1 TAIL_LINES=60 stage pytest 170 "$VPY" -m pytest -m gpu tests/gpu -q -rs -p no:cacheprovider \
-    --junitxml "$OUT/pytest-gpu.xml"
+    --durations=15 --junitxml "$OUT/pytest-gpu.xml"
 
 # -- 4. every collective x algorithm on CuPy arrays ------------------------------------------------------
 RESERVE=90

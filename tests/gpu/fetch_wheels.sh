@@ -49,7 +49,11 @@ echo "== pure Python: ${PURE[*]}"
 echo "== the project wheel"
 rm -f "$DEST"/gpurt-*.whl
 # pure Python (no compiled board round): it must install on whatever CPython the GPU machine has
+# (pip builds in the tree: a build/ left from an earlier run could put deleted files into
+# the wheel, and one left by this run would linger in the checkout)
+rm -rf "$ROOT/build"
 GPURT_NO_EXTENSION=1 "${PIP[@]}" wheel --quiet --no-deps "$ROOT" -w "$DEST"
+rm -rf "$ROOT/build"
 
 echo "== sizes"
 ( cd "$DEST" && ls -l --block-size=K ./*.whl | awk '{printf "%8s  %s\n", $5, $9}' )

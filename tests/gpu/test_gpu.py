@@ -236,15 +236,21 @@ def test_driver_calls_from_a_fresh_thread(be, cp):
     import threading
 
     a = cp.arange(1 << 16, dtype=cp.float32)
-    want = (be.alloc_id(a.data.ptr), be.address_range(a.data.ptr + 64))
+    want = (be.alloc_id(a.data.ptr), be.address_range(a.data.ptr + 64),
+            be.device_of(a.data.ptr), True)
     be.rdma_flush()             # (here: whether this device takes the flush at all)
     refused = be._no_flush
+    ev = be.event(False)
+    be.record(ev, cp.cuda.get_current_stream().ptr)
+    be.synchronize(cp.cuda.get_current_stream().ptr)
     got, errors = [], []
 
     def fresh():
         try:
-            got.append((be.alloc_id(a.data.ptr), be.address_range(a.data.ptr + 64)))
+            got.append((be.alloc_id(a.data.ptr), be.address_range(a.data.ptr + 64),
+                        be.device_of(a.data.ptr), be.query(ev)))
             be.rdma_flush()
+            ev.close()              # (a collection on another thread: with its device)
         except Exception as e:  # noqa: BLE001
             errors.append(e)
 
@@ -255,6 +261,33 @@ def test_driver_calls_from_a_fresh_thread(be, cp):
     assert be._no_flush == refused      # (taken here, taken there too)
     from gpurt.device_cuda import _driver
     assert _driver().primary_active(0)
+
+
+def test_query_of_an_unfinished_event_leaves_no_error_behind(be, cp):
+    """``query`` of an event not reached yet says False, and leaves no "last error" on
+    the thread: the runtime's cudaEventQuery left cudaErrorNotReady, which PyTorch's check
+    after its next kernel launch raises ("CUDA error: device not ready") where CuPy and
+    PyTorch share one runtime library. The query goes through the driver now."""
+    spin = cp.RawKernel(r"""
+        extern "C" __global__ void spin(long long cycles) {
+            long long t0 = clock64();
+            while (clock64() - t0 < cycles) { }
+        }""", "spin")
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        spin((1,), (1,), (np.int64(1_500_000_000),))     # (~1 s at 1.5 GHz)
+    ev = be.event(False)
+    be.record(ev, s.ptr)
+    assert be.query(ev) is False
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is not None and torch.cuda.is_available():
+        t = torch.ones(16, device="cuda:0")
+        assert float((t + 1).sum()) == 32.0        # (a launch check after the query)
+    be.synchronize(s.ptr)
+    assert be.query(ev) is True
 
 
 def test_reduce_with_src_and_out_one_range(be, cp):
