@@ -1041,6 +1041,30 @@ class Communicator:
         req.algorithm = self.last_algorithm = LOCAL
         return req
 
+    def _alone_device(self, coll: str, xb: Buf | None, ob: Buf | None, n: int,
+                      dtype: np.dtype, op: Op | None, root: int, result: Any,
+                      st: int) -> Request:
+        """``_alone`` on device buffers: a copy queued on the call's stream ``st`` where
+        ``out`` is not ``x`` (so after the producer's work there, and ready there for
+        the caller's next kernels, as every device call), nothing where it is (AVG over
+        one rank is the value itself: no division queued).  No scratch is touched, so the
+        next call needs no wait on this one's end event."""
+        self._seq += 1
+        seq = self._seq
+        fl = self.flight
+        rec = fl.start(seq, coll, (dtype.str, n, op, root if coll in _ROOTED else None),
+                       LOCAL + "@device", callsite.site()) if fl is not None else None
+        if xb is not None and ob is not None and xb.nbytes and not same(xb, ob):
+            be = self.dev
+            be.copy(be.view(ob.ptr, ob.nbytes, ob.owner), be.view(xb.ptr, xb.nbytes, xb.owner),
+                    st)
+        if rec is not None:
+            FlightRecorder.done(rec)
+        req = Completed(self.engine, coll, seq, result)
+        req.p2p = False
+        req.algorithm = self.last_algorithm = LOCAL
+        return req
+
     def _enqueue(self, coll: str, seq: int, start, finish, name: str) -> Request:
         req = Request(self.engine, coll, seq, start, finish)
         req.algorithm = self.last_algorithm = name
@@ -1096,6 +1120,10 @@ class Communicator:
             st = devpath.stream_of(be, stream, b)
         with _ranked(self.rank, ValueError):
             alg, sched = self._dev_tuner().plan(coll, n, dtype.itemsize, root, algo)
+        if self.size == 1 and algo is None and coll not in self._dev_tuner().forced:
+            eng = self.engine       # (a forced algorithm runs: that is what it is for)
+            if not (eng.colls or eng.p2p or eng.busy or eng.owner):
+                return self._alone_device(coll, xb, ob, n, dtype, op, root, result, st)
         self._seq += 1
         seq = self._seq
         sig = _signature(coll, dtype.str + "@device", n, op, root, alg.name)

@@ -96,6 +96,8 @@ def case_streams(comm) -> None:
         assert (res.get().reshape(-1) == want).all(), (name, res.get().reshape(-1)[:4])
         si.fill(res, -1.0)       # on the result's stream: after the call's writes
         assert (res.get() == -1.0).all(), (name, "a kernel on the result's stream")
+        # one rank: the call is a copy queued on the call's stream, without the engine
+        assert p > 1 or comm.last_algorithm == "local", (name, comm.last_algorithm)
     # 3. the current stream
     s3 = si.Stream()
     z = si.zeros(n, np.int64)
