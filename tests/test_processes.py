@@ -1318,7 +1318,10 @@ def test_a_call_rejected_ahead_of_slower_peers_reaches_them_at_once(n, nodes, co
     for r in range(n - 1):
         out = recs[r]["outcome"]
         assert out.startswith("CollectiveMismatchError: "), recs
-        assert f"rank {n - 1} rejected its own allreduce call" in out, out
+        # (with its line: on the board the early mark carries it since a bug hunt saw
+        # "rank 1 rejected its own allreduce call as invalid input" without it)
+        assert f"rank {n - 1} rejected its own allreduce call at " in out and \
+            "rejected_cases.py:" in out, out
         assert recs[r]["seconds"] < 5, recs
 
 

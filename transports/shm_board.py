@@ -45,8 +45,8 @@ from gpurt.ops import DTYPE_CODE, DTYPE_NAMES, Op
 
 CTRL = 64            # per rank: flag (+0), done (+8); shm_direct's words (+16..+32)
 W_REJECTED = 5       # control-line words: the last call this rank rejected as invalid input,
-                     # and its kind (+1) — stored at once: its header may wait for a free
-                     # buffer (mark_rejected)
+                     # its kind (+1) and its call site's id (+2) — stored at once: its header
+                     # may wait for a free buffer (mark_rejected)
 HDR = 128            # per buffer: seq, sig, nbytes, coll, dtype, n, op, root, call site id
 _SITE = 8            # header word of the call site's id (gpurt.callsite)
 _EXTRA = 9           # header words 9..15: a protocol's own (shm_direct: buffer locations)
@@ -394,8 +394,10 @@ class BoardRun:
         q, bd, seq = self.board.q, self.board, self.seq
         for k in self.need:
             if q[bd.ctrl[k] + W_REJECTED] == seq and q[bd.ctrl[k]] < seq:
-                _fence()        # (the kind was stored before the call number)
-                self._rejected(k, q[bd.ctrl[k] + W_REJECTED + 1])
+                _fence()        # (the kind and site were stored before the call number)
+                theirs = bd.site_text(k, q[bd.ctrl[k] + W_REJECTED + 2])
+                self._rejected(k, q[bd.ctrl[k] + W_REJECTED + 1],
+                               at(theirs) if any(theirs) else "")
 
     def _rejected(self, k: int, coll: int, theirs_at: str = "",
                   mine_at: str | None = None) -> None:
@@ -428,14 +430,17 @@ class BoardRun:
                                       f"rank {self.r} called {mine}{mine_at}")
 
 
-def mark_rejected(board: Board, seq: int, coll: int) -> None:
-    """Tell the peers at once that this rank rejected its call ``seq`` as invalid input:
-    its rejected header (``BoardRun(publish_only=True)``) may wait for a buffer that a
-    slower peer still reads, and the peers must not wait for it meanwhile — nor take the
-    rank's exit, if it leaves before, for a failure (``BoardRun`` checks the word while a
-    peer's flag is missing)."""
+def mark_rejected(board: Board, seq: int, coll: int, sid: int = 0) -> None:
+    """Tell the peers at once that this rank rejected its call ``seq`` (made at call site
+    ``sid``) as invalid input: its rejected header (``BoardRun(publish_only=True)``) may
+    wait for a buffer that a slower peer still reads, and the peers must not wait for it
+    meanwhile — nor take the rank's exit, if it leaves before, for a failure
+    (``BoardRun`` checks the word while a peer's flag is missing)."""
     q, w = board.q, board.ctrl[board.me] + W_REJECTED
+    if sid and sid not in board.published:
+        board.publish_site(sid)
     q[w + 1] = coll
+    q[w + 2] = sid if sid < SITES else 0
     _fence()                 # seen before the call number (weakly ordered CPUs too)
     q[w] = seq
 
