@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from .ops import _SUPPORTED, bfloat16, check_dtype
+from .ops import _SUPPORTED, _names, bfloat16, check_dtype
 
 _DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13
 
@@ -57,11 +57,31 @@ class Buf:
         return f"<Buf {self.describe()}>"
 
 
+def _not_contiguous(what: str, owner: Any, strides, shape) -> ValueError:
+    """The refusal of a strided buffer, in the owner's own terms (a tensor's strides in
+    elements, as ``t.stride()`` says), with the copy to pass — and a reminder that a
+    result written into a copy must be copied back (else it is lost, silently)."""
+    if (type(owner).__module__ or "").startswith("torch") and hasattr(owner, "stride"):
+        try:
+            strides, shape = tuple(owner.stride()), tuple(owner.shape)
+        except Exception:  # noqa: BLE001 - only for the message
+            pass
+        return ValueError(
+            f"{what} is not contiguous (strides {strides} elements for shape {shape}, e.g. "
+            f"channels_last or a transposed view); pass c = {what}.contiguous(), and where "
+            f"the result is written into it (in place, or out=) copy it back: "
+            f"{what}.copy_(c)")
+    mod = "cupy" if (type(owner).__module__ or "").startswith("cupy") else "numpy"
+    return ValueError(
+        f"{what} is not C-contiguous (strides {tuple(strides)} for shape {tuple(shape)}); "
+        f"pass c = {mod}.ascontiguousarray({what}), and where the result is written into "
+        f"it (in place, or out=) copy it back: {what}[...] = c")
+
+
 def _host(arr: np.ndarray, owner: Any, what: str) -> Buf:
     flags = arr.flags
     if not flags.c_contiguous:
-        raise ValueError(f"{what} is not C-contiguous (strides {arr.strides} for shape "
-                         f"{arr.shape}); pass a contiguous array, e.g. numpy.ascontiguousarray()")
+        raise _not_contiguous(what, owner, arr.strides, arr.shape)
     dtype = arr.dtype
     if dtype not in _SUPPORTED:
         dtype = check_dtype(dtype)
@@ -87,7 +107,7 @@ def _cuda(cai: dict, owner: Any, what: str) -> Buf:
         # but only those: a.T[None] is as strided as a.T)
         if any(d != 1 and st != want
                for d, st, want in zip(shape, strides, reversed(expect))):
-            raise ValueError(f"{what} is not C-contiguous (strides {strides} for shape {shape})")
+            raise _not_contiguous(what, owner, strides, shape)
     ptr, ro = cai["data"]
     return Buf("cuda", int(ptr), count * dtype.itemsize, dtype, shape, bool(ro), owner,
                None, -1, cai.get("stream"))
@@ -123,15 +143,19 @@ def as_buf(x: Any, what: str = "x") -> Buf:
     if cai is not None:
         return _cuda(cai, x, what)
     if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
-        dev_type, dev_id = x.__dlpack_device__()
+        try:
+            dev_type, dev_id = x.__dlpack_device__()
+        except Exception as e:  # noqa: BLE001 - e.g. torch's meta or nested tensors
+            raise TypeError(f"{what}: {_dlpack_what(x)} cannot be exported through DLPack: "
+                            f"{e}") from None
         if int(dev_type) in (_DL_CPU, _DL_CUDA_HOST):
             try:
                 arr = np.from_dlpack(x)
             except (BufferError, TypeError, RuntimeError) as e:
                 arr = _torch_bfloat16(x)
                 if arr is None:
-                    raise TypeError(f"{what}: cannot view {type(x).__name__} through DLPack: "
-                                    f"{e}") from e
+                    raise TypeError(f"{what}: cannot view {_dlpack_what(x)} through DLPack: "
+                                    f"{e} (supported dtypes: {_names(_SUPPORTED)})") from e
             return _host(arr, x, what)
         if int(dev_type) in (_DL_CUDA, _DL_CUDA_MANAGED):
             try:   # a CUDA DLPack tensor without __cuda_array_interface__: view it in CuPy
@@ -160,6 +184,14 @@ def as_buf(x: Any, what: str = "x") -> Buf:
     except (ValueError, TypeError) as e:
         raise TypeError(f"{what}: buffer format {mv.format!r} is not understood: {e}") from None
     return _host(arr, x, what)
+
+
+def _dlpack_what(x: Any) -> str:
+    """``Tensor (torch.float8_e4m3fn on cpu)``: the type, and its dtype and device where it
+    has them (for the messages of a DLPack tensor that cannot be taken)."""
+    parts = [str(v) for v in (getattr(x, "dtype", None), getattr(x, "device", None))
+             if v is not None]
+    return type(x).__name__ + (f" ({' on '.join(parts)})" if parts else "")
 
 
 def _torch_bfloat16(x: Any) -> np.ndarray | None:

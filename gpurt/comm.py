@@ -529,7 +529,7 @@ class Communicator:
         meta = (shm_board.COLLS.index(coll), 0, 0, 0, 0)
         site = callsite.site()
         if self.board is not None:
-            shm_board.mark_rejected(self.board, seq, meta[0])
+            shm_board.mark_rejected(self.board, seq, meta[0], site)
 
             def start():
                 return shm_board.BoardRun(self.board, coll, seq, shm_board.REJECTED, meta,
@@ -861,11 +861,11 @@ class Communicator:
         self.engine.raise_if_poisoned()
 
     def _root(self, root: int) -> int:
-        if not isinstance(root, (int, np.integer)) or isinstance(root, (bool, np.bool_)) \
-                or not 0 <= root < self.size:
+        r = _rank_number(root)
+        if r is None or not 0 <= r < self.size:
             raise ValueError(f"rank {self.rank}: root {root!r} is not a rank of this "
                              f"communicator (size {self.size})")
-        return int(root)
+        return r
 
     def _scratch_view(self, nbytes: int) -> np.ndarray:
         if self._scratch.nbytes < nbytes:
@@ -2081,13 +2081,13 @@ class Communicator:
 
     # -- point to point -------------------------------------------------------------
     def _peer(self, peer: Any, what: str) -> int:
-        if not isinstance(peer, (int, np.integer)) or isinstance(peer, (bool, np.bool_)) or \
-                not 0 <= peer < self.size:
+        r = _rank_number(peer)
+        if r is None or not 0 <= r < self.size:
             raise ValueError(f"rank {self.rank}: {what} peer {peer!r} is not a rank of this "
                              f"communicator (size {self.size})")
-        if peer == self.rank:
+        if r == self.rank:
             raise ValueError(f"rank {self.rank}: {what} to itself is not supported (copy instead)")
-        return int(peer)
+        return r
 
     def _p2p(self, kind: str, b: Buf, peer: int, tag: int, stream: Any = None) -> Request:
         if not isinstance(tag, (int, np.integer)) or isinstance(tag, bool) or \
@@ -2873,6 +2873,20 @@ def _pid_namespace() -> int:
         return os.stat("/proc/self/ns/pid").st_ino
     except OSError:
         return 0
+
+
+def _rank_number(v: Any) -> int | None:
+    """``v`` as a rank number: an int, a NumPy integer, or anything integral by
+    ``__index__`` (a 0-d integer tensor: ``torch.tensor(1)``, ``np.array(2)``); None for
+    anything else — a bool, a float (2.0), a string."""
+    if isinstance(v, (bool, np.bool_)):
+        return None
+    if isinstance(v, int):
+        return v
+    try:
+        return operator.index(v)
+    except TypeError:
+        return None
 
 
 def _hier_agreement(topo: Topology) -> bool:

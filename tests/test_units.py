@@ -5,6 +5,7 @@ from __future__ import annotations
 import array
 import json
 import os
+import re
 import time
 
 import numpy as np
@@ -676,6 +677,33 @@ else:
     assert out[2] == "loaded False" and out[3] == "is True False", out
     assert out[4:] in (["grad skipped"], ["grad refused torch.float32",
                                           "grad refused torch.bfloat16"]), out
+
+
+def test_refusals_of_tensors_say_what_to_pass():
+    """A bug hunt with PyTorch CPU tensors: a channels_last gradient was refused with NumPy
+    byte strides and the hint numpy.ascontiguousarray(), which, followed, reduced a copy
+    and left the tensor unreduced (silently); a float8 tensor's refusal did not name its
+    dtype, a meta tensor's not even the argument. Each now says what it was and what to
+    pass, the copy back included."""
+    torch = pytest.importorskip("torch")
+    g = torch.ones(8, 3, 3, 3).to(memory_format=torch.channels_last)
+    with pytest.raises(ValueError, match=re.escape(
+            "x is not contiguous (strides (27, 1, 9, 3) elements for shape (8, 3, 3, 3)")) \
+            as e:
+        as_buf(g)
+    assert "c = x.contiguous()" in str(e.value) and "x.copy_(c)" in str(e.value)
+    with pytest.raises(ValueError, match=re.escape("out is not C-contiguous (strides (32, 16) "
+                                                   "for shape (4, 2)); pass c = numpy.")):
+        as_buf(np.ones((4, 4))[:, ::2], "out")
+    f8 = getattr(torch, "float8_e4m3fn", None)
+    if f8 is not None:
+        with pytest.raises(TypeError, match=r"x: cannot view Tensor \(torch.float8_e4m3fn "
+                                            r"on cpu\) through DLPack: .*\(supported dtypes: "
+                                            r"bool, int8"):
+            as_buf(torch.ones(4).to(f8))
+    with pytest.raises(TypeError, match=r"x: Tensor \(torch.float32 on meta\) cannot be "
+                                        r"exported through DLPack"):
+        as_buf(torch.ones(4, device="meta"))
 
 
 def test_call_sites_met_inside_a_signal_handler_during_a_first_sight():

@@ -209,6 +209,12 @@ def test_bad_input_raises_before_anything_moves(comm):
         comm.reduce(x, root=-1)
     with pytest.raises(ValueError, match="root True is not a rank"):   # (was root 1)
         comm.broadcast(x, root=True)
+    with pytest.raises(ValueError, match="root 0.0 is not a rank"):
+        comm.broadcast(x, root=0.0)
+    # an integral object (a 0-d integer array or tensor: torch.tensor(k)) is a rank
+    y = np.full(8, float(r), np.float32)
+    comm.broadcast(y, root=np.array(p - 1))
+    assert (y == p - 1).all(), y
     with pytest.raises(TypeError, match="dtype <U3 is not supported"):
         comm.allreduce(np.array(["abc"]))
     with pytest.raises(TypeError, match="op BAND is not defined for dtype float32"):
@@ -326,7 +332,8 @@ def test_point_to_point(comm):
     # large messages both ways at once: isend/irecv must not deadlock
     big = np.arange(1 << 20, dtype=np.float64) + r
     got = np.empty_like(big)
-    reqs = [comm.isend(big, right, tag=5), comm.irecv(got, left, tag=5)]
+    # (peers given as 0-d integer arrays: integral, so ranks — as torch.tensor(k) is)
+    reqs = [comm.isend(big, np.array(right), tag=5), comm.irecv(got, np.array(left), tag=5)]
     for q in reqs:
         q.wait(timeout=60)
     assert (got == np.arange(1 << 20) + left).all()
