@@ -162,21 +162,28 @@ class Communicator:
     _telling = 0
     # what close() tells the peers of a call in flight (None: no call was running)
     _close_text: str | None = None
+    # the thread in a split's or dup's exchanges over self.mpi (0: none), and whether a
+    # close() meanwhile left the MPI handles to it to free (_control_plane)
+    _ctl_thread = 0
+    _free_later = False
 
     def __init__(self, mpi_comm: Any = None, *, _owned: bool = False):
         MPI = _mpi_ready()
         if mpi_comm is None:
             mpi_comm = MPI.COMM_WORLD
-        if not isinstance(mpi_comm, MPI.Comm):
-            raise TypeError(f"gpurt.Communicator needs an mpi4py intracommunicator, "
-                            f"got {mpi_comm!r}")
-        if mpi_comm == MPI.COMM_NULL:
-            raise TypeError("gpurt.Communicator needs an mpi4py intracommunicator, got "
-                            "MPI.COMM_NULL (a communicator already freed, or one this "
-                            "rank is not in: Split/Create return COMM_NULL there)")
-        if mpi_comm.Is_inter():
-            raise TypeError("gpurt.Communicator needs an intracommunicator (got an "
-                            "intercommunicator; Merge() it first)")
+        if not isinstance(mpi_comm, MPI.Comm) or mpi_comm == MPI.COMM_NULL or \
+                mpi_comm.Is_inter():
+            who = f"rank {MPI.COMM_WORLD.Get_rank()} of MPI_COMM_WORLD"
+            if not isinstance(mpi_comm, MPI.Comm):
+                raise TypeError(f"{who}: gpurt.Communicator needs an mpi4py "
+                                f"intracommunicator, got {mpi_comm!r}")
+            if mpi_comm == MPI.COMM_NULL:
+                raise TypeError(f"{who}: gpurt.Communicator needs an mpi4py "
+                                f"intracommunicator, got MPI.COMM_NULL (a communicator "
+                                f"already freed, or one this rank is not in: Split/Create "
+                                f"return COMM_NULL there)")
+            raise TypeError(f"{who}: gpurt.Communicator needs an intracommunicator (got an "
+                            f"intercommunicator; Merge() it first)")
         self._closed = False
         self._pid = os.getpid()
         self._transports: list = []
@@ -1750,8 +1757,11 @@ class Communicator:
             now = time.monotonic()
         # a thread waiting on a Request between its steps leaves its wait at its next
         # turn (the requests have their error): not with the transports gone under it
+        # (not a thread in split's or dup's exchange, which moves nothing of this one's
+        # once it is poisoned, and may wait for peers much longer: _control_plane)
         end = time.monotonic() + 2.0
-        while eng.owner and eng.owner != me and time.monotonic() < end:
+        while eng.owner and eng.owner not in (me, self._ctl_thread) and \
+                time.monotonic() < end:
             time.sleep(1e-4)
         if self._elsewhere():
             log.warning("rank %d: closing while a call is still running in another thread",
@@ -2523,6 +2533,8 @@ class Communicator:
         MPI = _mpi_ready(f"rank {self.rank}")
         why = ""
         try:
+            if isinstance(color, (bool, np.bool_)) or isinstance(key, (bool, np.bool_)):
+                raise TypeError
             c = None if color is None or color == MPI.UNDEFINED else operator.index(color)
             k = operator.index(key)
             if c is not None and not 0 <= c <= _INT_MAX:
@@ -2531,23 +2543,59 @@ class Communicator:
                 why = f"key={k} does not fit a C int"
         except TypeError:
             why = f"color and key must be integers, got color={color!r}, key={key!r}"
-        # (one rank's bad argument would leave the others in MPI_Comm_split for ever)
-        _gather_progressing(self.mpi)
-        whys = self.mpi.allgather(why)
-        if any(whys):
-            raise ValueError(f"rank {self.rank}: split: " + "; ".join(
-                f"rank {r}: {w}" for r, w in enumerate(whys) if w))
-        new = _mpi_make(lambda: self.mpi.Split(MPI.UNDEFINED if c is None else c, k),
-                        self.rank)
-        if new == MPI.COMM_NULL:
-            return None
-        return Communicator(new, _owned=True)
+
+        def make():
+            # (one rank's bad argument would leave the others in MPI_Comm_split for ever)
+            _gather_progressing(self.mpi)
+            whys = self.mpi.allgather(why)
+            if any(whys):
+                raise ValueError(f"rank {self.rank}: split: " + "; ".join(
+                    f"rank {r}: {w}" for r, w in enumerate(whys) if w))
+            new = _mpi_make(lambda: self.mpi.Split(MPI.UNDEFINED if c is None else c, k),
+                            self.rank)
+            return None if new == MPI.COMM_NULL else Communicator(new, _owned=True)
+
+        return self._control_plane("split", make)
 
     def dup(self) -> "Communicator":
         """A new communicator over the same ranks, with its own transports.  Collective."""
         self._check_open()
         _mpi_ready(f"rank {self.rank}")
-        return Communicator(self.mpi)
+        return self._control_plane("dup", lambda: Communicator(self.mpi))
+
+    def _control_plane(self, what: str, make: Callable[[], "Communicator | None"]
+                       ) -> "Communicator | None":
+        """``make()`` — split's or dup's exchanges over ``self.mpi`` and the new
+        communicator's set-up — as a call of this communicator: another thread in a call
+        (or in a split or dup) meanwhile is the error of two threads (both made MPI
+        collectives on one communicator at once: MPICH aborted on mixed-up messages, or a
+        split returned size-1 communicators, silently — a bug hunt).  A ``close()`` from
+        another thread meanwhile leaves ``self.mpi`` to this thread to free (it freed the
+        handle under the exchange: an MPI error naming no rank here, a peer left in MPI
+        for ever); the exchange runs to its end, since the peers are in it, and then the
+        new communicator is closed too and this call raises ``CommunicatorClosed`` (the
+        peers' new one fails their first call in it with ``PeerFailure``)."""
+        eng = self.engine
+        prev = eng.claim()
+        me = threading.get_ident()
+        with _CTL_LOCK:
+            self._ctl_thread = me
+        try:
+            new = make()
+        finally:
+            with _CTL_LOCK:
+                self._ctl_thread = 0
+                late, self._free_later = self._free_later, False
+            if late:
+                self._free_mpi()
+            eng.unclaim(prev)
+        if self._closed:
+            if new is not None:
+                new.close()
+            raise CommunicatorClosed(
+                f"rank {self.rank}: {what}: the communicator was closed by another thread "
+                f"during the call (the new communicator is closed too)")
+        return new
 
     def explain(self, collective: str, nbytes: int) -> str:
         """The tuner's candidates for ``collective`` at ``nbytes`` (S as nccl-tests counts
@@ -2642,10 +2690,19 @@ class Communicator:
         self._transports = []
         self.endpoints = {}
         self._qt = None
-        MPI = _mpi()
         fin = getattr(self, "_mpi_fin", None)
         if fin is not None:
             fin.detach()
+        with _CTL_LOCK:     # (another thread's split or dup still exchanges over it)
+            later = self._ctl_thread not in (0, threading.get_ident())
+            self._free_later = later
+        if not later:
+            self._free_mpi()
+        _LIVE.discard(self)
+        _free_mpi_garbage()
+
+    def _free_mpi(self) -> None:
+        MPI = _mpi()
         if not MPI.Is_finalized():
             for c in ("node_comm", "mpi"):
                 comm = getattr(self, c, None)
@@ -2654,8 +2711,6 @@ class Communicator:
                         comm.Free()
                     except Exception:  # noqa: BLE001
                         pass
-        _LIVE.discard(self)
-        _free_mpi_garbage()
 
 
 #: (pid, mpi4py communicator) of gpurt communicators collected without close(): freed
@@ -3234,11 +3289,22 @@ def init() -> Communicator:
     """The communicator over ``MPI.COMM_WORLD`` (initialising MPI if needed).  Idempotent:
     later calls return the same object while it is open."""
     global _WORLD
-    if _WORLD is None or _WORLD.closed:
-        world = _mpi_ready().COMM_WORLD
-        _check_not_a_singleton(world.Get_size())
-        _WORLD = Communicator(world)
-    return _WORLD
+    w = _WORLD
+    if w is not None and not w.closed:
+        return w
+    # (two threads at once each made one, both collective over COMM_WORLD at the same
+    # time: MPICH aborted on mixed-up messages, or each got its own, and a later call on
+    # one of them hung — a bug hunt; the second waits here and gets the first's)
+    with _INIT_LOCK:
+        if _WORLD is None or _WORLD.closed:
+            world = _mpi_ready().COMM_WORLD
+            _check_not_a_singleton(world.Get_size())
+            _WORLD = Communicator(world)
+        return _WORLD
+
+
+_INIT_LOCK = threading.Lock()
+_CTL_LOCK = threading.Lock()     # (Communicator._ctl_thread / _free_later)
 
 
 #: what launchers tell their processes of the job's size (hydra and other PMI-1 process

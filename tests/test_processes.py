@@ -1301,6 +1301,39 @@ def test_a_segment_never_has_a_name_a_crash_could_leave(proc_fd):
         assert seen and all(re.fullmatch(r"gpurt-\d+-\d+-[0-9a-f]{8}", f) for f in seen), seen
 
 
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("mode", ["init", "dup", "split", "close_dup", "close_split"])
+def test_threads_meeting_the_control_plane(mode, n):
+    """Two threads in init(), dup() or split() at once; a close() from another thread
+    while a split or dup waits for its peers (tests/control_plane_cases.py; a bug hunt:
+    MPICH aborted, split gave size-1 communicators silently, init gave two world
+    communicators and a hang, the peer of a closed split stayed in MPI for ever)."""
+    recs = rank_records(run_mpi(n, ["tests/control_plane_cases.py", mode],
+                                env={"GPURT_TIMEOUT": "20"}, timeout=120).stdout,
+                        "CONTROL", n)
+    total = n * (n + 1) / 2
+    for r, rec in recs.items():
+        if mode == "init":
+            assert rec["same"] and rec["sum"] == total, rec
+        elif mode in ("dup", "split"):
+            assert not rec["alive"], rec
+            ok, err = rec["outcomes"][1], rec["outcomes"][0]
+            assert ok == f"ok size={n} rank={r} sum={total:g}", rec
+            assert err.startswith(f"GpurtError: rank {r}: two threads used this "
+                                  f"communicator at once"), rec
+        elif r == 0:
+            what = mode.split("_", 1)[1]
+            assert rec["call"] == (f"CommunicatorClosed: rank 0: {what}: the communicator "
+                                   f"was closed by another thread during the call (the new "
+                                   f"communicator is closed too)"), rec
+            assert rec["close_seconds"] < 1.0, rec        # (it does not wait for the call)
+            assert rec["call_seconds"] < 10, rec
+        else:
+            assert rec["next"].startswith(f"PeerFailure: rank {r}: ") and \
+                "rank 0 " in rec["next"], rec
+            assert rec["next_seconds"] < 5, rec
+
+
 @pytest.mark.parametrize("n,nodes,count", [(2, 1, 4), (3, 1, 4), (2, 1, 1 << 20),
                                            (2, 2, 4), (3, 2, 4), (5, 2, 1 << 16)])
 @pytest.mark.parametrize("mode", ["sleep", "exit"])

@@ -1,0 +1,119 @@
+"""Threads meeting a communicator's control plane (its creation, ``split``, ``dup``):
+``mpiexec -n N python tests/control_plane_cases.py MODE``; each rank prints
+``CONTROL {json}``.
+
+A bug hunt found these made MPI collectives on one MPI communicator from two threads at
+once: MPICH aborted ("Message truncated"), or ``split(0)`` gave size-1 communicators with
+no error, or ``init()`` gave each thread its own world communicator and a later call on
+one of them hung; and a ``close()`` from another thread freed the MPI handle under a
+``split``, whose peer then stayed in MPI for ever.
+
+- ``init``: two threads call ``gpurt.init()`` at once: both get the same communicator;
+- ``dup`` / ``split``: two threads call ``comm.dup()`` / ``comm.split(0)`` at once: one
+  gets a working communicator of every rank, the other ``GpurtError`` ("two threads used
+  this communicator at once");
+- ``close_dup`` / ``close_split``: rank 0's main thread is in ``dup()`` / ``split(0)``
+  waiting for the others (they come 2 s later) when another thread closes the
+  communicator: ``close()`` returns at once, the call raises ``CommunicatorClosed`` once
+  the exchange is over (its peers are in it: they must not be left in MPI), and the
+  others' new communicator fails their first call in it with ``PeerFailure`` naming
+  rank 0.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+
+import numpy as np
+
+import gpurt
+
+
+def outcome(f) -> str:
+    try:
+        return f()
+    except Exception as e:  # noqa: BLE001 - the record says what it was
+        return f"{type(e).__name__}: {e}"
+
+
+def main() -> int:
+    mode = sys.argv[1]
+    rec: dict = {}
+    if mode == "init":
+        got: dict = {}
+        ts = [threading.Thread(target=lambda k=k: got.__setitem__(k, gpurt.init()))
+              for k in range(2)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(60)
+        comm = got.get(0)
+        rec["rank"] = comm.rank
+        rec["same"] = got.get(0) is got.get(1) is gpurt.init()
+        x = np.full(3, comm.rank + 1.0)
+        comm.allreduce(x, timeout=20)
+        rec["sum"] = float(x[0])
+        comm.close()
+    elif mode in ("dup", "split"):
+        comm = gpurt.init()
+        rec["rank"] = comm.rank
+        res: dict = {}
+
+        def make(k: int) -> None:
+            def f():
+                c = comm.dup() if mode == "dup" else comm.split(0, key=comm.rank)
+                x = np.full(3, c.rank + 1.0)
+                c.allreduce(x, timeout=20)
+                out = f"ok size={c.size} rank={c.rank} sum={x[0]:g}"
+                c.close()
+                return out
+            res[k] = outcome(f)
+
+        ts = [threading.Thread(target=make, args=(k,)) for k in range(2)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(60)
+        rec["alive"] = any(t.is_alive() for t in ts)
+        rec["outcomes"] = sorted(res.values())
+        comm.close()
+    else:       # close_dup, close_split
+        what = mode.split("_", 1)[1]
+        comm = gpurt.init()
+        c = comm.dup()
+        rec["rank"] = r = c.rank
+        if r == 0:
+            closed = []
+
+            def closer() -> None:
+                time.sleep(1.0)
+                t = time.monotonic()
+                c.close()
+                closed.append(time.monotonic() - t)
+
+            th = threading.Thread(target=closer)
+            th.start()
+            t = time.monotonic()
+            rec["call"] = outcome(lambda: str(c.dup() if what == "dup" else c.split(0)))
+            rec["call_seconds"] = time.monotonic() - t
+            th.join(30)
+            rec["close_seconds"] = closed[0] if closed else None
+        else:
+            time.sleep(3.0)
+            new = c.dup() if what == "dup" else c.split(0)
+            x = np.ones(3)
+            t = time.monotonic()
+            rec["next"] = outcome(lambda: str(new.allreduce(x, timeout=20)))
+            rec["next_seconds"] = time.monotonic() - t
+            new.close()
+            c.close()
+        comm.close()
+    print("CONTROL " + json.dumps(rec), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
