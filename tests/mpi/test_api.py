@@ -87,8 +87,11 @@ def test_wrap_an_application_communicator(comm):
 
 
 def test_wrap_rejects_non_communicators():
-    with pytest.raises(TypeError, match="intracommunicator"):
+    me = MPI.COMM_WORLD.Get_rank()
+    with pytest.raises(TypeError, match=rf"rank {me} of MPI_COMM_WORLD: .*intracommunicator"):
         gpurt.Communicator("COMM_WORLD")
+    with pytest.raises(TypeError, match=rf"rank {me} of MPI_COMM_WORLD: .*MPI.COMM_NULL"):
+        gpurt.Communicator(MPI.COMM_NULL)
 
 
 def test_out_none_semantics(comm):
@@ -1396,6 +1399,9 @@ def test_split_and_explain_refuse_bad_arguments_on_every_rank(comm):
         comm.split(0, key=-2**40)
     with pytest.raises(ValueError, match=r"split: rank 0: color and key must be integers"):
         comm.split(1.5)
+    with pytest.raises(ValueError, match=r"split: rank 0: color and key must be integers, "
+                                         r"got color=True"):     # (was color 1)
+        comm.split(True)
     s = comm.split(np.int64(1), key=np.int32(-r))     # NumPy integers are integers
     assert s.size == p and s.rank == p - 1 - r
     s.close()
