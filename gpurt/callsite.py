@@ -6,8 +6,8 @@ and the flight recorder keeps it.  The site is *shown*, never compared: ranks ma
 same collective from different lines (``if rank == 0: ... else: ...``) and that is fine.
 
 ``site()`` walks out of gpurt's own frames (a few frames, a string prefix test each) and
-interns the site: a small integer per (code object, line), numbered in order of first use
-in this process, whose text ``words(id)`` gives.  The shm board publishes a rank's site
+interns the site: a small integer per (file, line, function), numbered in order of first
+use in this process, whose text ``words(id)`` gives.  The shm board publishes a rank's site
 texts once, in a table of its own, and each call's header carries just the number; the
 multi-node agreement header carries the text.
 """
@@ -26,8 +26,9 @@ _PKG: tuple[str, ...] = (os.path.dirname(os.path.abspath(__file__)) + os.sep,
                              __file__))), "transports") + os.sep)
 _NONE = (0,) * WORDS
 _MAX = 1 << 16                              # distinct sites remembered (then: unknown)
+_MAX_CODES = 1 << 12            # code objects remembered at once (then: forgotten, all)
 _IDS: dict = {}                 # id(code) -> (code, is gpurt's, {instruction offset: id})
-_BYLINE: dict = {}              # (id(code), line) -> id
+_BYLINE: dict = {}              # (file, line, function) -> id
 _TEXTS: dict[int, tuple[int, ...]] = {}     # id -> header words (id 0: unknown)
 _NEXT = itertools.count(1)      # ids: taken whole (threads, a signal handler's call)
 
@@ -45,6 +46,12 @@ def site(depth: int = 2) -> int:
         code = f.f_code
         ent = _IDS.get(id(code))
         if ent is None or ent[0] is not code:
+            if len(_IDS) >= _MAX_CODES:
+                # (a cache, which holds its code objects alive: code made anew per step —
+                # exec, a notebook cell run again — kept every one, ~2 KB a step, for
+                # ever; a bug hunt.  The sites themselves stay: keyed by their text's
+                # parts, they are found again)
+                _IDS.clear()
             ent = _IDS[id(code)] = (code, code.co_filename.startswith(_PKG), {})
         if not ent[1]:
             break
@@ -53,16 +60,16 @@ def site(depth: int = 2) -> int:
             return 0
     sid = ent[2].get(f.f_lasti)
     if sid is None:
-        if len(_TEXTS) > _MAX:
-            return 0
         line = f.f_lineno
-        key = (id(code), line)
+        name = getattr(code, "co_qualname", code.co_name)
+        key = (code.co_filename, line, name)
         sid = _BYLINE.get(key)
         if sid is None:
+            if len(_TEXTS) > _MAX:
+                return 0
             # (no lock: a signal handler's call may come in here.  An id is taken whole,
             # its text stored before it is published, and of two threads that meet the
             # same new site at once the first to publish wins — the other id is unused)
-            name = getattr(code, "co_qualname", code.co_name)
             text = encode(f"{os.path.basename(code.co_filename)}:{line} in {name}")
             sid = next(_NEXT)
             _TEXTS[sid] = text

@@ -706,6 +706,24 @@ def test_refusals_of_tensors_say_what_to_pass():
         as_buf(torch.ones(4, device="meta"))
 
 
+def test_call_sites_of_code_made_per_step_stay_bounded():
+    """Code compiled anew per step (exec, a notebook cell run again) called gpurt from a
+    new code object each time: the call-site tables kept every one alive (~2 KB a step,
+    for ever; a bug hunt). The code objects are a bounded cache now, and one site (file,
+    line, function) keeps one id however many code objects made it."""
+    from gpurt import callsite
+
+    n_texts = len(callsite._TEXTS)
+    ids = set()
+    for _ in range(callsite._MAX_CODES + 500):
+        ns: dict = {"callsite": callsite}
+        exec(compile("def step():\n    return callsite.site(1)\n", "cell_7.py", "exec"), ns)
+        ids.add(ns["step"]())
+    assert len(ids) == 1 and len(callsite._TEXTS) <= n_texts + 1
+    assert len(callsite._IDS) <= callsite._MAX_CODES
+    assert callsite.decode(callsite.words(ids.pop())) == "cell_7.py:2 in step"
+
+
 def test_call_sites_met_inside_a_signal_handler_during_a_first_sight():
     """A signal handler may make a gpurt call (abort() names its call site) while the
     main thread is in the middle of meeting a new call site: no hang (a lock there would
