@@ -69,6 +69,10 @@ _mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, 
 _munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _MAP_FAILED = ctypes.c_void_p(-1).value
+_fallocate = getattr(_libc, "fallocate", None)
+if _fallocate is not None:
+    _fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+_PUNCH = 0x02 | 0x01        # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
 
 
 class _Mapping:
@@ -115,6 +119,13 @@ def _free(start: int, serial: int, fd: int, size: int, owner: int) -> None:
         os.pwrite(fd, b"\0" * 8, size + _LIVE_OFF)
     except OSError:
         pass
+    if _fallocate is not None:
+        # the data's memory back at once: peers keep their mapping of a freed array until
+        # they next look (a mapping-cache miss, an shm_direct call), and small calls on
+        # the board or the rings never look (a bug hunt: 6 freed 64 MiB arrays held 128
+        # MiB over 20000 calls).  Nobody reads a freed array; the trailer (its live
+        # word) stays.  (An error — a kernel without holes in shmem — changes nothing.)
+        _fallocate(fd, _PUNCH, 0, size)
     try:
         os.close(fd)
     except OSError:

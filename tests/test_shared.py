@@ -81,6 +81,41 @@ def test_freed_array_closes_its_file_and_peers_drop_it():
     maps.close()
 
 
+def _rss_of_mapping(addr: int) -> int:
+    """Bytes of this process's mapping at ``addr`` resident in its page tables (smaps)."""
+    with open("/proc/self/smaps") as f:
+        lines = f.read().splitlines()
+    head = f"{addr:x}-"
+    for i, line in enumerate(lines):
+        if line.startswith(head):
+            for ln in lines[i + 1:]:
+                if ln.startswith("Rss:"):
+                    return int(ln.split()[1]) * 1024
+    raise AssertionError(f"no mapping at {addr:#x}")
+
+
+def test_a_freed_arrays_memory_goes_though_a_peer_still_maps_it():
+    """A peer keeps its mapping of a freed array until it next looks (a mapping-cache
+    miss, an shm_direct call); small calls never look, and the memory stayed (a bug
+    hunt: six freed 64 MiB arrays held 128 MiB over 20000 small calls). The owner now
+    punches the data out of the file when it frees the array: a mapping left elsewhere
+    holds address space, not memory. (The peer here is a mapping table of our own
+    process.)"""
+    a = gpurt.empty(2 << 20, np.float32)        # 8 MiB
+    a[:] = 1
+    loc, off = sharedmem.lookup(a.ctypes.data, a.nbytes)
+    maps = sharedmem.PeerMaps(os.getpid(), 0, 0)
+    v = maps.view(loc, off, a.nbytes)
+    assert int(v.view(np.float32).sum()) == 2 << 20      # (faults every page in here)
+    addr = next(iter(maps.maps.values()))[0].addr
+    assert _rss_of_mapping(addr) >= 8 << 20
+    del a
+    gc.collect()
+    assert _rss_of_mapping(addr) < 1 << 20
+    del v
+    maps.close()
+
+
 FORK_CHILD = """
 import gc, os, sys
 import numpy as np
