@@ -71,11 +71,14 @@ def _not_contiguous(what: str, owner: Any, strides, shape) -> ValueError:
             f"channels_last or a transposed view); pass c = {what}.contiguous(), and where "
             f"the result is written into it (in place, or out=) copy it back: "
             f"{what}.copy_(c)")
-    mod = "cupy" if (type(owner).__module__ or "").startswith("cupy") else "numpy"
+    mod = "cupy" if (type(owner).__module__ or "").startswith("cupy") else \
+        "numpy" if isinstance(owner, np.ndarray) else None
+    copy = f"c = {mod}.ascontiguousarray({what})" if mod else "a C-contiguous copy c"
+    back = f"{what}[...] = c" if mod else f"into {what}"
     return ValueError(
         f"{what} is not C-contiguous (strides {tuple(strides)} for shape {tuple(shape)}); "
-        f"pass c = {mod}.ascontiguousarray({what}), and where the result is written into "
-        f"it (in place, or out=) copy it back: {what}[...] = c")
+        f"pass {copy}, and where the result is written into it (in place, or out=) copy "
+        f"it back: {back}")
 
 
 def _host(arr: np.ndarray, owner: Any, what: str) -> Buf:

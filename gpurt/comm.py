@@ -162,9 +162,9 @@ class Communicator:
     _telling = 0
     # what close() tells the peers of a call in flight (None: no call was running)
     _close_text: str | None = None
-    # the thread in a split's or dup's exchanges over self.mpi (0: none), and whether a
-    # close() meanwhile left the MPI handles to it to free (_control_plane)
-    _ctl_thread = 0
+    # splits and dups in their exchanges over self.mpi here, and whether a close()
+    # meanwhile left the MPI handles to them to free (_control_plane)
+    _ctl_depth = 0
     _free_later = False
 
     def __init__(self, mpi_comm: Any = None, *, _owned: bool = False):
@@ -186,6 +186,7 @@ class Communicator:
                             f"intercommunicator; Merge() it first)")
         self._closed = False
         self._pid = os.getpid()
+        self._ctl_lock = threading.RLock()      # split and dup, one at a time (_control_plane)
         self._transports: list = []
         self.dev, self.dev_why, self.dev_endpoints, self.dev_ipc = None, "not set up", {}, None
         self._devtuner = self._devtmp = self._devlast = None
@@ -1757,11 +1758,8 @@ class Communicator:
             now = time.monotonic()
         # a thread waiting on a Request between its steps leaves its wait at its next
         # turn (the requests have their error): not with the transports gone under it
-        # (not a thread in split's or dup's exchange, which moves nothing of this one's
-        # once it is poisoned, and may wait for peers much longer: _control_plane)
         end = time.monotonic() + 2.0
-        while eng.owner and eng.owner not in (me, self._ctl_thread) and \
-                time.monotonic() < end:
+        while eng.owner and eng.owner != me and time.monotonic() < end:
             time.sleep(1e-4)
         if self._elsewhere():
             log.warning("rank %d: closing while a call is still running in another thread",
@@ -2100,10 +2098,11 @@ class Communicator:
         return r
 
     def _p2p(self, kind: str, b: Buf, peer: int, tag: int, stream: Any = None) -> Request:
-        if not isinstance(tag, (int, np.integer)) or isinstance(tag, bool) or \
-                not 0 <= tag <= _TAG_MAX:
+        t = _rank_number(tag)       # (integral objects as peers and roots: 0-d arrays)
+        if t is None or not 0 <= t <= _TAG_MAX:
             raise ValueError(f"rank {self.rank}: tag must be an int from 0 to 2**64-1, got "
                              f"{tag!r}")
+        tag = t
         dev = b.kind != "host"
         sig = _p2p_sigs.get((b.dtype, dev))
         if sig is None:
@@ -2566,36 +2565,47 @@ class Communicator:
     def _control_plane(self, what: str, make: Callable[[], "Communicator | None"]
                        ) -> "Communicator | None":
         """``make()`` — split's or dup's exchanges over ``self.mpi`` and the new
-        communicator's set-up — as a call of this communicator: another thread in a call
-        (or in a split or dup) meanwhile is the error of two threads (both made MPI
-        collectives on one communicator at once: MPICH aborted on mixed-up messages, or a
-        split returned size-1 communicators, silently — a bug hunt).  A ``close()`` from
-        another thread meanwhile leaves ``self.mpi`` to this thread to free (it freed the
+        communicator's set-up — one at a time on this rank (``_ctl_lock``): two threads
+        that split or dup one communicator at once made MPI collectives on one MPI
+        communicator together — MPICH aborted on mixed-up messages, or a split returned
+        size-1 communicators, silently (a bug hunt).  One after the other, each gets a
+        whole communicator; which thread's call pairs with which on the other ranks is
+        not defined (make them before the threads start: MPI says the same).  Not an
+        error on one rank: the peers would be left in the exchange for ever; nor a call
+        of the engine — another thread may wait on a request of this communicator
+        meanwhile, as before.  A ``close()`` meanwhile (another thread, or a signal
+        handler on this one) leaves ``self.mpi`` to this call to free (it freed the
         handle under the exchange: an MPI error naming no rank here, a peer left in MPI
         for ever); the exchange runs to its end, since the peers are in it, and then the
         new communicator is closed too and this call raises ``CommunicatorClosed`` (the
         peers' new one fails their first call in it with ``PeerFailure``)."""
-        eng = self.engine
-        prev = eng.claim()
-        me = threading.get_ident()
-        with _CTL_LOCK:
-            self._ctl_thread = me
-        try:
-            new = make()
-        finally:
+        with self._ctl_lock:
+            # (a nested one — a signal handler's split during this thread's — takes its
+            # turn inside: the lock is this thread's already)
             with _CTL_LOCK:
-                self._ctl_thread = 0
-                late, self._free_later = self._free_later, False
-            if late:
-                self._free_mpi()
-            eng.unclaim(prev)
-        if self._closed:
-            if new is not None:
-                new.close()
-            raise CommunicatorClosed(
-                f"rank {self.rank}: {what}: the communicator was closed by another thread "
-                f"during the call (the new communicator is closed too)")
-        return new
+                self._ctl_depth += 1
+            new = None
+            try:
+                if self._closed:       # (closed since _check_open: nothing to exchange on)
+                    raise CommunicatorClosed(f"rank {self.rank}: {what}: communicator "
+                                             f"closed")
+                new = make()
+            finally:
+                with _CTL_LOCK:
+                    self._ctl_depth -= 1
+                    late = self._free_later and not self._ctl_depth
+                    if late:
+                        self._free_later = False
+                if late:
+                    self._free_mpi()
+            if self._closed:
+                if new is not None:
+                    new.close()
+                raise CommunicatorClosed(
+                    f"rank {self.rank}: {what}: the communicator was closed (by another "
+                    f"thread, or a signal handler) during the call; the new communicator "
+                    f"is closed too")
+            return new
 
     def explain(self, collective: str, nbytes: int) -> str:
         """The tuner's candidates for ``collective`` at ``nbytes`` (S as nccl-tests counts
@@ -2693,8 +2703,10 @@ class Communicator:
         fin = getattr(self, "_mpi_fin", None)
         if fin is not None:
             fin.detach()
-        with _CTL_LOCK:     # (another thread's split or dup still exchanges over it)
-            later = self._ctl_thread not in (0, threading.get_ident())
+        # (a split or dup still exchanges over it — in another thread, or in this one
+        # under a signal handler that closed: it frees the handles at its end)
+        with _CTL_LOCK:
+            later = self._ctl_depth > 0
             self._free_later = later
         if not later:
             self._free_mpi()
@@ -2726,7 +2738,10 @@ def _free_mpi_garbage() -> None:
     MPI = _mpi()
     me = os.getpid()
     while _MPI_GARBAGE:
-        pid, comm = _MPI_GARBAGE.pop()
+        try:
+            pid, comm = _MPI_GARBAGE.pop()
+        except IndexError:      # (another thread took the last one: a close() meanwhile)
+            break
         if pid != me or MPI.Is_finalized():     # (a forked child's: its parent's handles)
             continue
         try:
@@ -2936,10 +2951,8 @@ def _rank_number(v: Any) -> int | None:
     anything else — a bool, a float (2.0), a string."""
     if isinstance(v, (bool, np.bool_)):
         return None
-    if isinstance(v, int):
-        return v
     try:
-        return operator.index(v)
+        return int(operator.index(v))      # (int(): an IntEnum as a plain number)
     except TypeError:
         return None
 
@@ -3288,23 +3301,44 @@ class _ranked:
 def init() -> Communicator:
     """The communicator over ``MPI.COMM_WORLD`` (initialising MPI if needed).  Idempotent:
     later calls return the same object while it is open."""
-    global _WORLD
+    global _WORLD, _INIT_OWNER
     w = _WORLD
     if w is not None and not w.closed:
         return w
     # (two threads at once each made one, both collective over COMM_WORLD at the same
     # time: MPICH aborted on mixed-up messages, or each got its own, and a later call on
     # one of them hung — a bug hunt; the second waits here and gets the first's)
+    me = threading.get_ident()
+    if _INIT_OWNER == me:       # (a signal handler's init() inside this thread's first)
+        raise GpurtError(f"pid {os.getpid()}: gpurt.init() called while this thread's "
+                         f"first init() is still making the communicator (from a signal "
+                         f"handler?)")
     with _INIT_LOCK:
-        if _WORLD is None or _WORLD.closed:
-            world = _mpi_ready().COMM_WORLD
-            _check_not_a_singleton(world.Get_size())
-            _WORLD = Communicator(world)
-        return _WORLD
+        _INIT_OWNER = me
+        try:
+            if _WORLD is None or _WORLD.closed:
+                world = _mpi_ready().COMM_WORLD
+                _check_not_a_singleton(world.Get_size())
+                _WORLD = Communicator(world)
+            return _WORLD
+        finally:
+            _INIT_OWNER = 0
 
 
 _INIT_LOCK = threading.Lock()
-_CTL_LOCK = threading.Lock()     # (Communicator._ctl_thread / _free_later)
+_INIT_OWNER = 0
+
+
+def _init_lock_after_fork() -> None:
+    # (a child forked while another thread of the parent held it would wait for ever)
+    global _INIT_LOCK, _INIT_OWNER
+    _INIT_LOCK, _INIT_OWNER = threading.Lock(), 0
+
+
+os.register_at_fork(after_in_child=_init_lock_after_fork)
+# Communicator._ctl_depth / _free_later: the hand-off of the MPI handles
+# between a split or dup and a close() (re-entrant: a signal handler's close)
+_CTL_LOCK = threading.RLock()
 
 
 #: what launchers tell their processes of the job's size (hydra and other PMI-1 process

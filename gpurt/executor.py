@@ -541,9 +541,8 @@ def progress_elsewhere(exclude: "Engine | None" = None) -> bool:
         if eng is exclude or eng.user != me or eng.poisoned is not None or \
                 not (eng.colls or eng.p2p):
             continue
-        # (test and set, as in enter; an engine this thread is in a call of — the split or
-        # dup whose exchange waits here — is this thread's to advance)
-        if eng.busy or (eng.owner and eng.owner != me):
+        # (test and set, as in enter)
+        if eng.busy or eng.owner:
             continue
         eng.busy, eng.lent = me, True
         try:

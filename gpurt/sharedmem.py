@@ -101,7 +101,20 @@ def _data_bytes(nbytes: int) -> int:
     return max(_PAGE, -(-nbytes // _PAGE) * _PAGE)
 
 
-def _free(start: int, serial: int, fd: int, size: int, owner: int) -> None:
+# forks made by this process so far: an array that lived across one may still be used by a
+# child (a data-loader worker shares the mapping), so its memory is not punched out
+_forks = 0
+
+
+def _count_fork() -> None:
+    global _forks
+    _forks += 1
+
+
+os.register_at_fork(after_in_parent=_count_fork)
+
+
+def _free(start: int, serial: int, fd: int, size: int, owner: int, forks: int = 0) -> None:
     """Finalizer of one arena's mapping: tell the peers (live word), forget, close.  In a
     forked child (a data-loader worker, say) only its inherited descriptor is closed: the
     array is still the parent's."""
@@ -119,12 +132,13 @@ def _free(start: int, serial: int, fd: int, size: int, owner: int) -> None:
         os.pwrite(fd, b"\0" * 8, size + _LIVE_OFF)
     except OSError:
         pass
-    if _fallocate is not None:
+    if _fallocate is not None and forks == _forks:
         # the data's memory back at once: peers keep their mapping of a freed array until
         # they next look (a mapping-cache miss, an shm_direct call), and small calls on
         # the board or the rings never look (a bug hunt: 6 freed 64 MiB arrays held 128
         # MiB over 20000 calls).  Nobody reads a freed array; the trailer (its live
-        # word) stays.  (An error — a kernel without holes in shmem — changes nothing.)
+        # word) stays.  (An error — a kernel without holes in shmem — changes nothing.
+        # Not after a fork: a child may still use the array through its mapping.)
         _fallocate(fd, _PUNCH, 0, size)
     try:
         os.close(fd)
@@ -188,7 +202,7 @@ def empty(shape, dtype=np.float32) -> np.ndarray:
         i = bisect.bisect_left(_starts, start)
         _starts.insert(i, start)
         _arenas.insert(i, (start, start + size, serial, fd))
-    weakref.finalize(mm, _free, start, serial, fd, size, os.getpid())
+    weakref.finalize(mm, _free, start, serial, fd, size, os.getpid(), _forks)
     return arr.reshape(shp)
 
 

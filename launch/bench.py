@@ -1191,6 +1191,10 @@ def _run_launch(cmd: list[str], env: dict, token: str, shm_before: set[str]) -> 
         _Signals.held = True
         try:
             proc = _start(cmd, env)
+        except BaseException:
+            if _Signals.got:        # (a signal held, then a launcher that cannot start)
+                raise _Stopped(_Signals.got[0]) from None
+            raise
         finally:
             _Signals.held = False
         if _Signals.got:

@@ -824,14 +824,13 @@ def run_job(launcher: Launcher, nranks: int, program: Sequence[str], *,
                                   daemon=True),
                  threading.Thread(target=_pass_through, args=(proc.stderr, stderr, marker_records),
                                   daemon=True)]
-        for t in pumps:
-            t.start()
-
         reason = "done"
         deadline = time.monotonic() + timeout if timeout else None
         failed_at: float | None = None
         next_check = 0.0
         try:
+            for t in pumps:     # (inside: the handlers go back whatever happens from here)
+                t.start()
             while proc.poll() is None:
                 now = time.monotonic()
                 if got_signal:

@@ -9,15 +9,20 @@ one of them hung; and a ``close()`` from another thread freed the MPI handle und
 ``split``, whose peer then stayed in MPI for ever.
 
 - ``init``: two threads call ``gpurt.init()`` at once: both get the same communicator;
-- ``dup`` / ``split``: two threads call ``comm.dup()`` / ``comm.split(0)`` at once: one
-  gets a working communicator of every rank, the other ``GpurtError`` ("two threads used
-  this communicator at once");
+- ``dup`` / ``split``: two threads call ``comm.dup()`` / ``comm.split(0)`` at once: the
+  exchanges go one after the other, and each thread gets a working communicator of every
+  rank;
+- ``wait_split``: rank 0's second thread waits on an ``irecv`` of the communicator while
+  its main thread splits it; rank 1 splits, then sends: both complete (a review found
+  the split refused as "two threads" on rank 0 alone, and rank 1 left in MPI for ever);
 - ``close_dup`` / ``close_split``: rank 0's main thread is in ``dup()`` / ``split(0)``
   waiting for the others (they come 2 s later) when another thread closes the
   communicator: ``close()`` returns at once, the call raises ``CommunicatorClosed`` once
   the exchange is over (its peers are in it: they must not be left in MPI), and the
   others' new communicator fails their first call in it with ``PeerFailure`` naming
-  rank 0.
+  rank 0;
+- ``signal_split``: the same with the ``close()`` made by a signal handler (SIGALRM) on
+  the splitting thread itself.
 """
 
 from __future__ import annotations
@@ -80,26 +85,53 @@ def main() -> int:
         rec["alive"] = any(t.is_alive() for t in ts)
         rec["outcomes"] = sorted(res.values())
         comm.close()
-    else:       # close_dup, close_split
-        what = mode.split("_", 1)[1]
+    elif mode == "wait_split":
+        comm = gpurt.init()
+        c = comm.dup()
+        rec["rank"] = r = c.rank
+        if r == 0:
+            buf = np.zeros(4)
+            q = c.irecv(buf, 1, tag=7)
+            got: dict = {}
+            th = threading.Thread(target=lambda: got.__setitem__(
+                "w", outcome(lambda: f"ok {q.wait(timeout=20)[0]:g}")))
+            th.start()
+            time.sleep(0.3)
+            rec["call"] = outcome(lambda: f"ok size={c.split(0).size}")
+            th.join(30)
+            rec["waiter"] = got.get("w")
+        else:
+            time.sleep(1.0)
+            rec["call"] = outcome(lambda: f"ok size={c.split(0).size}")
+            c.send(np.full(4, 5.0), 0, tag=7)
+        c.close()
+        comm.close()
+    else:       # close_dup, close_split, signal_split
+        how, what = mode.split("_", 1)
         comm = gpurt.init()
         c = comm.dup()
         rec["rank"] = r = c.rank
         if r == 0:
             closed = []
 
-            def closer() -> None:
-                time.sleep(1.0)
+            def close() -> None:
                 t = time.monotonic()
                 c.close()
                 closed.append(time.monotonic() - t)
 
-            th = threading.Thread(target=closer)
-            th.start()
+            if how == "signal":
+                import signal
+                signal.signal(signal.SIGALRM, lambda *_: close())
+                signal.setitimer(signal.ITIMER_REAL, 1.0)
+                th = None
+            else:
+                th = threading.Thread(target=lambda: (time.sleep(1.0), close()))
+                th.start()
             t = time.monotonic()
             rec["call"] = outcome(lambda: str(c.dup() if what == "dup" else c.split(0)))
             rec["call_seconds"] = time.monotonic() - t
-            th.join(30)
+            if th is not None:
+                th.join(30)
             rec["close_seconds"] = closed[0] if closed else None
         else:
             time.sleep(3.0)

@@ -147,6 +147,39 @@ def test_a_forked_child_does_not_free_the_parents_arrays():
     assert proc.returncode == 0 and proc.stdout.startswith("ok 8000"), proc.stdout + proc.stderr
 
 
+FORK_KEEPS = """
+import gc, os
+import numpy as np
+from gpurt import sharedmem
+a = sharedmem.empty(1 << 20, np.float64)
+a[:] = 1.0
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:                        # a worker that still reads the array it was handed
+    os.close(w)
+    os.read(r, 1)                   # (once the parent has dropped it)
+    os._exit(0 if a.sum() == 1 << 20 else 3)
+os.close(r)
+del a
+gc.collect()
+os.write(w, b"x")
+_, status = os.waitpid(pid, 0)
+print("child", os.WEXITSTATUS(status))
+"""
+
+
+def test_an_array_alive_across_a_fork_keeps_its_memory_for_the_child():
+    """The owner punches a freed array's data out of its file — not one that lived
+    across a fork: the child maps the same memory and may still use it (a review: a
+    worker read zeros once the parent dropped its array)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", FORK_KEEPS], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.stdout.strip() == "child 0", (proc.stdout, proc.stderr)
+
+
 def test_peer_maps_errors_name_both_ranks():
     a = gpurt.empty(100, np.float64)
     loc, off = sharedmem.lookup(a.ctypes.data, a.nbytes)
