@@ -1159,8 +1159,8 @@ def test_mpi_life_cycle(n):
             f"Communicator: rank {r} of MPI_COMM_WORLD: {fin}", out), out
     out = run_mpi(n, ["tests/mpi_lifecycle_cases.py", "null"]).stdout
     for r in range(n):
-        assert f"rank {r}: null gpurt.Communicator needs an mpi4py intracommunicator, got " \
-            "MPI.COMM_NULL (a communicator already freed" in out, out
+        assert f"rank {r}: null rank {r} of MPI_COMM_WORLD: gpurt.Communicator needs an " \
+            "mpi4py intracommunicator, got MPI.COMM_NULL (a communicator already freed" in out, out
 
 
 DROPPED = """
