@@ -1035,13 +1035,22 @@ class Communicator:
         of Python a call, which a single-process run of a distributed program (one GPU, a
         debug run) paid at every step.  Only while nothing else is in flight (else the
         general path keeps the calls in order).  In the flight recorder as every call."""
+        seq, rec = self._alone_begin(coll, dtype, n, op, root, LOCAL)
+        if xb is not None and ob is not None and not same(xb, ob):
+            memcopy.copyto(ob.array, xb.array)   # (the same dtype and count: checked)
+        return self._alone_end(coll, seq, rec, result)
+
+    def _alone_begin(self, coll: str, dtype: np.dtype, n: int, op: Op | None, root: int,
+                     name: str) -> tuple[int, list | None]:
+        """(call number, flight record) of a one-rank call that completes at once."""
         self._seq += 1
         seq = self._seq
         fl = self.flight
         rec = fl.start(seq, coll, (dtype.str, n, op, root if coll in _ROOTED else None),
-                       LOCAL, callsite.site()) if fl is not None else None
-        if xb is not None and ob is not None and not same(xb, ob):
-            memcopy.copyto(ob.array, xb.array)   # (the same dtype and count: checked)
+                       name, callsite.site()) if fl is not None else None
+        return seq, rec
+
+    def _alone_end(self, coll: str, seq: int, rec: list | None, result: Any) -> Request:
         if rec is not None:
             FlightRecorder.done(rec)
         req = Completed(self.engine, coll, seq, result)
@@ -1057,21 +1066,12 @@ class Communicator:
         the caller's next kernels, as every device call), nothing where it is (AVG over
         one rank is the value itself: no division queued).  No scratch is touched, so the
         next call needs no wait on this one's end event."""
-        self._seq += 1
-        seq = self._seq
-        fl = self.flight
-        rec = fl.start(seq, coll, (dtype.str, n, op, root if coll in _ROOTED else None),
-                       LOCAL + "@device", callsite.site()) if fl is not None else None
+        seq, rec = self._alone_begin(coll, dtype, n, op, root, LOCAL + "@device")
         if xb is not None and ob is not None and xb.nbytes and not same(xb, ob):
             be = self.dev
             be.copy(be.view(ob.ptr, ob.nbytes, ob.owner), be.view(xb.ptr, xb.nbytes, xb.owner),
                     st)
-        if rec is not None:
-            FlightRecorder.done(rec)
-        req = Completed(self.engine, coll, seq, result)
-        req.p2p = False
-        req.algorithm = self.last_algorithm = LOCAL
-        return req
+        return self._alone_end(coll, seq, rec, result)
 
     def _enqueue(self, coll: str, seq: int, start, finish, name: str) -> Request:
         req = Request(self.engine, coll, seq, start, finish)

@@ -143,3 +143,16 @@ def _no_mpich_garbage_left():
     before = set(os.listdir("/dev/shm"))
     yield
     remove_leaked_mpich_segments(before)
+
+
+# (a child's prelude for the tests of a signal that comes while a launcher starts: the
+# window is microseconds wide, so Popen itself sends it, right after the fork)
+SIGNAL_AFTER_POPEN = """
+import os, signal, subprocess, sys, time
+real = subprocess.Popen
+def popen(*a, **k):
+    p = real(*a, **k)
+    os.kill(os.getpid(), signal.SIGTERM)
+    return p
+subprocess.Popen = popen
+"""

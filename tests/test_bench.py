@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import ROOT, assert_cannot_start, is_hydra, mpiexec, private_shm, run_mpi
+from conftest import (ROOT, SIGNAL_AFTER_POPEN, assert_cannot_start, is_hydra, mpiexec,
+                      private_shm, run_mpi)
 
 from gpurt.launch import bench as B
 
@@ -949,15 +950,8 @@ def test_a_signal_while_the_launch_starts_stops_it(tmp_path):
     right after the fork; the process sleeps a while after `_Stopped` so that a launch
     left running shows.)"""
     token = str(tmp_path / "bench-under-signal")
-    prog = textwrap.dedent(f"""
-        import os, signal, subprocess, sys, time
+    prog = SIGNAL_AFTER_POPEN + textwrap.dedent(f"""
         from gpurt.launch import bench as B
-        real = subprocess.Popen
-        def popen(*a, **k):
-            p = real(*a, **k)
-            os.kill(os.getpid(), signal.SIGTERM)
-            return p
-        subprocess.Popen = popen
         token = os.environ["TOKEN"]      # (not in this process's own command line)
         cmd = [sys.executable, "-c", "import time; time.sleep(60)", token]
         try:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, is_hydra, mpiexec, private_shm
+from conftest import ROOT, SIGNAL_AFTER_POPEN, is_hydra, mpiexec, private_shm
 
 from gpurt.launch import launcher as L
 from gpurt.launch.topo import render
@@ -566,15 +566,8 @@ def test_a_signal_while_the_launcher_starts_stops_it(tmp_path):
     in the child process to send the signal right after the fork: the window is
     microseconds wide and cannot be hit from outside.)"""
     token = str(tmp_path / "launch-under-signal")
-    prog = textwrap.dedent(f"""
-        import os, signal, subprocess, sys
+    prog = SIGNAL_AFTER_POPEN + textwrap.dedent(f"""
         from gpurt.launch import launcher as L
-        real = subprocess.Popen
-        def popen(*a, **k):
-            p = real(*a, **k)
-            os.kill(os.getpid(), signal.SIGTERM)
-            return p
-        subprocess.Popen = popen
         cmd = [sys.executable, "-c", "import time; time.sleep(60)", {token!r}]
         r = L.run_job(L.Launcher("mpich", ["mpiexec"]), 1, ["x"],
                       command=lambda wrapped, env: cmd, report=lambda m: None)
