@@ -3336,8 +3336,9 @@ def _init_lock_after_fork() -> None:
 
 
 os.register_at_fork(after_in_child=_init_lock_after_fork)
-# Communicator._ctl_depth / _free_later: the hand-off of the MPI handles
-# between a split or dup and a close() (re-entrant: a signal handler's close)
+
+# Communicator._ctl_depth / _free_later: the hand-off of the MPI handles between a split or
+# dup and a close() (re-entrant: a signal handler's close)
 _CTL_LOCK = threading.RLock()
 
 
