@@ -215,10 +215,12 @@ def test_a_rank_that_gives_up_gets_its_buffers_back_untouched(mode):
     have stopped, so no peer writes into them afterwards; no rank reports success (the
     peers raise PeerFailure instead of finishing on data that may have changed)."""
     # (the ranks leave by os._exit, without MPI_Finalize: an error status for Open MPI's
-    # mpirun, none for hydra; the lines say what happened)
+    # mpirun; for hydra none, or 9 where the first rank to leave made it SIGKILL the
+    # others still on their way out after the barrier — a clean-clone CI run met that
+    # once; the lines say what happened)
     proc = run_mpi(3, ["-c", _ABANDONED, mode], timeout=120, check=False)
     out = proc.stdout
-    assert proc.returncode == 0 or not is_hydra(), proc.stderr[-3000:]
+    assert proc.returncode in (0, 9) or not is_hydra(), proc.stderr[-3000:]
     lines = sorted(ln for ln in out.splitlines() if ln.startswith("rank "))
     assert lines == ["rank 0: CollectiveTimeout rewritten=0", "rank 1: PeerFailure",
                      "rank 2: PeerFailure"], out
