@@ -1671,7 +1671,7 @@ class Communicator:
                     b = seq & 1
                     if site not in bd.published:
                         bd.publish_site(site)
-                    sid = site if site < shm_board.SITES else 0
+                    sid = shm_board._site_word(site)
                     if dp.staged is not None:
                         got = bd.fast.staged(dp.staged, seq, bd.last_use[b], x, res, sid,
                                              4 * seq + 2 + dp.forced, *wx, *wo)

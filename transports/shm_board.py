@@ -31,6 +31,7 @@ with α_board ≈ 1.5 µs.  Used only while S fits a board buffer (``GPURT_SHM_B
 
 from __future__ import annotations
 
+import time
 import zlib
 from functools import lru_cache
 from typing import Callable
@@ -52,6 +53,7 @@ _SITE = 8            # header word of the call site's id (gpurt.callsite)
 _EXTRA = 9           # header words 9..15: a protocol's own (shm_direct: buffer locations)
 EXTRA = HDR // 8 - _EXTRA
 SITES = 256          # per rank: call-site texts published (64 B each), by id
+SITE_WAIT = 0.5      # s a rank that found a mismatch waits for the peer's call site
 _U8 = np.dtype(np.uint8)
 
 # the signature a rank publishes for a call it rejected as invalid input (no real call's
@@ -338,7 +340,7 @@ class BoardRun:
             sid = self.site
             if sid not in bd.published:
                 bd.publish_site(sid)
-            q[h + _SITE] = sid if sid < SITES else 0
+            q[h + _SITE] = _site_word(sid)
             for i, w in enumerate(self.extra):
                 q[h + _EXTRA + i] = w
             q[bd.ctrl[self.r]] = self.seq        # publish (x86 TSO: data is visible first)
@@ -411,12 +413,23 @@ class BoardRun:
             f"{describe(self.meta)}{mine_at}")
 
     def _mismatch(self, k: int, h: int) -> None:
-        q = self.board.q
-        theirs = self.board.site_text(k, q[h + _SITE])
-        # the inline fast path publishes no site (it would cost ~2 µs a call): a rank on
-        # it names the peer's call without its line — the peer's own error names it
+        bd = self.board
+        q = bd.q
+        sid = self.site or site()
+        mine_at = at(words(sid))
+        if q[h] == self.seq:
+            # the inline fast path publishes no call site (finding it costs ~2 µs a call):
+            # a rank that finds a mismatch puts its own into its header now, and waits
+            # briefly for the peer's — every rank reads every header, so the peer finds
+            # the mismatch too and does the same — to name both lines
+            _show_site(bd, self.b, sid)
+            if not q[h + _SITE]:
+                end = time.monotonic() + SITE_WAIT
+                while not q[h + _SITE] and time.monotonic() < end:
+                    time.sleep(0.0002)
+                _fence()       # (the site's text was stored before its id)
+        theirs = bd.site_text(k, q[h + _SITE])
         theirs_at = at(theirs) if any(theirs) else ""
-        mine_at = at(words(self.site or site()))
         if q[h] != self.seq:
             raise CollectiveMismatchError(
                 f"rank {k} published call #{q[h]} on the shm board where call #{self.seq} was "
@@ -428,6 +441,21 @@ class BoardRun:
                                      self.meta)
         raise CollectiveMismatchError(f"call #{self.seq}: rank {k} called {theirs}{theirs_at}, "
                                       f"rank {self.r} called {mine}{mine_at}")
+
+
+def _site_word(sid: int) -> int:
+    """A header's call-site word: the id, or ``SITES`` for a site past the table (no text,
+    but not 0: 0 says the call's site is not published yet)."""
+    return sid if 0 < sid < SITES else SITES
+
+
+def _show_site(board: Board, b: int, sid: int) -> None:
+    """Put call site ``sid`` into this rank's header of its call in buffer ``b`` (the
+    inline round left it 0), its text first."""
+    if sid not in board.published:
+        board.publish_site(sid)
+    _fence()
+    board.q[board.hdr[board.me][b] + _SITE] = _site_word(sid)
 
 
 def mark_rejected(board: Board, seq: int, coll: int, sid: int = 0) -> None:

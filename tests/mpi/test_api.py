@@ -11,6 +11,7 @@ from __future__ import annotations
 import array
 import contextlib
 import datetime
+import inspect
 import os
 import re
 import time
@@ -623,8 +624,12 @@ def test_board_mismatch_names_both_calls(comm, what):
         x = np.ones(n, dt)
         if c.board is not None:     # one node; on several the agreement check says the same
             assert c.explain("allreduce", x.nbytes).split("\n")[2].split()[0] == "shm_board"
+        here = inspect.currentframe().f_lineno
         with pytest.raises(gpurt.CollectiveMismatchError) as ei:
-            c.allreduce(x, op=op, timeout=20)
+            if r == 0:
+                c.allreduce(x, op=op, timeout=20)          # here + 3
+            else:
+                c.allreduce(x, op=op, timeout=20)          # here + 5
         msg = str(ei.value)
         mine = f"allreduce({np.dtype(dt)}, count={n}, op={op.name})"
         assert f"rank {r}: in allreduce (call #1): call #1: rank " in msg
@@ -634,9 +639,10 @@ def test_board_mismatch_names_both_calls(comm, what):
              "op": "allreduce(float32, count=4, op=MAX)",
              "dtype": "allreduce(float64, count=4, op=SUM)"}[what]
         assert other in msg, msg
-        # this rank's call site (shown, not compared); the board's inline fast path does
-        # not publish sites, so the peer's line is in the peer's own error
-        assert "test_api.py:" in msg and "in test_board_mismatch_names_both_calls" in msg, msg
+        # both call sites (shown, not compared): rank 0's line and the others'; the inline
+        # round publishes no site, a rank that finds the mismatch does (it failed before)
+        for line in (here + 3, here + 5):
+            assert f"test_api.py:{line} in test_board_mismatch_names_both_calls" in msg, msg
         assert (x == 1).all()                 # nothing written into the user's buffer
 
 
