@@ -8,6 +8,9 @@ sent.  ``mpiexec -n 3 python tests/closed_peer_cases.py MODE``; each rank prints
   flight and stays alive 6 s; ranks 0 and 1 call a barrier, or an allreduce of 4 MiB of
   NumPy or of shared arrays (shm_direct) (GPURT_TIMEOUT=60): ``PeerFailure`` naming rank 2
   and the close.
+- ``close pending``: rank 2 posts an iallreduce of 8 MiB and an isend to rank 0 (tag 7),
+  closes without waiting for them; ranks 0 and 1 then call that allreduce: ``PeerFailure``
+  naming rank 2's close during the allreduce (call #2).
 - ``close send``: rank 2 aborts (fails); then ranks 0 and 1 send it 40 bytes / 4 MiB
   (shm): ``PeerFailure`` naming rank 2 (the small one used to complete into the ring,
   lost).  A peer that only closed is not checked by a send: its rejection of the call's
@@ -51,6 +54,10 @@ def main() -> int:
                 if call == "send":      # (failed, not closed: see the docstring)
                     comm.abort("rank 2 gave up (and closed its side)")
                     world.Barrier()     # (before the others send)
+                elif call == "pending":   # two requests not waited for, then close()
+                    keep = (comm.iallreduce(np.full(1 << 20, 3.0)),  # noqa: F841
+                            comm.isend(np.ones(1 << 20), 0, tag=7))
+                    comm.close()
                 else:
                     comm.close()
                 time.sleep(6)
@@ -63,6 +70,9 @@ def main() -> int:
             x[:] = 1
         elif call == "allreduce":       # 4 MiB of NumPy: single copy
             x = np.ones(1 << 20, np.float32)
+        elif call == "pending":         # rank 2's iallreduce (8 MiB) before its close()
+            time.sleep(0.5)
+            x = np.ones(1 << 20)
         t0 = time.monotonic()
         try:
             if call == "barrier":

@@ -557,8 +557,8 @@ def test_local_peer_exit_is_a_peer_failure_not_a_hang(tmp_path):
 @pytest.mark.parametrize("mode,transport,call", [
     (mode, t, c) for mode in ("close", "exit")
     for t, c in (("shm", "barrier"), ("tcp", "barrier"), ("shm", "allreduce"),
-                 ("shm", "shared"), ("shm", "send"))
-    if not (mode, c) == ("exit", "send")])
+                 ("shm", "shared"), ("shm", "send"), ("shm", "pending"), ("tcp", "pending"))
+    if not (mode == "exit" and c in ("send", "pending"))])
 def test_a_peer_that_closes_or_exits_is_a_peer_failure_at_once(mode, transport, call):
     """Rank 2 closes its communicator with no call in flight (and stays alive), or exits
     without closing it (the exit handler closes it; MPI_Finalize keeps the process there):
@@ -567,7 +567,9 @@ def test_a_peer_that_closes_or_exits_is_a_peer_failure_at_once(mode, transport, 
     notice; tcp: its connections' end) — not CollectiveTimeout a minute later.  A send to
     rank 2 once it has failed (abort(), shm) is a PeerFailure too: a small one completed
     into the ring, never to be read ("send"; only with a close: an exit's close has no
-    moment the others could wait for)."""
+    moment the others could wait for).  "pending": rank 2 closes with an iallreduce and
+    an isend (tag 7) not waited for: its peers' allreduce names that call, not the
+    send's tag as a call number (it said "during p2p (call #7)")."""
     env = {"GPURT_TIMEOUT": "60", **({"GPURT_TRANSPORTS": "tcp"} if transport == "tcp" else {})}
     recs = rank_records(run_mpi(3, ["tests/closed_peer_cases.py", mode, call],
                                 env=env).stdout, "CLOSED_PEER", 3)
@@ -576,6 +578,8 @@ def test_a_peer_that_closes_or_exits_is_a_peer_failure_at_once(mode, transport, 
         out = recs[r]["outcome"]
         assert out.startswith("PeerFailure(rank=2)"), recs
         assert "rank 2 (" in out and "closed" in out, out
+        if call == "pending":
+            assert "closed the communicator during allreduce (call #2)" in out, out
         assert recs[r]["seconds"] < 3, recs
 
 
