@@ -2954,8 +2954,14 @@ def _pid_namespace() -> int:
 def _rank_number(v: Any) -> int | None:
     """``v`` as a rank number: an int, a NumPy integer, or anything integral by
     ``__index__`` (a 0-d integer tensor: ``torch.tensor(1)``, ``np.array(2)``); None for
-    anything else — a bool, a float (2.0), a string."""
+    anything else — a bool (also a 0-d bool array or tensor), a float (2.0), a string, an
+    array or tensor of one element but one dimension or more (whose ``__index__`` torch
+    allows)."""
+    if type(v) is int:
+        return v
     if isinstance(v, (bool, np.bool_)):
+        return None
+    if getattr(v, "ndim", 0) != 0 or str(getattr(v, "dtype", "")) in ("bool", "torch.bool"):
         return None
     try:
         return int(operator.index(v))      # (int(): an IntEnum as a plain number)

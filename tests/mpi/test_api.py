@@ -219,6 +219,11 @@ def test_bad_input_raises_before_anything_moves(comm):
     y = np.full(8, float(r), np.float32)
     comm.broadcast(y, root=np.array(p - 1))
     assert (y == p - 1).all(), y
+    # ... but not one of one element and one dimension, nor a bool
+    with pytest.raises(ValueError, match=r"root array\(\[0\]\) is not a rank"):
+        comm.broadcast(x, root=np.array([0]))
+    with pytest.raises(ValueError, match=r"root array\(False\) is not a rank"):
+        comm.broadcast(x, root=np.array(False))
     with pytest.raises(TypeError, match="dtype <U3 is not supported"):
         comm.allreduce(np.array(["abc"]))
     with pytest.raises(TypeError, match="op BAND is not defined for dtype float32"):
@@ -571,6 +576,17 @@ def test_torch_cpu_tensors(comm):
     assert t.tolist() == [sum(range(1, comm.size + 1))] * 4
     g = comm.allgather(torch.ones(2))
     assert isinstance(g, torch.Tensor) and tuple(g.shape) == (comm.size, 2)
+    # a 0-d integer tensor is a rank number (as NumPy's); a bool tensor and a tensor of
+    # one element in one dimension are not (torch's __index__ takes both: they were root 1)
+    comm.broadcast(t, root=torch.tensor(comm.size - 1))
+    for bad in (torch.tensor(True), torch.tensor([0])):
+        with pytest.raises(ValueError, match=f"rank {comm.rank}: root .* is not a rank"):
+            comm.broadcast(t, root=bad)
+    if comm.size > 1:
+        with pytest.raises(ValueError, match="peer .* is not a rank"):
+            comm.send(t, torch.tensor(True))
+        with pytest.raises(ValueError, match="tag"):
+            comm.send(t, (comm.rank + 1) % comm.size, tag=torch.tensor([1]))
 
 
 def test_torch_lazily_negated_views_are_refused_not_read_as_their_storage(comm):
