@@ -157,8 +157,13 @@ def as_buf(x: Any, what: str = "x") -> Buf:
             except (BufferError, TypeError, RuntimeError) as e:
                 arr = _torch_bfloat16(x)
                 if arr is None:
+                    # (the list of dtypes only where the dtype is the trouble, not for a
+                    # tensor that requires grad or is sparse)
+                    names = _names(_SUPPORTED)
+                    dt = str(getattr(x, "dtype", "")).removeprefix("torch.")
+                    more = "" if dt in names.split(", ") else f" (supported dtypes: {names})"
                     raise TypeError(f"{what}: cannot view {_dlpack_what(x)} through DLPack: "
-                                    f"{e} (supported dtypes: {_names(_SUPPORTED)})") from e
+                                    f"{e}{more}") from e
             return _host(arr, x, what)
         if int(dev_type) in (_DL_CUDA, _DL_CUDA_MANAGED):
             try:   # a CUDA DLPack tensor without __cuda_array_interface__: view it in CuPy

@@ -701,6 +701,11 @@ def test_refusals_of_tensors_say_what_to_pass():
                                             r"on cpu\) through DLPack: .*\(supported dtypes: "
                                             r"bool, int8"):
             as_buf(torch.ones(4).to(f8))
+    # a tensor refused for something else than its dtype: no list of dtypes after torch's
+    # reason (it read as if the dtype were the trouble)
+    with pytest.raises(TypeError, match=r"through DLPack: .*require.* grad") as e:
+        as_buf(torch.ones(4, requires_grad=True))
+    assert "supported dtypes" not in str(e.value), e.value
     with pytest.raises(TypeError, match=r"x: Tensor \(torch.float32 on meta\) cannot be "
                                         r"exported through DLPack"):
         as_buf(torch.ones(4, device="meta"))
