@@ -578,7 +578,10 @@ class StandinBackend:
         gen = int(w[i]) + 1
         w[i] = gen
 
-        def done(w=w, i=i + 1, gen=gen):
+        # (the mark holds the event: its slot goes back only after the mark ran, as CUDA
+        # releases a destroyed event only once its pending record completed — a slot
+        # handed out again while the mark was queued came out complete too early)
+        def done(w=w, i=i + 1, gen=gen, ev=ev):
             if w[i] < gen:
                 w[i] = gen
 

@@ -5,7 +5,8 @@ after a call returns, allocation, p2p with many messages in flight, and the erro
 
     mpiexec -n 3 python tests/device_cases.py CASE [CASE ...]
 
-Cases: endpoints=KIND[,KIND..] | streams | reuse | alloc | inflight | burst | order | errors |
+Cases: endpoints=KIND[,KIND..] | streams | reuse | alloc | inflight | staging | burst | order |
+errors |
 otherdevice | nobackend | abandoned | sticky (these two: a slow stand-in)
 Prints "CASE ok" on rank 0 when every rank passed; failures are gathered to rank 0.
 """
@@ -182,6 +183,37 @@ def case_inflight(comm) -> None:
         assert (outs[i].get() == src * 1000 + i).all(), i
 
 
+def case_staging(comm) -> None:
+    """A staged message of thousands of chunks (run with a small GPURT_DEVICE_STAGE):
+    exact, and staged through a bounded window — the sender holds at most ``_WINDOW``
+    pinned chunks and the receiver as much device scratch, with as many events each.
+    Before, every chunk of the message had its buffer and event at once: the stand-in's
+    4096 events ran out at 20 MiB of 4 KiB chunks (ResourceError), and a 64 MiB message
+    held 64 MiB of pinned memory and of device scratch on each side."""
+    r, p = comm.rank, comm.size
+    if p < 2:
+        return
+    from gpurt.transports import cuda_ipc
+    n = 6 << 20                     # 24 MiB of float32
+    if r == 0:
+        ep = comm.dev_endpoints[1]
+        assert ep.transport.endswith("+staged"), ep.transport
+        x = si.asarray(np.arange(n, dtype=np.float32))
+        comm.send(x, 1, timeout=120)
+        held = sum(c * len(v) for c, v in ep.pool.host.items())
+        assert held <= cuda_ipc._WINDOW * ep.chunk, (held, ep.chunk)
+    elif r == 1:
+        ep = comm.dev_endpoints[0]
+        out = si.zeros(n, np.float32)
+        comm.recv(out, 0, timeout=120)
+        assert (out.get() == np.arange(n, dtype=np.float32)).all()
+        held = sum(c * len(v) for c, v in ep.pool.dev.items())
+        assert held <= cuda_ipc._WINDOW * ep.chunk, (held, ep.chunk)
+    if r < 2:
+        assert len(ep.events.free) <= cuda_ipc._WINDOW, len(ep.events.free)
+    comm.barrier()
+
+
 def case_burst(comm) -> None:
     """More messages from distinct allocations in flight than the receiver keeps peer
     allocations open (64): once they are read the cache is back at its bound (it grew to
@@ -205,38 +237,49 @@ def case_burst(comm) -> None:
 
 
 def case_abandoned(comm) -> None:
-    """A receive abandoned after its timeout, its copy queued behind the sender's busy
-    stream, then the communicator closed: the peer's allocation stays mapped until the
-    copy has run (closing it under the copy was a segmentation fault once the sender's
-    event fired), the copy lands, and the mapping is closed after it.  Needs a slow
-    stand-in (GPURT_STANDIN_DELAY_US=200000: the sender's ten fills take ~2 s)."""
+    """A receive abandoned after its timeout, its copy queued behind work on the
+    receiver's busy stream, then the communicator closed: the peer's allocation stays
+    mapped until the copy has run (closing it under the copy was a segmentation fault),
+    the copy lands, and the mapping is closed after it.  Then a receive abandoned while
+    the *sender's* stream is busy: nothing was queued on the receiver's stream (its read
+    waits for the sender's event on the host, not on the stream), so nothing lingers.
+    Needs a slow stand-in (GPURT_STANDIN_DELAY_US=200000: twenty fills take ~4 s)."""
     r, p = comm.rank, comm.size
     from gpurt.transports import cuda_ipc
-    c = comm.dup()
-    if r == 1:
-        s = si.Stream()
-        a = si.zeros(1 << 18, np.float32, stream=s.ptr)
-        for i in range(10):
-            si.fill(a, float(i + 1))
-        expect_raises(GpurtError, lambda: c.send(a, 0, tag=1, timeout=60),
-                      "a send whose receiver closed", "rank 0")
-        s.synchronize()
-    elif r == 0 and p > 1:
-        s = si.Stream()
-        out = si.zeros(1 << 18, np.float32, stream=s.ptr)
-        q = c.irecv(out, 1, tag=1)
-        expect_raises(GpurtError, lambda: q.wait(timeout=0.5), "a receive behind a busy "
-                      "sender", "0.5 s")
-        c.close()
-        assert cuda_ipc._LINGER, "the mapping a queued copy reads was closed at once"
-        s.synchronize()          # the copy ran, from a mapping still there
-        assert (out.get() == 10).all(), out.get()[:4]
-    if not c.closed:
-        c.close()
-    c2 = comm.dup()              # (a communicator's close or open reaps)
-    c2.close()
-    assert not cuda_ipc._LINGER, cuda_ipc._LINGER
-    comm.barrier()
+    n = 1 << 18
+    for busy in ("receiver", "sender"):
+        c = comm.dup()
+        if r == 1:
+            s = si.Stream()
+            a = si.zeros(n, np.float32, stream=s.ptr)
+            for i in range(20 if busy == "sender" else 1):
+                si.fill(a, 42.0)
+            expect_raises(GpurtError, lambda: c.send(a, 0, tag=1, timeout=60),
+                          "a send whose receiver closed", "rank 0")
+            s.synchronize()
+        elif r == 0 and p > 1:
+            s = si.Stream()
+            out = si.zeros(n, np.float32, stream=s.ptr)
+            for i in range(20 if busy == "receiver" else 0):
+                si.fill(out, float(i + 1))
+            q = c.irecv(out, 1, tag=1)
+            expect_raises(GpurtError, lambda: q.wait(timeout=1.5), f"a receive, the "
+                          f"{busy}'s stream busy", "1.5 s")
+            c.close()
+            if busy == "receiver":
+                assert cuda_ipc._LINGER, "the mapping a queued copy reads was closed at once"
+                s.synchronize()          # the copy ran, from a mapping still there
+                assert (out.get() == 42).all(), out.get()[:4]
+            else:
+                assert not cuda_ipc._LINGER, cuda_ipc._LINGER
+                s.synchronize()
+                assert (out.get() == 0).all(), out.get()[:4]    # (nothing was read)
+        if not c.closed:
+            c.close()
+        c2 = comm.dup()              # (a communicator's close or open reaps)
+        c2.close()
+        assert not cuda_ipc._LINGER, cuda_ipc._LINGER
+        comm.barrier()
 
 
 def case_sticky(comm) -> None:

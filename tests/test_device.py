@@ -57,6 +57,16 @@ def test_sweep_without_p2p_standin():
     assert " 0 failed" in out, out
 
 
+def test_a_large_staged_message_stages_through_a_bounded_window_standin():
+    """24 MiB in 4 KiB chunks between two devices without P2P (shm+staged): exact, with
+    a bounded number of pinned chunks, device scratch and events (see case_staging)."""
+    env = {**STANDIN, "GPURT_STANDIN_DEVICES": "2", "GPURT_STANDIN_P2P": "0",
+           "GPURT_DEVICE_STAGE": "4096"}
+    out = run_mpi(2, ["tests/device_cases.py", "endpoints=shm+staged", "staging"],
+                  env=env).stdout
+    assert "ok on 2 ranks" in out, out
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 5])
 def test_device_cases_standin(n):
     """Streams (the array's, stream=, the current one), a buffer overwritten right after
@@ -67,9 +77,10 @@ def test_device_cases_standin(n):
 
 
 def test_close_with_a_copy_still_reading_a_peer_allocation_standin():
-    """A receive abandoned after its timeout while the sender's stream is busy, then
-    close(): the mapping its queued copy reads is closed only after the copy (it was
-    unmapped under it: a segmentation fault)."""
+    """A receive abandoned after its timeout while its own stream is busy, then close():
+    the mapping its queued copy reads is closed only after the copy (it was unmapped
+    under it: a segmentation fault); abandoned while the sender's stream is busy: nothing
+    was queued (the read waits for the sender's event on the host), nothing lingers."""
     out = run_mpi(2, ["tests/device_cases.py", "abandoned"],
                   env={**STANDIN, "GPURT_STANDIN_DELAY_US": "200000"}).stdout
     assert "ok on 2 ranks" in out, out
@@ -281,3 +292,44 @@ def test_exited_peer_during_device_calls_is_a_peer_failure(path, tmp_path):
         assert "PeerFailure rank=1 " in text, (got, proc.stdout[-3000:], proc.stderr[-3000:])
         assert float(text.split(" after ")[1].split("s:")[0]) < 1.0, text
     assert set(gpurt_shm_files()) - before == set()
+
+
+_SLOT_REUSE = r"""
+import gc, os, time
+import numpy as np
+from gpurt import device
+from gpurt import device_standin as si
+be = device.get()
+slow, fast = si.Stream(), si.Stream()
+a = si.zeros(10, np.float32, stream=slow.ptr)
+b = si.zeros(10, np.float32, stream=fast.ptr)
+for _ in range(3):
+    si.fill(a, 1.0)                  # 'slow' busy for ~0.15 s
+old = be.event(False)
+be.record(old, slow.ptr)             # its mark runs after the fills
+del old
+gc.collect()                         # dropped with its record still queued
+new = be.event(False)
+for _ in range(10):
+    si.fill(b, 2.0)                  # 'fast' busy for ~0.5 s
+be.record(new, fast.ptr)
+t0 = time.monotonic()
+while not be.query(new):
+    time.sleep(0.005)
+left = len(si._worker().queue(fast.ptr).ops)
+print("LEFT", left, round(time.monotonic() - t0, 2))
+"""
+
+
+def test_a_dropped_events_queued_record_never_completes_the_next_event_standin():
+    """An event dropped while its record is still queued keeps its slot until the record
+    ran (CUDA defers an event's destruction so): the stand-in handed the slot out again
+    at once, and the stale mark then completed the new event while 10 operations were
+    still queued before that one's record (a receive's acknowledgement sent early)."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, GPURT_DEVICE_BACKEND="standin", GPURT_STANDIN_DELAY_US="50000")
+    out = subprocess.run([sys.executable, "-c", _SLOT_REUSE], env=env, capture_output=True,
+                         text=True, timeout=60).stdout
+    assert out.startswith("LEFT 0 "), out

@@ -10,10 +10,14 @@ code runs on a GPU and, for tests, on the host-memory stand-in):
   buffer's offset in it (pooled allocators hand out pieces of big allocations; a handle
   always covers a whole one), and the IPC handle of an event the sender recorded on its
   stream after the work that produced the buffer.
-* The receiver opens the handle (once: opened allocations are cached by handle, LRU
-  bounded, never closed while a read from them is in flight), makes its stream wait for
-  the sender's event, and runs the copy or the reduction *reading the peer's memory
-  directly* (NVLink / PCIe P2P), then records an event of its own.
+* The receiver polls the sender's event from the host (``cudaEventQuery`` on the opened
+  IPC event, as every wait of gpurt's); once it has fired, it opens the handle (once:
+  opened allocations are cached by handle, LRU bounded, never closed while a read from
+  them is in flight) and queues the copy or the reduction *reading the peer's memory
+  directly* (NVLink / PCIe P2P) on its stream, then records an event of its own.  The
+  stream never waits on the peer's event: a stream wait cannot be cancelled, so a peer
+  that failed before its event fired would hold the caller's stream for ever (work the
+  caller queues there after the ``PeerFailure`` would never run).
 * When that event has fired (polled, never waited on in CUDA) the receiver stores the
   message's number into its acknowledgement word in the shm segment header; the send
   completes when the acknowledgement arrives, so the sender cannot reuse its buffer while
@@ -31,8 +35,10 @@ Staging (``StagedEndpoint``): device buffers to a peer that ``cuda_ipc`` cannot 
 nodes, or GPUs without P2P) move through page-locked host buffers in chunks of
 ``GPURT_DEVICE_STAGE`` bytes, pipelined: each chunk is copied device→host on the stream and
 handed to the host transport as soon as its event fires, while later chunks are still being
-copied; the receiver copies each arriving chunk host→device and consumes it (copy or
-reduce) on its stream.
+copied — at most ``_WINDOW`` chunks of a send hold a buffer (and an event) at a time; the
+receiver copies each arriving chunk host→device into device scratch of its own and
+consumes it (copy or reduce) on its stream, at most ``_WINDOW`` chunks waiting for the
+stream at a time, and gives the chunk's buffers back once that has run.
 """
 
 from __future__ import annotations
@@ -59,6 +65,8 @@ _OPEN_MAX = 64         # idle opened peer allocations kept (LRU; an opened one s
                        # free_all_blocks() or when an allocation fails; a reused address is
                        # told apart by the allocation id)
 _U8 = np.dtype(np.uint8)
+_FIRED = object()       # an empty message's "sender event": nothing to wait for
+_WINDOW = 4            # staged chunks of one send that hold a page-locked buffer at a time
 
 
 class _Events:
@@ -281,21 +289,24 @@ class _IpcSend:
 
 class _IpcRecv:
     __slots__ = ("ep", "nbytes", "sink", "lane", "tag", "sig", "stream", "seq", "msg", "raw",
-                 "ev", "ent", "peer", "done")
+                 "ev", "ent", "peer", "done", "pev", "off")
 
     def __init__(self, ep: IpcEndpoint, nbytes, sink, lane, tag, sig, stream, seq):
         self.ep, self.nbytes, self.sink, self.lane = ep, nbytes, sink, lane
         self.tag, self.sig, self.stream, self.seq, self.peer = tag, sig, stream, seq, ep.peer
         self.raw = np.empty(_DESC.size, _U8)
-        self.ev = self.ent = None
+        self.ev = self.ent = self.pev = None      # (pev: the sender's event)
+        self.off = None                           # (offset, handle, allocation id)
         self.done = False
         self.msg = ep.shm_ep.recv(_DESC.size, self._desc, lane, tag, sig)
 
     def _desc(self, off: int, chunk: np.ndarray) -> None:
         self.raw[off:off + chunk.nbytes] = chunk
 
-    def _post(self) -> None:
-        ep, be = self.ep, self.ep.be
+    def _check(self):
+        """The descriptor, checked against this receive: the sender's event (None for an
+        empty message), its allocation opened."""
+        ep = self.ep
         magic, nbytes, off, seq, _dev, aid, mem, evh = _DESC.unpack(self.raw.tobytes())
         if magic != _MAGIC or seq != self.seq:
             ep.refuse(self.lane, self.seq)
@@ -309,12 +320,22 @@ class _IpcRecv:
             raise CollectiveMismatchError(
                 f"rank {ep.owner.rank}: device message from rank {self.peer} does not match "
                 f"the receive posted for it: {detail} (cuda_ipc)")
+        if not nbytes:
+            return None
+        self.off = (off, mem, aid)   # (opened when the read is queued: an open allocation
+        return ep.owner.peer_event(evh)    # not read yet is idle, the LRU could close it)
+
+    def _post(self) -> None:
+        """The read (copy or reduction) queued on the stream, the sender's event having
+        fired: polled from the host (``test``), never waited for on the stream — a wait
+        there on a peer that then failed would hold the caller's stream for ever."""
+        ep, be = self.ep, self.ep.be
         ev = ep.owner.events.get()
-        if nbytes:
+        if self.off is not None:
+            off, mem, aid = self.off
             self.ent = ent = ep.owner.open(mem, aid)
             ep.owner.read(ent, ev)
-            be.wait_event(self.stream, ep.owner.peer_event(evh))
-            self.sink(0, be.view(ent[0] + off, nbytes, ep.owner))
+            self.sink(0, be.view(ent[0] + off, self.nbytes, ep.owner))
         be.record(ev, self.stream)
         self.ev = ev
 
@@ -322,7 +343,12 @@ class _IpcRecv:
         if self.done:
             return True
         if self.ev is None:
-            if not self.msg.test():
+            if self.pev is None:
+                if not self.msg.test():
+                    return False
+                pev = self._check()
+                self.pev = _FIRED if pev is None else pev
+            if self.pev is not _FIRED and not self.ep.be.query(self.pev):
                 return False
             self._post()
         if not self.ep.be.query(self.ev):
@@ -331,7 +357,7 @@ class _IpcRecv:
             self.ep.owner.done_reading(self.ent, self.ev)
         self.ep.owner.events.put(self.ev)
         self.ep.finish(self.lane, self.seq)
-        self.done, self.sink = True, None
+        self.done, self.sink, self.pev = True, None, None
         return True
 
 
@@ -408,49 +434,82 @@ class StagedEndpoint:
 
 
 class _StagedSend:
-    __slots__ = ("ep", "spans", "host", "cls", "evs", "msgs", "lane", "tag", "sig", "peer",
-                 "done", "src", "__weakref__")
+    """A device message to a staged peer, chunk by chunk: a chunk's device-to-host copy is
+    queued on the call's stream into a page-locked buffer of its own, its host send posted
+    once the copy's event has fired; at most ``_WINDOW`` chunks hold a buffer at a time (a
+    chunk's buffer and event go back to the pools when its host send completes, and only
+    then is the copy ``_WINDOW`` chunks on queued), so a message of any size stages
+    through ``_WINDOW`` chunks of memory and as many events."""
+
+    __slots__ = ("ep", "spans", "bufs", "evs", "msgs", "lane", "tag", "sig", "peer", "done",
+                 "src", "stream", "copied", "freed", "__weakref__")
 
     def __init__(self, ep: StagedEndpoint, src, lane, tag, sig, stream):
         self.ep, self.lane, self.tag, self.sig, self.peer = ep, lane, tag, sig, ep.peer
-        be = ep.be
-        n = src.nbytes
-        self.spans = ep._spans(n)
-        self.host, self.cls = ep.pool.get_host(n)
-        self.evs = []
-        self.src = src                      # kept alive until the copies have run
-        for a, b in self.spans:
-            if b > a:
-                be.to_host(self.host[a:b], src[a:b], stream)
-            ev = ep.events.get()
-            be.record(ev, stream)
-            self.evs.append(ev)
-        self.msgs = []
+        self.spans = ep._spans(src.nbytes)
+        self.src, self.stream = src, stream    # src kept alive until the copies have run
+        k = len(self.spans)
+        self.bufs: list = [None] * k           # chunk i's (pinned buffer, size class)
+        self.evs: list = [None] * k            # the event after chunk i's copy
+        self.msgs: list = []                   # the host sends posted, chunk order
+        self.copied = self.freed = 0           # chunks copied / whose buffer went back
         self.done = False
+        self._copy()
         ep.outq[lane].append(self)
         ep.pump(lane)
+
+    def _copy(self) -> None:
+        """Queue the next chunks' copies, while fewer than ``_WINDOW`` hold a buffer."""
+        ep = self.ep
+        be, spans = ep.be, self.spans
+        while self.copied < len(spans):
+            if self.copied - self._free() >= _WINDOW:
+                return
+            i = self.copied
+            a, b = spans[i]
+            buf, c = ep.pool.get_host(b - a)
+            if b > a:
+                be.to_host(buf[:b - a], self.src[a:b], self.stream)
+            ev = ep.events.get()
+            be.record(ev, self.stream)
+            self.bufs[i], self.evs[i] = (buf, c), ev
+            self.copied += 1
+
+    def _free(self) -> int:
+        """Give back the buffers and events of the chunks whose host send completed (in
+        order); the count of chunks given back."""
+        ep, msgs = self.ep, self.msgs
+        while self.freed < len(msgs) and msgs[self.freed].test():
+            i = self.freed
+            buf, c = self.bufs[i]
+            ep.pool.put_host(buf, c)
+            ep.events.put(self.evs[i])
+            self.bufs[i] = self.evs[i] = None
+            self.freed += 1
+        return self.freed
 
     def all_posted(self) -> bool:
         return len(self.msgs) == len(self.spans)
 
     def post_ready(self) -> None:
         ep = self.ep
-        while len(self.msgs) < len(self.spans) and ep.be.query(self.evs[len(self.msgs)]):
-            a, b = self.spans[len(self.msgs)]
-            self.msgs.append(ep.host_ep.send(self.host[a:b], self.lane, self.tag, self.sig))
+        while True:
+            self._copy()
+            i = len(self.msgs)
+            if i >= self.copied or not ep.be.query(self.evs[i]):
+                return
+            a, b = self.spans[i]
+            self.msgs.append(ep.host_ep.send(self.bufs[i][0][:b - a], self.lane, self.tag,
+                                             self.sig))
 
     def test(self) -> bool:
         if self.done:
             return True
-        ep = self.ep
         if len(self.msgs) < len(self.spans):
-            ep.pump(self.lane)
-        if len(self.msgs) < len(self.spans) or not all(m.test() for m in self.msgs):
+            self.ep.pump(self.lane)        # (posts in call order: behind earlier sends)
+        if len(self.msgs) < len(self.spans) or self._free() < len(self.spans):
             return False
-        for ev in self.evs:
-            ep.events.put(ev)
-        ep.pool.put_host(self.host, self.cls)
-        self.done, self.host, self.msgs, self.src = True, None, None, None
+        self.done, self.msgs, self.src = True, None, None
         return True
 
 
@@ -504,45 +563,73 @@ class HostInOrder:
 
 
 class _StagedRecv:
-    __slots__ = ("ep", "spans", "host", "hcls", "dev", "dcls", "msgs", "evs", "sink", "stream",
-                 "peer", "done")
+    """A staged device message's receiving end: every chunk's host receive is posted at
+    once (message order on the lane), each landing in a page-locked buffer taken when its
+    first bytes arrive; an arrived chunk is copied host-to-device into device scratch of
+    its own and consumed there (``sink``) on the stream, and its buffers and event go back
+    to the pools once the event after that has fired.  So memory is held by the chunks
+    between arrival and consumption — the sender's window (``_WINDOW``) of them while the
+    stream keeps up — not by the whole message."""
+
+    __slots__ = ("ep", "spans", "bufs", "devs", "msgs", "evs", "sink", "stream", "peer",
+                 "done", "freed")
 
     def __init__(self, ep: StagedEndpoint, nbytes, sink, lane, tag, sig, stream):
         self.ep, self.sink, self.stream, self.peer = ep, sink, stream, ep.peer
         self.spans = ep._spans(nbytes)
-        self.host, self.hcls = ep.pool.get_host(nbytes)
-        self.dev, self.dcls = ep.pool.get_dev(nbytes, stream)
-        host = self.host
+        k = len(self.spans)
+        bufs: list = [None] * k      # chunk i's (pinned buffer, size class), once it arrives
+        self.bufs = bufs
+        self.devs: list = [None] * k     # chunk i's (device scratch, size class)
+        pool = ep.pool
 
-        def into(a):
+        def into(i: int, n: int):
             def sink_(off: int, chunk: np.ndarray) -> None:
-                host[a + off:a + off + chunk.nbytes] = chunk
+                got = bufs[i]
+                if got is None:
+                    got = bufs[i] = pool.get_host(n)
+                got[0][off:off + chunk.nbytes] = chunk
             return sink_
 
-        self.msgs = [ep.host_ep.recv(b - a, into(a), lane, tag, sig) for a, b in self.spans]
+        self.msgs = [ep.host_ep.recv(b - a, into(i, b - a), lane, tag, sig)
+                     for i, (a, b) in enumerate(self.spans)]
         self.evs: list = []
+        self.freed = 0
         self.done = False
 
     def test(self) -> bool:
         if self.done:
             return True
         ep, be = self.ep, self.ep.be
-        while len(self.evs) < len(self.spans) and self.msgs[len(self.evs)].test():
-            a, b = self.spans[len(self.evs)]
+        spans, pool = self.spans, ep.pool
+        evs = self.evs
+        while True:
+            while self.freed < len(evs) and be.query(evs[self.freed]):
+                i = self.freed
+                if self.bufs[i] is not None:
+                    pool.put_host(*self.bufs[i])
+                if self.devs[i] is not None:
+                    pool.put_dev(*self.devs[i])
+                ep.events.put(evs[i])
+                self.bufs[i] = self.devs[i] = evs[i] = None
+                self.freed += 1
+            i = len(evs)
+            # the next chunk is taken in (its host receive advanced, which lets the
+            # sender's window move on) only while fewer than _WINDOW wait for the stream
+            if i == len(spans) or i - self.freed >= _WINDOW or not self.msgs[i].test():
+                break
+            a, b = spans[i]
             if b > a:
-                d = self.dev[a:b]
-                be.from_host(d, self.host[a:b], self.stream)
-                self.sink(a, d)
+                d, c = pool.get_dev(b - a, self.stream)
+                self.devs[i] = (d, c)
+                be.from_host(d[:b - a], self.bufs[i][0][:b - a], self.stream)
+                self.sink(a, d[:b - a])
             ev = ep.events.get()
             be.record(ev, self.stream)
-            self.evs.append(ev)
-        if len(self.evs) < len(self.spans) or not be.query(self.evs[-1]):
+            evs.append(ev)
+        if self.freed < len(spans):
             return False
-        for ev in self.evs:
-            ep.events.put(ev)
-        ep.pool.put_host(self.host, self.hcls)
-        ep.pool.put_dev(self.dev, self.dcls)
-        self.done, self.host, self.dev, self.sink = True, None, None, None
+        self.done, self.sink, self.msgs = True, None, None
         return True
 
 
