@@ -241,8 +241,8 @@ class Heartbeat:
                 return
             except OSError:
                 return
-            if not data:
-                continue                # close()'s wake-up call
+            if not data and addr == self.sock.getsockname():
+                continue                # close()'s wake-up call (from this very socket)
             if data[:8] == _NOTE and len(data) >= _HB.size + _MAC:
                 _, frm, n = _HB.unpack_from(data)
                 body = data[_HB.size:-_MAC]
