@@ -215,9 +215,11 @@ def test_refused_heartbeats_are_logged_per_source_and_a_flood_is_summed_up(caplo
     monkeypatch.setattr(hb, "_LOG_EVERY_S", 0.3, raising=False)
     secret = os.urandom(32)
     a = Heartbeat("127.0.0.1")
+    peer = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)    # rank 1's heartbeat socket
+    peer.bind(("127.0.0.1", 0))
     try:
         with caplog.at_level("WARNING", logger="gpurt.tcp"):
-            a.start(0, secret, {1: ("127.0.0.1", 9)}, 0.1)
+            a.start(0, secret, {1: peer.getsockname()}, 0.1)
 
             def forged(src: str, k: int = 1) -> None:
                 base = a.dropped
@@ -247,12 +249,18 @@ def test_refused_heartbeats_are_logged_per_source_and_a_flood_is_summed_up(caplo
             time.sleep(0.35)
             forged("127.0.0.2")                     # the summary comes with the next one
             assert _until(lambda: a.dropped == n + 1)
-            # still alive: a real ping is answered (taken as fresh)
+            # still alive: a real ping is answered (taken as fresh) — from rank 1's socket
+            # only: the same authentic bytes from another address are refused unread
+            ping = struct.pack("<8sII", b"gpurtHQ1", 1, 5) + hb._mac(secret, b"gpurtHQ1",
+                                                                     1, 0, 5)
             with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
                 s.bind(("127.0.0.1", 0))
-                s.sendto(struct.pack("<8sII", b"gpurtHQ1", 1, 5) +
-                         hb._mac(secret, b"gpurtHQ1", 1, 0, 5), ("127.0.0.1", a.port))
-                assert _until(lambda: a._pinged.get(1) == 5)
+                k = a.dropped
+                s.sendto(ping, ("127.0.0.1", a.port))
+                assert _until(lambda: a.dropped == k + 1)
+            assert a._pinged.get(1) is None
+            peer.sendto(ping, ("127.0.0.1", a.port))
+            assert _until(lambda: a._pinged.get(1) == 5)
         msgs = [r.getMessage() for r in caplog.records if "dropped a heartbeat" in r.getMessage()]
         assert any("from 127.0.0.2:" in m for m in msgs), msgs
         assert any("from 127.0.0.3:" in m for m in msgs), msgs
@@ -261,6 +269,7 @@ def test_refused_heartbeats_are_logged_per_source_and_a_flood_is_summed_up(caplo
         assert any("more dropped since the last warning" in m for m in msgs), msgs
     finally:
         a.close()
+        peer.close()
 
 
 def _settled(value, quiet=0.3, seconds=10.0):

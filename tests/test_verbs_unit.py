@@ -280,15 +280,16 @@ def test_heartbeat_replays_and_strangers_prove_nothing():
     secret = b"s" * 32
     a = Heartbeat("127.0.0.1")
     try:
-        a.start(0, secret, {1: ("127.0.0.1", 9)}, 0.1)
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)    # rank 1's socket (its
+        s.bind(("127.0.0.1", 0))        # datagrams alone are read: the others are refused)
+        a.start(0, secret, {1: s.getsockname()}, 0.1)
         a.last[1] -= 100
         before = a.last[1]
 
         def dgram(magic, frm, seq, key=secret):
             return struct.pack("<8sII", magic, frm, seq) + hb._mac(key, magic, frm, 0, seq)
 
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.bind(("127.0.0.1", 0))
+        with s:
             s.sendto(dgram(b"gpurtHQ1", 1, 7), ("127.0.0.1", a.port))     # a real ping
             assert _until(lambda: a._pinged.get(1) == 7)
             heard = a.last[1]

@@ -91,6 +91,15 @@ def _pids(comm, peers) -> dict[int, int] | None:
     return {q: pids[q] for q in peers} if pids else None
 
 
+def _addr(a: tuple[str, int]) -> tuple[str, int]:
+    """``(host, port)`` as ``recvfrom`` names a sender of that address (dotted IPv4)."""
+    host, port = a
+    try:
+        return socket.inet_ntoa(socket.inet_aton(host)), int(port)
+    except OSError:
+        return socket.gethostbyname(host), int(port)
+
+
 class Heartbeat:
     """One UDP socket and one daemon thread per tcp (or verbs) transport instance."""
 
@@ -117,6 +126,8 @@ class Heartbeat:
         self.notices: dict[int, str] = {}
         self.ids: dict[int, tuple[str, int]] = {}  # peer -> (address, pid): its process
         self._secret = b""
+        self._known: set[tuple[str, int]] = set()
+        self._own = self.sock.getsockname()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -125,6 +136,11 @@ class Heartbeat:
         """``pids``: each peer's process id, which with its address names the process
         across communicators (``stopped``)."""
         self.me, self._secret, self.peers = me, secret, dict(peers)
+        # the peers' sockets, as recvfrom names a sender: a datagram from anywhere else is
+        # refused before any parsing or MAC (a flood of them is drained fast enough that
+        # the peers' pings still find room in the socket's buffer)
+        self._known = {_addr(a) for a in peers.values()}
+        self._own = self.sock.getsockname()
         self.ids = {q: (peers[q][0], pids[q]) for q in peers} if pids else {}
         self.interval = float(interval)
         now = time.monotonic()
@@ -170,8 +186,10 @@ class Heartbeat:
             return None
         waited = self.waited[peer] = self.waited.get(peer, 0.0) + \
             min(now - prev, 3 * self.interval)
-        if now - self.sent.get(peer, 0.0) >= self.interval:
-            self.ping(peer)                     # again, against a lost datagram
+        if now - self.sent.get(peer, 0.0) >= self.interval / 5:
+            # again, against a lost datagram: five times an interval while unanswered (a
+            # flood that fills the peer's socket buffer drops most of them; one suffices)
+            self.ping(peer)
         from gpurt import config
 
         bound = float(config.get("GPURT_PEER_STOPPED"))
@@ -241,8 +259,11 @@ class Heartbeat:
                 return
             except OSError:
                 return
-            if not data and addr == self.sock.getsockname():
-                continue                # close()'s wake-up call (from this very socket)
+            if addr not in self._known:
+                if not data and addr == self._own:
+                    continue            # close()'s wake-up call (from this very socket)
+                self._refuse(addr)
+                continue
             if data[:8] == _NOTE and len(data) >= _HB.size + _MAC:
                 _, frm, n = _HB.unpack_from(data)
                 body = data[_HB.size:-_MAC]
