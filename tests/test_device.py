@@ -333,3 +333,29 @@ def test_a_dropped_events_queued_record_never_completes_the_next_event_standin()
     out = subprocess.run([sys.executable, "-c", _SLOT_REUSE], env=env, capture_output=True,
                          text=True, timeout=60).stdout
     assert out.startswith("LEFT 0 "), out
+
+
+def test_a_peer_that_dies_leaves_the_callers_stream_usable_standin():
+    """Rank 1 dies with its device allreduce posted and its input still being produced;
+    rank 0 raises PeerFailure naming it, and the stream of its call still runs what it
+    queues next (its read waited for rank 1's event on the host, not on the stream:
+    a stream wait on a peer's event that never fires cannot be cancelled)."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import ROOT, mpiexec
+
+    if not is_hydra():
+        pytest.skip("uses MPICH hydra's -disable-auto-cleanup; this launcher is not hydra")
+    env = dict(os.environ, GPURT_DEVICE_BACKEND="standin", GPURT_STANDIN_DELAY_US="100000",
+               GPURT_TIMEOUT="60")
+    proc = subprocess.run([*mpiexec(), "-disable-auto-cleanup", "-n", "2", sys.executable,
+                           "tests/device_dead_peer_cases.py"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("DEAD_PEER ")]
+    assert len(lines) == 1, (proc.stdout, proc.stderr)
+    rec = json.loads(lines[0].split(" ", 1)[1])
+    assert rec["outcome"].startswith("PeerFailure(rank=1)"), rec
+    assert rec["seconds"] < 10, rec
+    assert rec["after"] == [5.0] * 10, rec
