@@ -206,13 +206,15 @@ class _Sink:
 
 def test_refused_heartbeats_are_logged_per_source_and_a_flood_is_summed_up(caplog,
                                                                             monkeypatch):
-    """The first forged datagram from every address is logged (not only the first of the
+    """Where no kernel filter could be attached (the fallback: ``_attach`` refused): the
+    first forged datagram from every address is logged (not only the first of the
     communicator's life: an attack that starts later, from elsewhere, is seen too); a
     flood of 2000 adds one summary line, not 2000; the thread still answers the real
     peer afterwards."""
     from gpurt.transports import heartbeat as hb
 
     monkeypatch.setattr(hb, "_LOG_EVERY_S", 0.3, raising=False)
+    monkeypatch.setattr(hb, "_attach", lambda sock, prog: False)
     secret = os.urandom(32)
     a = Heartbeat("127.0.0.1")
     peer = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)    # rank 1's heartbeat socket
@@ -267,6 +269,50 @@ def test_refused_heartbeats_are_logged_per_source_and_a_flood_is_summed_up(caplo
         assert any("from 127.0.0.4:" in m for m in msgs), msgs
         assert 4 <= len(msgs) <= 13, msgs
         assert any("more dropped since the last warning" in m for m in msgs), msgs
+    finally:
+        a.close()
+        peer.close()
+
+
+def test_a_strangers_heartbeat_datagrams_are_dropped_by_the_kernel_and_logged(caplog,
+                                                                              monkeypatch):
+    """The heartbeat socket carries a BPF filter that keeps only the peers' sockets'
+    datagrams: 20000 forged ones (from another address, and from another port of the
+    peer's address) never reach the thread — they cannot fill the socket's buffer while
+    the process computes, which dropped the real pings and failed a healthy job — and are
+    logged as the kernel's count; the peer's ping is still answered, close() is at once
+    (its wake-up datagram comes from the socket itself)."""
+    from gpurt.transports import heartbeat as hb
+
+    monkeypatch.setattr(hb, "_LOG_EVERY_S", 0.3, raising=False)
+    secret = os.urandom(32)
+    a = Heartbeat("127.0.0.1")
+    peer = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    peer.bind(("127.0.0.1", 0))
+    peer.settimeout(5)
+    try:
+        with caplog.at_level("WARNING", logger="gpurt.tcp"):
+            a.start(0, secret, {1: peer.getsockname()}, 0.1)
+            assert a.filtered
+            base = hb._kernel_drops(a.sock)
+            ping = struct.pack("<8sII", b"gpurtHQ1", 1, 5) + hb._mac(secret, b"gpurtHQ1",
+                                                                     1, 0, 5)
+            for src in ("127.0.0.2", "127.0.0.1"):
+                with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                    s.bind((src, 0))
+                    for _ in range(10000):
+                        s.sendto(ping, ("127.0.0.1", a.port))   # authentic bytes, even
+            assert _until(lambda: hb._kernel_drops(a.sock) - base >= 20000)
+            assert a.dropped == 0 and a._pinged.get(1) is None
+            peer.sendto(ping, ("127.0.0.1", a.port))
+            assert peer.recvfrom(64)[0][:8] == b"gpurtHB1"
+            assert _until(lambda: any("the kernel's filter" in r.getMessage()
+                                      for r in caplog.records))
+        t = time.monotonic()
+        a.close()
+        assert time.monotonic() - t < 0.8
+        msgs = [r.getMessage() for r in caplog.records if "kernel's filter" in r.getMessage()]
+        assert any(int(m.split("dropped ")[1].split()[0]) >= 20000 for m in msgs), msgs
     finally:
         a.close()
         peer.close()

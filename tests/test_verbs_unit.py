@@ -120,6 +120,7 @@ def test_cuda_ipc_is_a_device_transport_gpurt_transports_may_name(monkeypatch):
 
 
 def test_heartbeat_notice_reaches_the_peer_and_strangers_are_ignored():
+    from gpurt.transports import heartbeat as hb_mod
     a, b = Heartbeat("127.0.0.1"), Heartbeat("127.0.0.1")
     secret = b"s" * 32
     try:
@@ -139,7 +140,9 @@ def test_heartbeat_notice_reaches_the_peer_and_strangers_are_ignored():
         b.notify("not for rank 0", only=(7,))           # addressed to another rank only
         time.sleep(0.2)
         assert a.notice(1) is None
-        assert b.dropped >= 1                    # the forged one
+        # the forged one: refused by the socket's filter (another address), or where no
+        # filter could be attached by the thread
+        assert b.dropped >= 1 or (b.filtered and hb_mod._kernel_drops(b.sock) >= 1)
         # garbage on the port changes nothing
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             s.sendto(b"gpurtHE1" + b"\xff" * 40, ("127.0.0.1", b.port))

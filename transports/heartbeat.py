@@ -47,6 +47,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import os
 import select
 import socket
 import struct
@@ -91,6 +92,63 @@ def _pids(comm, peers) -> dict[int, int] | None:
     return {q: pids[q] for q in peers} if pids else None
 
 
+_SO_ATTACH_FILTER = 26     # (linux/filter.h; classic BPF on a socket: no privilege needed)
+_SKF_NET_OFF = -0x100000   # BPF_ABS loads from the IP header, not the UDP one
+_BPF_MAX = 4096            # instructions a classic filter may have
+
+
+def _bpf(known: set[tuple[str, int]]) -> bytes | None:
+    """A classic BPF socket filter that keeps only datagrams whose source is one of
+    ``known`` (address, port): the kernel drops a stranger's before they take room in the
+    socket's buffer, whatever this process is doing.  Per pair: load the source address,
+    compare, load the source port, compare, accept; none matched: drop.  By address alone
+    where the pairs would not fit; None where the addresses alone would not."""
+    ld_w, ld_h, jeq, ret = 0x20, 0x28, 0x15, 0x06     # BPF_LD|W|ABS, LD|H|ABS, JMP|JEQ|K, RET|K
+    src_ip = (_SKF_NET_OFF + 12) & 0xFFFFFFFF
+    ins: list[tuple[int, int, int, int]] = []
+    pairs = sorted((int.from_bytes(socket.inet_aton(h), "big"), p) for h, p in known)
+    if 5 * len(pairs) + 1 <= _BPF_MAX:
+        for ip, port in pairs:
+            ins += [(ld_w, 0, 0, src_ip), (jeq, 0, 3, ip), (ld_h, 0, 0, 0), (jeq, 0, 1, port),
+                    (ret, 0, 0, 0xFFFFFFFF)]
+    else:
+        ips = sorted({ip for ip, _ in pairs})
+        if len(ips) + 2 > _BPF_MAX:
+            return None
+        ins.append((ld_w, 0, 0, src_ip))
+        for ip in ips:
+            ins += [(jeq, 0, 1, ip), (ret, 0, 0, 0xFFFFFFFF)]
+    ins.append((ret, 0, 0, 0))
+    return b"".join(struct.pack("<HBBI", *i) for i in ins)
+
+
+def _attach(sock: socket.socket, prog: bytes) -> bool:
+    """Attach the filter ``_bpf`` made; False where the kernel refuses it."""
+    import ctypes
+    buf = ctypes.create_string_buffer(prog, len(prog))
+    fprog = struct.pack("@HL", len(prog) // 8, ctypes.addressof(buf))   # struct sock_fprog
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, _SO_ATTACH_FILTER, fprog)
+    except OSError:
+        return False
+    return True
+
+
+def _kernel_drops(sock: socket.socket) -> int | None:
+    """The datagrams the kernel dropped at this socket (the filter's and any for want of
+    room): ``/proc/net/udp``'s last column, by the socket's inode."""
+    try:
+        ino = str(os.fstat(sock.fileno()).st_ino)
+        with open("/proc/net/udp") as f:
+            for line in f:
+                cols = line.split()
+                if len(cols) > 12 and cols[9] == ino:
+                    return int(cols[-1])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
 def _addr(a: tuple[str, int]) -> tuple[str, int]:
     """``(host, port)`` as ``recvfrom`` names a sender of that address (dotted IPv4)."""
     host, port = a
@@ -123,11 +181,14 @@ class Heartbeat:
         self.stale = 0
         self._refused_from: set[str] = set()    # addresses already named in a warning
         self._refusals = Throttle(_LOG_EVERY_S)  # the warnings of the others
+        self._klast = time.monotonic()          # the last look at the kernel's drops
         self.notices: dict[int, str] = {}
         self.ids: dict[int, tuple[str, int]] = {}  # peer -> (address, pid): its process
         self._secret = b""
         self._known: set[tuple[str, int]] = set()
         self._own = self.sock.getsockname()
+        self.filtered = False                   # a kernel filter keeps strangers out
+        self._kdrops = 0                        # the kernel's drop count, last looked at
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -141,6 +202,11 @@ class Heartbeat:
         # the peers' pings still find room in the socket's buffer)
         self._known = {_addr(a) for a in peers.values()}
         self._own = self.sock.getsockname()
+        # and in the kernel: a stranger's datagrams never reach the socket's buffer (its
+        # own address too: close()'s wake-up call)
+        prog = _bpf(self._known | {self._own})
+        self.filtered = prog is not None and _attach(self.sock, prog)
+        self._kdrops = _kernel_drops(self.sock) or 0
         self.ids = {q: (peers[q][0], pids[q]) for q in peers} if pids else {}
         self.interval = float(interval)
         now = time.monotonic()
@@ -313,6 +379,21 @@ class Heartbeat:
                     "prove this job's secret%s (%d dropped in all)", self.me, addr[0],
                     addr[1], more, self.dropped)
 
+    def _kernel_refusals(self) -> None:
+        """Log what the kernel's filter dropped (strangers' datagrams this thread never
+        sees): looked at once per ``_LOG_EVERY_S`` from the thread, logged when it grew."""
+        now = time.monotonic()
+        if not self.filtered or now - self._klast < _LOG_EVERY_S:
+            return
+        self._klast = now
+        n = _kernel_drops(self.sock)
+        if n is None or n <= self._kdrops:
+            return
+        log.warning("tcp: rank %d's heartbeat socket dropped %d datagrams not from its "
+                    "peers' sockets (the kernel's filter) or for want of room since the last "
+                    "look", self.me, n - self._kdrops)
+        self._kdrops = n
+
     def close(self) -> None:
         if self._thread is not None:
             self._fin.detach()
@@ -340,12 +421,14 @@ def _serve(ref: "weakref.ref[Heartbeat]", sock: socket.socket, stop: threading.E
             return                      # closed under us
         if any(ev & select.POLLNVAL for _, ev in r):
             return
-        if not r or stop.is_set():
+        if stop.is_set():
             continue
         hb = ref()
         if hb is None:
             break
-        hb._receive()
+        if r:
+            hb._receive()
+        hb._kernel_refusals()
         del hb
     if ref() is None:
         try:
