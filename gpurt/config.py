@@ -307,6 +307,12 @@ VARIABLES: tuple[Var, ...] = (
     Var("GPURT_DEVICE_STAGE", "4M", _bytes,
         "GPU path: chunk size of pinned host staging for device buffers sent over host "
         "transports (shm across GPUs without P2P, tcp, verbs without GPUDirect)."),
+    Var("GPURT_IPC_STREAM_WAIT", "0", _flag,
+        "GPU path, cuda_ipc: 1 makes the receiver's stream wait on the sender's IPC event "
+        "(its read queued at once, no host round trip per message) instead of polling the "
+        "event from the host first (the default: a stream wait cannot be cancelled, so a "
+        "sender that fails before its event fires leaves the receiver's stream blocked "
+        "for ever)."),
     Var("GPURT_STANDIN_DELAY_US", "0", _number(hi=60e6),
         "Stand-in device only: each queued device operation waits this long first (widens "
         "race windows in tests)."),

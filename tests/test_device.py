@@ -117,6 +117,21 @@ def test_device_two_nodes_standin():
     assert " 0 failed" in out, out
 
 
+def test_device_cases_with_stream_waits_standin():
+    """GPURT_IPC_STREAM_WAIT=1: the receiver's stream waits on the sender's event (the
+    read queued before the sender's producer is done) — ordering still exact under a
+    slow stand-in."""
+    out = run_mpi(3, ["tests/device_cases.py", "endpoints=cuda_ipc", "streams", "reuse",
+                      "order", "inflight"],
+                  env={**STANDIN, "GPURT_IPC_STREAM_WAIT": "1",
+                       "GPURT_STANDIN_DELAY_US": "100"}).stdout
+    assert "ok on 3 ranks" in out, out
+    out = run_mpi(3, ["tests/mpi_sweep.py", "--device", "standin", "algorithms"],
+                  env={**STANDIN, "GPURT_IPC_STREAM_WAIT": "1",
+                       "GPURT_STANDIN_DELAY_US": "200"}).stdout
+    assert " 0 failed" in out, out
+
+
 def test_transports_without_cuda_ipc_stage_everything():
     """GPURT_TRANSPORTS=shm (cuda_ipc not named): device buffers are staged over shm."""
     out = run_mpi(3, ["tests/device_cases.py", "endpoints=shm+staged", "streams", "order",

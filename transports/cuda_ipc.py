@@ -17,7 +17,9 @@ code runs on a GPU and, for tests, on the host-memory stand-in):
   directly* (NVLink / PCIe P2P) on its stream, then records an event of its own.  The
   stream never waits on the peer's event: a stream wait cannot be cancelled, so a peer
   that failed before its event fired would hold the caller's stream for ever (work the
-  caller queues there after the ``PeerFailure`` would never run).
+  caller queues there after the ``PeerFailure`` would never run).  The price is a host
+  round trip (poll, then launch) per message whose sender's event has not fired when its
+  descriptor arrives; ``GPURT_IPC_STREAM_WAIT=1`` queues a stream wait instead.
 * When that event has fired (polled, never waited on in CUDA) the receiver stores the
   message's number into its acknowledgement word in the shm segment header; the send
   completes when the acknowledgement arrives, so the sender cannot reuse its buffer while
@@ -94,6 +96,9 @@ class CudaIpcTransport:
         self.peer_events: dict[bytes, object] = {}
         self.events = _Events(be)
         self.endpoints: dict[int, IpcEndpoint] = {}
+        # (GPURT_IPC_STREAM_WAIT: the receiver's stream waits on the sender's event
+        # instead of the host polling it first — faster, not cancellable)
+        self.stream_wait = bool(config.get("GPURT_IPC_STREAM_WAIT"))
 
     def endpoint(self, peer: int, shm_ep) -> "IpcEndpoint":
         ep = IpcEndpoint(self, peer, shm_ep)
@@ -335,6 +340,8 @@ class _IpcRecv:
             off, mem, aid = self.off
             self.ent = ent = ep.owner.open(mem, aid)
             ep.owner.read(ent, ev)
+            if ep.owner.stream_wait:
+                be.wait_event(self.stream, self.pev)
             self.sink(0, be.view(ent[0] + off, self.nbytes, ep.owner))
         be.record(ev, self.stream)
         self.ev = ev
@@ -348,7 +355,8 @@ class _IpcRecv:
                     return False
                 pev = self._check()
                 self.pev = _FIRED if pev is None else pev
-            if self.pev is not _FIRED and not self.ep.be.query(self.pev):
+            if self.pev is not _FIRED and not self.ep.owner.stream_wait and \
+                    not self.ep.be.query(self.pev):
                 return False
             self._post()
         if not self.ep.be.query(self.ev):
