@@ -57,9 +57,9 @@ def test_sweep_without_p2p_standin():
     assert " 0 failed" in out, out
 
 
-def test_a_large_staged_message_stages_through_a_bounded_window_standin():
+def test_a_large_staged_message_has_bounded_events_and_scratch_standin():
     """24 MiB in 4 KiB chunks between two devices without P2P (shm+staged): exact, with
-    a bounded number of pinned chunks, device scratch and events (see case_staging)."""
+    a bounded number of events and chunks of device scratch (see case_staging)."""
     env = {**STANDIN, "GPURT_STANDIN_DEVICES": "2", "GPURT_STANDIN_P2P": "0",
            "GPURT_DEVICE_STAGE": "4096"}
     out = run_mpi(2, ["tests/device_cases.py", "endpoints=shm+staged", "staging"],

@@ -36,11 +36,11 @@ code runs on a GPU and, for tests, on the host-memory stand-in):
 Staging (``StagedEndpoint``): device buffers to a peer that ``cuda_ipc`` cannot reach (other
 nodes, or GPUs without P2P) move through page-locked host buffers in chunks of
 ``GPURT_DEVICE_STAGE`` bytes, pipelined: each chunk is copied device→host on the stream and
-handed to the host transport as soon as its event fires, while later chunks are still being
-copied — at most ``_WINDOW`` chunks of a send hold a buffer (and an event) at a time; the
+handed to the host transport as soon as its event fires (one per chunk, or per group of
+chunks: at most ``_EVENTS`` per message), while later chunks are still being copied; the
 receiver copies each arriving chunk host→device into device scratch of its own and
 consumes it (copy or reduce) on its stream, at most ``_WINDOW`` chunks waiting for the
-stream at a time, and gives the chunk's buffers back once that has run.
+stream at a time.  Page-locked memory: the message's size on each side (pooled).
 """
 
 from __future__ import annotations
@@ -68,7 +68,8 @@ _OPEN_MAX = 64         # idle opened peer allocations kept (LRU; an opened one s
                        # told apart by the allocation id)
 _U8 = np.dtype(np.uint8)
 _FIRED = object()       # an empty message's "sender event": nothing to wait for
-_WINDOW = 4            # staged chunks of one send that hold a page-locked buffer at a time
+_EVENTS = 64           # events a staged send records at most (one per chunk, or per group)
+_WINDOW = 4            # chunks of a staged receive waiting for its stream at a time
 
 
 class _Events:
@@ -442,82 +443,67 @@ class StagedEndpoint:
 
 
 class _StagedSend:
-    """A device message to a staged peer, chunk by chunk: a chunk's device-to-host copy is
-    queued on the call's stream into a page-locked buffer of its own, its host send posted
-    once the copy's event has fired; at most ``_WINDOW`` chunks hold a buffer at a time (a
-    chunk's buffer and event go back to the pools when its host send completes, and only
-    then is the copy ``_WINDOW`` chunks on queued), so a message of any size stages
-    through ``_WINDOW`` chunks of memory and as many events."""
+    """A device message to a staged peer: every chunk's device-to-host copy is queued on
+    the call's stream at the call (so it reads what the stream holds then, and nothing
+    the caller queues there afterwards delays it; the stream is not used after the call)
+    into one page-locked buffer of the message's size, with an event after every
+    ``step`` chunks — at most ``_EVENTS`` per message, however many chunks — and the
+    chunks are handed to the host endpoint, in order, as their events fire."""
 
-    __slots__ = ("ep", "spans", "bufs", "evs", "msgs", "lane", "tag", "sig", "peer", "done",
-                 "src", "stream", "copied", "freed", "__weakref__")
+    __slots__ = ("ep", "spans", "host", "cls", "evs", "ends", "ready", "msgs", "lane", "tag",
+                 "sig", "peer", "done", "src", "__weakref__")
 
     def __init__(self, ep: StagedEndpoint, src, lane, tag, sig, stream):
         self.ep, self.lane, self.tag, self.sig, self.peer = ep, lane, tag, sig, ep.peer
-        self.spans = ep._spans(src.nbytes)
-        self.src, self.stream = src, stream    # src kept alive until the copies have run
-        k = len(self.spans)
-        self.bufs: list = [None] * k           # chunk i's (pinned buffer, size class)
-        self.evs: list = [None] * k            # the event after chunk i's copy
-        self.msgs: list = []                   # the host sends posted, chunk order
-        self.copied = self.freed = 0           # chunks copied / whose buffer went back
+        be = ep.be
+        n = src.nbytes
+        self.spans = spans = ep._spans(n)
+        self.host, self.cls = ep.pool.get_host(n)
+        step = -(-len(spans) // _EVENTS)
+        self.evs: list = []                 # event g fires once chunks [0, ends[g]) are copied
+        self.ends: list[int] = []
+        self.src = src                      # kept alive until the copies have run
+        for i, (a, b) in enumerate(spans):
+            if b > a:
+                be.to_host(self.host[a:b], src[a:b], stream)
+            if (i + 1) % step == 0 or i == len(spans) - 1:
+                ev = ep.events.get()
+                be.record(ev, stream)
+                self.evs.append(ev)
+                self.ends.append(i + 1)
+        self.ready = 0                      # events seen fired
+        self.msgs: list = []
         self.done = False
-        self._copy()
         ep.outq[lane].append(self)
         ep.pump(lane)
-
-    def _copy(self) -> None:
-        """Queue the next chunks' copies, while fewer than ``_WINDOW`` hold a buffer."""
-        ep = self.ep
-        be, spans = ep.be, self.spans
-        while self.copied < len(spans):
-            if self.copied - self._free() >= _WINDOW:
-                return
-            i = self.copied
-            a, b = spans[i]
-            buf, c = ep.pool.get_host(b - a)
-            if b > a:
-                be.to_host(buf[:b - a], self.src[a:b], self.stream)
-            ev = ep.events.get()
-            be.record(ev, self.stream)
-            self.bufs[i], self.evs[i] = (buf, c), ev
-            self.copied += 1
-
-    def _free(self) -> int:
-        """Give back the buffers and events of the chunks whose host send completed (in
-        order); the count of chunks given back."""
-        ep, msgs = self.ep, self.msgs
-        while self.freed < len(msgs) and msgs[self.freed].test():
-            i = self.freed
-            buf, c = self.bufs[i]
-            ep.pool.put_host(buf, c)
-            ep.events.put(self.evs[i])
-            self.bufs[i] = self.evs[i] = None
-            self.freed += 1
-        return self.freed
 
     def all_posted(self) -> bool:
         return len(self.msgs) == len(self.spans)
 
     def post_ready(self) -> None:
         ep = self.ep
-        while True:
-            self._copy()
+        while len(self.msgs) < len(self.spans):
             i = len(self.msgs)
-            if i >= self.copied or not ep.be.query(self.evs[i]):
-                return
+            if i >= (self.ends[self.ready - 1] if self.ready else 0):
+                if self.ready == len(self.evs) or not ep.be.query(self.evs[self.ready]):
+                    return
+                self.ready += 1
+                continue
             a, b = self.spans[i]
-            self.msgs.append(ep.host_ep.send(self.bufs[i][0][:b - a], self.lane, self.tag,
-                                             self.sig))
+            self.msgs.append(ep.host_ep.send(self.host[a:b], self.lane, self.tag, self.sig))
 
     def test(self) -> bool:
         if self.done:
             return True
+        ep = self.ep
         if len(self.msgs) < len(self.spans):
-            self.ep.pump(self.lane)        # (posts in call order: behind earlier sends)
-        if len(self.msgs) < len(self.spans) or self._free() < len(self.spans):
+            ep.pump(self.lane)             # (posts in call order: behind earlier sends)
+        if len(self.msgs) < len(self.spans) or not all(m.test() for m in self.msgs):
             return False
-        self.done, self.msgs, self.src = True, None, None
+        for ev in self.evs:
+            ep.events.put(ev)
+        ep.pool.put_host(self.host, self.cls)
+        self.done, self.host, self.msgs, self.src = True, None, None, None
         return True
 
 
@@ -572,35 +558,29 @@ class HostInOrder:
 
 class _StagedRecv:
     """A staged device message's receiving end: every chunk's host receive is posted at
-    once (message order on the lane), each landing in a page-locked buffer taken when its
-    first bytes arrive; an arrived chunk is copied host-to-device into device scratch of
-    its own and consumed there (``sink``) on the stream, and its buffers and event go back
-    to the pools once the event after that has fired.  So memory is held by the chunks
-    between arrival and consumption — the sender's window (``_WINDOW``) of them while the
-    stream keeps up — not by the whole message."""
+    once (message order on the lane) into one page-locked buffer of the message's size
+    (taken at the call: the host transport may deliver any time); an arrived chunk is
+    copied host-to-device into device scratch of its own and consumed there (``sink``) on
+    the stream — at most ``_WINDOW`` chunks waiting for the stream at a time, each one's
+    scratch and event given back once the event after it has fired, so device scratch
+    and events stay bounded whatever the message's size."""
 
-    __slots__ = ("ep", "spans", "bufs", "devs", "msgs", "evs", "sink", "stream", "peer",
-                 "done", "freed")
+    __slots__ = ("ep", "spans", "host", "hcls", "devs", "msgs", "evs", "sink", "stream",
+                 "peer", "done", "freed")
 
     def __init__(self, ep: StagedEndpoint, nbytes, sink, lane, tag, sig, stream):
         self.ep, self.sink, self.stream, self.peer = ep, sink, stream, ep.peer
         self.spans = ep._spans(nbytes)
-        k = len(self.spans)
-        bufs: list = [None] * k      # chunk i's (pinned buffer, size class), once it arrives
-        self.bufs = bufs
-        self.devs: list = [None] * k     # chunk i's (device scratch, size class)
-        pool = ep.pool
+        self.host, self.hcls = ep.pool.get_host(nbytes)
+        host = self.host
+        self.devs: list = [None] * len(self.spans)   # chunk i's (device scratch, class)
 
-        def into(i: int, n: int):
+        def into(a):
             def sink_(off: int, chunk: np.ndarray) -> None:
-                got = bufs[i]
-                if got is None:
-                    got = bufs[i] = pool.get_host(n)
-                got[0][off:off + chunk.nbytes] = chunk
+                host[a + off:a + off + chunk.nbytes] = chunk
             return sink_
 
-        self.msgs = [ep.host_ep.recv(b - a, into(i, b - a), lane, tag, sig)
-                     for i, (a, b) in enumerate(self.spans)]
+        self.msgs = [ep.host_ep.recv(b - a, into(a), lane, tag, sig) for a, b in self.spans]
         self.evs: list = []
         self.freed = 0
         self.done = False
@@ -609,35 +589,31 @@ class _StagedRecv:
         if self.done:
             return True
         ep, be = self.ep, self.ep.be
-        spans, pool = self.spans, ep.pool
-        evs = self.evs
+        spans, pool, evs = self.spans, ep.pool, self.evs
         while True:
             while self.freed < len(evs) and be.query(evs[self.freed]):
                 i = self.freed
-                if self.bufs[i] is not None:
-                    pool.put_host(*self.bufs[i])
                 if self.devs[i] is not None:
                     pool.put_dev(*self.devs[i])
                 ep.events.put(evs[i])
-                self.bufs[i] = self.devs[i] = evs[i] = None
+                self.devs[i] = evs[i] = None
                 self.freed += 1
             i = len(evs)
-            # the next chunk is taken in (its host receive advanced, which lets the
-            # sender's window move on) only while fewer than _WINDOW wait for the stream
             if i == len(spans) or i - self.freed >= _WINDOW or not self.msgs[i].test():
                 break
             a, b = spans[i]
             if b > a:
                 d, c = pool.get_dev(b - a, self.stream)
                 self.devs[i] = (d, c)
-                be.from_host(d[:b - a], self.bufs[i][0][:b - a], self.stream)
+                be.from_host(d[:b - a], self.host[a:b], self.stream)
                 self.sink(a, d[:b - a])
             ev = ep.events.get()
             be.record(ev, self.stream)
             evs.append(ev)
         if self.freed < len(spans):
             return False
-        self.done, self.sink, self.msgs = True, None, None
+        pool.put_host(self.host, self.hcls)
+        self.done, self.host, self.sink, self.msgs = True, None, None, None
         return True
 
 
