@@ -215,6 +215,7 @@ def test_refused_heartbeats_are_logged_per_source_and_a_flood_is_summed_up(caplo
 
     monkeypatch.setattr(hb, "_LOG_EVERY_S", 0.3, raising=False)
     monkeypatch.setattr(hb, "_attach", lambda sock, prog: False)
+    monkeypatch.setattr(hb, "_unfiltered_told", False)
     secret = os.urandom(32)
     a = Heartbeat("127.0.0.1")
     peer = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)    # rank 1's heartbeat socket
@@ -269,9 +270,44 @@ def test_refused_heartbeats_are_logged_per_source_and_a_flood_is_summed_up(caplo
         assert any("from 127.0.0.4:" in m for m in msgs), msgs
         assert 4 <= len(msgs) <= 13, msgs
         assert any("more dropped since the last warning" in m for m in msgs), msgs
+        assert any("no socket filter could be attached" in r.getMessage()
+                   for r in caplog.records), msgs
     finally:
         a.close()
         peer.close()
+
+
+def test_the_heartbeat_filter_falls_back_to_addresses_then_to_the_thread(monkeypatch):
+    """The kernel charges a filter against net.core.optmem_max (20 KiB before Linux 6.9:
+    ~100 peers by address and port): a per-pair program it refuses (or one too long)
+    gives way to one by address alone, and that to none (the thread refuses instead);
+    the address-only program counts its instructions right (3000 addresses: refused as
+    too long, not built at 6002 instructions for the kernel to refuse)."""
+    from gpurt.transports import heartbeat as hb
+
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(4)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        many = {(f"10.0.{k // 200}.{k % 200}", 5000 + k) for k in range(1000)}  # 5001 insns
+        assert hb._filter(socks[0], many) == "address"
+        assert hb._bpf({(f"10.{k >> 8}.{k & 255}.1", 1) for k in range(3000)}, True) is None
+        real, calls = hb._attach, []
+
+        def refuse_first(sock, prog):       # as ENOMEM for the per-pair program
+            calls.append(len(prog) // 8)
+            return len(calls) > 1 and real(sock, prog)
+
+        monkeypatch.setattr(hb, "_attach", refuse_first)
+        assert hb._filter(socks[1], {("127.0.0.1", 9), ("127.0.0.2", 9)}) == "address"
+        assert calls == [11, 6], calls
+        monkeypatch.setattr(hb, "_attach", lambda sock, prog: False)
+        assert hb._filter(socks[2], {("127.0.0.1", 9)}) == ""
+        monkeypatch.setattr(hb, "_attach", real)
+        assert hb._filter(socks[3], {("127.0.0.1", 9)}) == "address and port"
+    finally:
+        for s in socks:
+            s.close()
 
 
 def test_a_strangers_heartbeat_datagrams_are_dropped_by_the_kernel_and_logged(caplog,

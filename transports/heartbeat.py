@@ -95,31 +95,46 @@ def _pids(comm, peers) -> dict[int, int] | None:
 _SO_ATTACH_FILTER = 26     # (linux/filter.h; classic BPF on a socket: no privilege needed)
 _SKF_NET_OFF = -0x100000   # BPF_ABS loads from the IP header, not the UDP one
 _BPF_MAX = 4096            # instructions a classic filter may have
+_unfiltered_told = False   # the warning that no filter attached: once per process
 
 
-def _bpf(known: set[tuple[str, int]]) -> bytes | None:
+def _bpf(known: set[tuple[str, int]], by_address: bool = False) -> bytes | None:
     """A classic BPF socket filter that keeps only datagrams whose source is one of
     ``known`` (address, port): the kernel drops a stranger's before they take room in the
     socket's buffer, whatever this process is doing.  Per pair: load the source address,
     compare, load the source port, compare, accept; none matched: drop.  By address alone
-    where the pairs would not fit; None where the addresses alone would not."""
+    (``by_address``, or where the pairs would not fit); None where the addresses alone
+    would not."""
     ld_w, ld_h, jeq, ret = 0x20, 0x28, 0x15, 0x06     # BPF_LD|W|ABS, LD|H|ABS, JMP|JEQ|K, RET|K
     src_ip = (_SKF_NET_OFF + 12) & 0xFFFFFFFF
     ins: list[tuple[int, int, int, int]] = []
     pairs = sorted((int.from_bytes(socket.inet_aton(h), "big"), p) for h, p in known)
-    if 5 * len(pairs) + 1 <= _BPF_MAX:
+    if not by_address and 5 * len(pairs) + 1 <= _BPF_MAX:
         for ip, port in pairs:
             ins += [(ld_w, 0, 0, src_ip), (jeq, 0, 3, ip), (ld_h, 0, 0, 0), (jeq, 0, 1, port),
                     (ret, 0, 0, 0xFFFFFFFF)]
     else:
         ips = sorted({ip for ip, _ in pairs})
-        if len(ips) + 2 > _BPF_MAX:
+        if 2 * len(ips) + 2 > _BPF_MAX:
             return None
         ins.append((ld_w, 0, 0, src_ip))
         for ip in ips:
             ins += [(jeq, 0, 1, ip), (ret, 0, 0, 0xFFFFFFFF)]
     ins.append((ret, 0, 0, 0))
-    return b"".join(struct.pack("<HBBI", *i) for i in ins)
+    return b"".join(struct.pack("=HBBI", *i) for i in ins)     # (struct sock_filter)
+
+
+def _filter(sock: socket.socket, known: set[tuple[str, int]]) -> str:
+    """Attach the tightest filter the kernel takes (its memory counts against
+    ``net.core.optmem_max``: 20 KiB on kernels before 6.9, a per-pair filter of ~100
+    peers): by address and port, else by address; "" where none attached."""
+    for by_address in (False, True):
+        prog = _bpf(known, by_address)
+        if prog is not None and _attach(sock, prog):
+            # (a per-pair program is 5 instructions a pair: the others are by address)
+            return "address" if by_address or len(prog) // 8 != 5 * len(known) + 1 else \
+                "address and port"
+    return ""
 
 
 def _attach(sock: socket.socket, prog: bytes) -> bool:
@@ -204,8 +219,17 @@ class Heartbeat:
         self._own = self.sock.getsockname()
         # and in the kernel: a stranger's datagrams never reach the socket's buffer (its
         # own address too: close()'s wake-up call)
-        prog = _bpf(self._known | {self._own})
-        self.filtered = prog is not None and _attach(self.sock, prog)
+        how = _filter(self.sock, self._known | {self._own})
+        self.filtered = bool(how)
+        if not how:
+            global _unfiltered_told
+            if not _unfiltered_told:
+                _unfiltered_told = True
+                log.warning("tcp: rank %d: no socket filter could be attached to the "
+                            "heartbeat socket (%d peers; net.core.optmem_max too small?): "
+                            "strangers' datagrams are refused by the thread instead, which "
+                            "a flood can outrun while this process computes", me,
+                            len(self._known))
         self._kdrops = _kernel_drops(self.sock) or 0
         self.ids = {q: (peers[q][0], pids[q]) for q in peers} if pids else {}
         self.interval = float(interval)
