@@ -427,7 +427,7 @@ class BoardRun:
                 end = time.monotonic() + SITE_WAIT
                 while not q[h + _SITE] and time.monotonic() < end:
                     time.sleep(0.0002)
-                _fence()       # (the site's text was stored before its id)
+            _fence()           # (the site's text was stored before its id)
         theirs = bd.site_text(k, q[h + _SITE])
         theirs_at = at(theirs) if any(theirs) else ""
         if q[h] != self.seq:
@@ -445,8 +445,9 @@ class BoardRun:
 
 def _site_word(sid: int) -> int:
     """A header's call-site word: the id, or ``SITES`` for a site past the table (no text,
-    but not 0: 0 says the call's site is not published yet)."""
-    return sid if 0 < sid < SITES else SITES
+    but not 0: 0 says the call's site is not published yet — as for a call that has no
+    id, ``sid`` 0: a peer that finds a mismatch then waits for ``_show_site``)."""
+    return sid if 0 < sid < SITES else (SITES if sid else 0)
 
 
 def _show_site(board: Board, b: int, sid: int) -> None:
