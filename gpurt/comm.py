@@ -2663,17 +2663,16 @@ class Communicator:
             # (its descriptors and mappings go when it exits)
             return
         if self.flight is not None:
-            last = self.flight.events[-1] if self.flight.events else None
-            if last is not None and last[flight.STATE] == "running":
+            calls = [e for e in self.flight._all() if e[flight.STATE] == "running"]
+            last = calls[-1] if calls else None
+            if last is not None:
                 # a call in flight (another thread's, or a request not waited for): its
                 # peers are told at once, or by the thread advancing it once that has
                 # stopped writing (in _on_poison, as an abort's: after the poison, before
                 # the requests' errors, deferred to the thread advancing it if any).  The
                 # latest collective still running is named (a peer waits in it more likely
                 # than in a send/recv, whose record holds a tag, not a call number)
-                coll = next((e for e in reversed(self.flight.events)
-                             if e[flight.STATE] == "running" and e[flight.KIND] != "p2p"),
-                            None)
+                coll = next((e for e in reversed(calls) if e[flight.KIND] != "p2p"), None)
                 what = f"{coll[flight.KIND]} (call #{coll[flight.SEQ]})" if coll is not None \
                     else f"a {last[flight.ALGO]}"      # ("isend tag 7")
                 self._close_text = f"rank {self.rank} closed the communicator during {what}"

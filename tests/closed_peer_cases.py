@@ -9,7 +9,7 @@ sent.  ``mpiexec -n 3 python tests/closed_peer_cases.py MODE``; each rank prints
   NumPy or of shared arrays (shm_direct) (GPURT_TIMEOUT=60): ``PeerFailure`` naming rank 2
   and the close.
 - ``close pending``: rank 2 posts an iallreduce of 8 MiB and an isend to rank 0 (tag 7),
-  closes without waiting for them; ranks 0 and 1 then call that allreduce: ``PeerFailure``
+  sends rank 1 a small message (complete at once), closes without waiting for the two; ranks 0 and 1 then call that allreduce: ``PeerFailure``
   naming rank 2's close during the allreduce (call #2).
 - ``close send``: rank 2 aborts (fails); then ranks 0 and 1 send it 40 bytes / 4 MiB
   (shm): ``PeerFailure`` naming rank 2 (the small one used to complete into the ring,
@@ -57,7 +57,8 @@ def main() -> int:
                 elif call == "pending":   # two requests not waited for, then close()
                     keep = (comm.iallreduce(np.full(1 << 20, 3.0)),  # noqa: F841
                             comm.isend(np.ones(1 << 20), 0, tag=7))
-                    comm.close()
+                    comm.send(np.ones(4), 1, tag=8)     # small: done at once, the newest
+                    comm.close()                        # record (it hid the others)
                 else:
                     comm.close()
                 time.sleep(6)
