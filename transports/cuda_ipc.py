@@ -311,7 +311,7 @@ class _IpcRecv:
 
     def _check(self):
         """The descriptor, checked against this receive: the sender's event (None for an
-        empty message), its allocation opened."""
+        empty message); where its allocation lies is kept for ``_post``."""
         ep = self.ep
         magic, nbytes, off, seq, _dev, aid, mem, evh = _DESC.unpack(self.raw.tobytes())
         if magic != _MAGIC or seq != self.seq:

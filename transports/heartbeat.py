@@ -98,18 +98,20 @@ _BPF_MAX = 4096            # instructions a classic filter may have
 _unfiltered_told = False   # the warning that no filter attached: once per process
 
 
-def _bpf(known: set[tuple[str, int]], by_address: bool = False) -> bytes | None:
+def _bpf(known: set[tuple[str, int]], by_address: bool = False) -> tuple[bytes, str] | None:
     """A classic BPF socket filter that keeps only datagrams whose source is one of
     ``known`` (address, port): the kernel drops a stranger's before they take room in the
     socket's buffer, whatever this process is doing.  Per pair: load the source address,
     compare, load the source port, compare, accept; none matched: drop.  By address alone
     (``by_address``, or where the pairs would not fit); None where the addresses alone
-    would not."""
+    would not.  (The program, and what it matches: "address and port" or "address".)"""
     ld_w, ld_h, jeq, ret = 0x20, 0x28, 0x15, 0x06     # BPF_LD|W|ABS, LD|H|ABS, JMP|JEQ|K, RET|K
     src_ip = (_SKF_NET_OFF + 12) & 0xFFFFFFFF
     ins: list[tuple[int, int, int, int]] = []
     pairs = sorted((int.from_bytes(socket.inet_aton(h), "big"), p) for h, p in known)
-    if not by_address and 5 * len(pairs) + 1 <= _BPF_MAX:
+    how = "address and port" if not by_address and 5 * len(pairs) + 1 <= _BPF_MAX else \
+        "address"
+    if how != "address":
         for ip, port in pairs:
             ins += [(ld_w, 0, 0, src_ip), (jeq, 0, 3, ip), (ld_h, 0, 0, 0), (jeq, 0, 1, port),
                     (ret, 0, 0, 0xFFFFFFFF)]
@@ -121,7 +123,7 @@ def _bpf(known: set[tuple[str, int]], by_address: bool = False) -> bytes | None:
         for ip in ips:
             ins += [(jeq, 0, 1, ip), (ret, 0, 0, 0xFFFFFFFF)]
     ins.append((ret, 0, 0, 0))
-    return b"".join(struct.pack("=HBBI", *i) for i in ins)     # (struct sock_filter)
+    return b"".join(struct.pack("=HBBI", *i) for i in ins), how     # (struct sock_filter)
 
 
 def _filter(sock: socket.socket, known: set[tuple[str, int]]) -> str:
@@ -129,11 +131,9 @@ def _filter(sock: socket.socket, known: set[tuple[str, int]]) -> str:
     ``net.core.optmem_max``: 20 KiB on kernels before 6.9, a per-pair filter of ~100
     peers): by address and port, else by address; "" where none attached."""
     for by_address in (False, True):
-        prog = _bpf(known, by_address)
-        if prog is not None and _attach(sock, prog):
-            # (a per-pair program is 5 instructions a pair: the others are by address)
-            return "address" if by_address or len(prog) // 8 != 5 * len(known) + 1 else \
-                "address and port"
+        got = _bpf(known, by_address)
+        if got is not None and _attach(sock, got[0]):
+            return got[1]
     return ""
 
 
@@ -216,7 +216,6 @@ class Heartbeat:
         # refused before any parsing or MAC (a flood of them is drained fast enough that
         # the peers' pings still find room in the socket's buffer)
         self._known = {_addr(a) for a in peers.values()}
-        self._own = self.sock.getsockname()
         # and in the kernel: a stranger's datagrams never reach the socket's buffer (its
         # own address too: close()'s wake-up call)
         how = _filter(self.sock, self._known | {self._own})

@@ -337,10 +337,7 @@ class BoardRun:
             q[h + 5] = meta[2]
             q[h + 6] = meta[3]
             q[h + 7] = meta[4]
-            sid = self.site
-            if sid not in bd.published:
-                bd.publish_site(sid)
-            q[h + _SITE] = _site_word(sid)
+            _show_site(bd, self.b, self.site)
             for i, w in enumerate(self.extra):
                 q[h + _EXTRA + i] = w
             q[bd.ctrl[self.r]] = self.seq        # publish (x86 TSO: data is visible first)
@@ -451,8 +448,8 @@ def _site_word(sid: int) -> int:
 
 
 def _show_site(board: Board, b: int, sid: int) -> None:
-    """Put call site ``sid`` into this rank's header of its call in buffer ``b`` (the
-    inline round left it 0), its text first."""
+    """Put call site ``sid`` into this rank's header of its call in buffer ``b`` (as it
+    publishes the call; or later, where the inline round left it 0), its text first."""
     if sid not in board.published:
         board.publish_site(sid)
     _fence()
