@@ -633,13 +633,18 @@ class CudaBackend:
         if nbytes == 0:
             return np.empty(0, _U8)
         prev = self._enter()
+        cuda = self._cp.cuda
         try:
-            mem = self._cp.cuda.alloc_pinned_memory(nbytes)
+            # cudaHostAlloc of its own, not CuPy's pinned pool (alloc_pinned_memory), which
+            # keeps every block it ever handed out: gpurt's pool releases what stays idle
+            mem = cuda.PinnedMemoryPointer(
+                cuda.PinnedMemory(nbytes, getattr(cuda.runtime, "hostAllocPortable", 1)), 0)
         except Exception as e:  # noqa: BLE001
             _reraise(f"cudaHostAlloc({nbytes})", e)
         finally:
             self._leave(prev)
-        # the array's base holds the PinnedMemoryPointer: freed when the array goes
+        # the array's base holds the PinnedMemoryPointer (and it the PinnedMemory): the
+        # memory is freed (cudaFreeHost) when the last view of the array goes
         return np.frombuffer(mem, _U8, nbytes)
 
     # -- streams and events --------------------------------------------------------------------

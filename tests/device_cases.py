@@ -233,6 +233,50 @@ def case_staging(comm) -> None:
     comm.barrier()
 
 
+def case_pool_release(comm) -> None:
+    """Staging's pool gives back what stays idle (run with GPURT_DEVICE_STAGE_KEEP=0.5):
+    a burst of concurrent staged messages leaves its page-locked buffers pooled for
+    reuse; once they have been idle longer than the limit, the next staged message
+    releases them, and the pool holds only what that message used.  Before, the pool
+    kept the burst's peak for the communicator's life (40 messages of 1 MiB in flight:
+    208 MiB pinned per rank)."""
+    r, p = comm.rank, comm.size
+    if p < 2:
+        return
+    import time
+    peer, src = (r + 1) % p, (r - 1) % p
+    ep = comm.dev_endpoints[peer]
+    if not ep.transport.endswith("+staged"):
+        return
+    pool = ep.pool
+    assert pool.keep == 0.5, pool.keep
+    k, m = 12, 1 << 18                  # 12 messages of 1 MiB each way, all in flight
+    xs = [si.asarray(np.full(m, r * 100 + i, np.float32)) for i in range(k)]
+    outs = [si.zeros(m, np.float32) for _ in range(k)]
+    reqs = [comm.irecv(outs[i], src, tag=i) for i in range(k)] + \
+        [comm.isend(xs[i], peer, tag=i) for i in range(k)]
+    for q in reqs:
+        q.wait(timeout=120)
+    for i in range(k):
+        assert (outs[i].get() == src * 100 + i).all(), i
+    burst = pool.idle_bytes()
+    assert burst >= 2 * k * (m * 4), burst      # every message's buffer, pooled for reuse
+    before = pool.released
+    comm.barrier()
+    time.sleep(0.7)
+    small = si.asarray(np.full(1024, r, np.float32))
+    got = si.zeros(1024, np.float32)
+    q = comm.irecv(got, src, tag=99)
+    comm.send(small, peer, tag=99, timeout=60)
+    q.wait(timeout=60)
+    assert (got.get() == src).all()
+    left = pool.idle_bytes()
+    # the small message's own buffers only (a page-locked one each way, and its scratch)
+    assert left <= 3 * pool._cls(4096), (left, burst)
+    assert pool.released - before >= burst - left, (pool.released, before, burst, left)
+    comm.barrier()
+
+
 def case_burst(comm) -> None:
     """More messages from distinct allocations in flight than the receiver keeps peer
     allocations open (64): once they are read the cache is back at its bound (it grew to

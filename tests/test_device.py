@@ -67,6 +67,17 @@ def test_a_large_staged_message_has_bounded_events_and_scratch_standin():
     assert "ok on 2 ranks" in out, out
 
 
+def test_staging_pool_releases_idle_buffers_standin():
+    """A burst of staged messages (3 ranks over tcp: every pair staged) leaves its
+    pinned buffers pooled; after GPURT_DEVICE_STAGE_KEEP seconds idle the next staged
+    message releases them (see case_pool_release)."""
+    env = {**STANDIN, "GPURT_TRANSPORTS": "tcp", "GPURT_DEVICE_STAGE_KEEP": "0.5",
+           "GPURT_DEVICE_STAGE": "256K"}
+    out = run_mpi(3, ["tests/device_cases.py", "endpoints=tcp+staged", "pool_release"],
+                  env=env).stdout
+    assert "ok on 3 ranks" in out, out
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 5])
 def test_device_cases_standin(n):
     """Streams (the array's, stream=, the current one), a buffer overwritten right after

@@ -40,12 +40,15 @@ handed to the host transport as soon as its event fires (one per chunk, or per g
 chunks: at most ``_EVENTS`` per message), while later chunks are still being copied; the
 receiver copies each arriving chunk host→device into device scratch of its own and
 consumes it (copy or reduce) on its stream, at most ``_WINDOW`` chunks waiting for the
-stream at a time.  Page-locked memory: the message's size on each side (pooled).
+stream at a time.  Page-locked memory: the message's size on each side (pooled; released
+after ``GPURT_DEVICE_STAGE_KEEP`` seconds idle).
 """
 
 from __future__ import annotations
 
+import math
 import struct
+import time
 from collections import OrderedDict, deque
 
 import numpy as np
@@ -372,30 +375,76 @@ class _IpcRecv:
 
 # -- staging through pinned host memory --------------------------------------------------
 class _Pinned:
-    """Page-locked host buffers and device scratch, reused by size class."""
+    """Page-locked host buffers and device scratch, reused by power-of-two size class.
 
-    def __init__(self, be):
-        self.be, self.host, self.dev = be, {}, {}
+    A buffer given back waits for reuse; one left idle for ``GPURT_DEVICE_STAGE_KEEP``
+    seconds is released (page-locked memory is taken from what the host can page, and a
+    burst of large or concurrent messages would otherwise hold its peak for the process's
+    life).  Releasing happens when the pool is next used (``get``/``put``): a loop that
+    stages every few seconds keeps its buffers, a burst's surplus goes with the next
+    message after it.  Scratch returns to the array library's pool (CuPy's or the
+    stand-in's), which hands it out again to the application."""
+
+    def __init__(self, be, keep: float | None = None):
+        self.be = be
+        # size class -> [(time given back, buffer)], oldest first (reuse takes the newest)
+        self.host: dict[int, list] = {}
+        self.dev: dict[int, list] = {}
+        self.keep = float(config.get("GPURT_DEVICE_STAGE_KEEP")) if keep is None else keep
+        self.trim_at = math.inf        # when the oldest idle buffer's time is up
+        self.released = 0              # bytes released so far (gpurt info, tests)
 
     @staticmethod
     def _cls(n: int) -> int:
         return 1 << max(12, (max(n, 1) - 1).bit_length())
 
-    def get_host(self, n: int):
+    def idle_bytes(self) -> int:
+        """Bytes of page-locked host memory idle in the pool (and of device scratch)."""
+        return sum(c * len(v) for c, v in self.host.items()) + \
+            sum(c * len(v) for c, v in self.dev.items())
+
+    def _trim(self, now: float) -> None:
+        if now < self.trim_at:
+            return
+        cut, nxt = now - self.keep, math.inf
+        for pool in (self.host, self.dev):
+            for c, lst in list(pool.items()):
+                k = 0
+                while k < len(lst) and lst[k][0] <= cut:
+                    k += 1
+                if k:
+                    del lst[:k]              # (freed when the last reference goes)
+                    self.released += c * k
+                if lst:
+                    nxt = min(nxt, lst[0][0] + self.keep)
+                else:
+                    del pool[c]
+        self.trim_at = nxt
+
+    def _get(self, pool: dict, n: int, make):
         c = self._cls(n)
-        lst = self.host.get(c)
-        return (lst.pop() if lst else self.be.pinned(c)), c
+        lst = pool.get(c)
+        buf = lst.pop()[1] if lst else make(c)
+        self._trim(time.monotonic())
+        return buf, c
+
+    def _put(self, pool: dict, buf, c: int) -> None:
+        now = time.monotonic()
+        pool.setdefault(c, []).append((now, buf))
+        self.trim_at = min(self.trim_at, now + self.keep)
+        self._trim(now)
+
+    def get_host(self, n: int):
+        return self._get(self.host, n, self.be.pinned)
 
     def put_host(self, buf, c: int) -> None:
-        self.host.setdefault(c, []).append(buf)
+        self._put(self.host, buf, c)
 
     def get_dev(self, n: int, stream=None):
-        c = self._cls(n)
-        lst = self.dev.get(c)
-        return (lst.pop() if lst else self.be.alloc(c, stream)), c
+        return self._get(self.dev, n, lambda c: self.be.alloc(c, stream))
 
     def put_dev(self, buf, c: int) -> None:
-        self.dev.setdefault(c, []).append(buf)
+        self._put(self.dev, buf, c)
 
 
 class StagedEndpoint:

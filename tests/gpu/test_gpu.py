@@ -189,6 +189,25 @@ def test_copies_staging_and_events(be, cp):
         be.copy(d1[:10], d2[:11], 0)
 
 
+def test_pinned_buffers_are_page_locked_and_freed(be, cp):
+    """Staging's page-locked buffers are cudaHostAlloc'd outside CuPy's pinned pool, so
+    that dropping one (the staging pool releases idle buffers) frees it: CuPy's pool
+    would keep it for ever."""
+    pool = cp.get_default_pinned_memory_pool()
+    free0 = pool.n_free_blocks()
+    h = be.pinned(3 << 20)
+    attrs = cp.cuda.runtime.pointerGetAttributes(h.ctypes.data)
+    assert attrs.type == 1, attrs.type                  # cudaMemoryTypeHost: page-locked
+    d = be.alloc(3 << 20)
+    h[...] = 7
+    s = cp.cuda.Stream(non_blocking=True)
+    be.from_host(d, h, s.ptr)
+    be.synchronize(s.ptr)
+    del h
+    assert pool.n_free_blocks() == free0                # not parked in CuPy's pool
+    assert (_from_device(d, np.uint8) == 7).all()
+
+
 def test_views_ranges_and_devices(be, cp):
     a = cp.arange(1 << 20, dtype=cp.float32)
     p = a.data.ptr + 4096
