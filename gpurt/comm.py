@@ -167,7 +167,8 @@ class Communicator:
     _ctl_depth = 0
     _free_later = False
 
-    def __init__(self, mpi_comm: Any = None, *, _owned: bool = False):
+    def __init__(self, mpi_comm: Any = None, *, _owned: bool = False,
+                 _check: Callable[[], None] | None = None):
         MPI = _mpi_ready()
         if mpi_comm is None:
             mpi_comm = MPI.COMM_WORLD
@@ -196,7 +197,7 @@ class Communicator:
         self._fold_views: dict = {}               # (offset, bytes, dtype) -> rows' blocks
         self._devretired: list = []     # outgrown device scratch, until its event fires
         if not _owned:      # (split's new communicator: split waited so already)
-            _gather_progressing(mpi_comm)
+            _gather_progressing(mpi_comm, _check)
         self.mpi, self.node_comm = _mpi_comms(mpi_comm, _owned)
         # (MPI's handles of a communicator collected without close() are freed at the
         # next creation or close() here: see _MPI_GARBAGE)
@@ -2545,7 +2546,7 @@ class Communicator:
 
         def make():
             # (one rank's bad argument would leave the others in MPI_Comm_split for ever)
-            _gather_progressing(self.mpi)
+            _gather_progressing(self.mpi, lambda: self._ctl_check("split"))
             whys = self.mpi.allgather(why)
             if any(whys):
                 raise ValueError(f"rank {self.rank}: split: " + "; ".join(
@@ -2560,7 +2561,22 @@ class Communicator:
         """A new communicator over the same ranks, with its own transports.  Collective."""
         self._check_open()
         _mpi_ready(f"rank {self.rank}")
-        return self._control_plane("dup", lambda: Communicator(self.mpi))
+        return self._control_plane("dup", lambda: Communicator(
+            self.mpi, _check=lambda: self._ctl_check("dup")))
+
+    def _ctl_check(self, what: str) -> None:
+        """A split's or dup's liveness check while it waits for every rank to come (the
+        transports' ``check``: a peer gone, stopped past the bound, or that published a
+        failure or a close): ``PeerFailure`` — the exchange would wait for ever — and the
+        communicator poisoned, since its MPI exchange stays posted (later calls raise at
+        once).  Before, a peer already known to be frozen held a split or dup until it
+        woke up: for ever, where it never did."""
+        try:
+            self._check_peers(list(self.endpoints))
+        except GpurtError as e:
+            e.args = (f"rank {self.rank}: {what}: {e.args[0]}",) + e.args[1:]
+            self.engine.poison(e)
+            raise
 
     def _control_plane(self, what: str, make: Callable[[], "Communicator | None"]
                        ) -> "Communicator | None":
@@ -2796,14 +2812,15 @@ def _mpi_make(make: Callable[[], Any], rank: int) -> Any:
             f"communicators open in this process: close() the ones no longer needed") from None
 
 
-def _gather_progressing(mpi_comm: Any) -> None:
+def _gather_progressing(mpi_comm: Any, check: Callable[[], None] | None = None) -> None:
     """Until every rank of ``mpi_comm`` has come to this communicator creation (or split,
     dup), keep this thread's requests on the other communicators moving: the blocking MPI
     exchanges that follow advance nothing of gpurt's, and a peer may still wait on one of
     them before it comes (an isend, then split, against recv, then split: the receiver
     timed out and the sender stayed in MPI_Comm_split for ever).  Once all are here, no
-    rank waits on a gpurt request until the creation is over."""
-    wait_mpi(mpi_comm.Ibarrier())
+    rank waits on a gpurt request until the creation is over.  ``check``: a split's or
+    dup's liveness check of the communicator it is made from (``wait_mpi``)."""
+    wait_mpi(mpi_comm.Ibarrier(), check=check)
 
 
 def _mpi_comms(mpi_comm: Any, owned: bool) -> tuple[Any, Any]:

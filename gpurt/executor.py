@@ -558,16 +558,24 @@ def progress_elsewhere(exclude: "Engine | None" = None) -> bool:
     return moved
 
 
-def wait_mpi(req, spin: float = 0.0) -> None:
+def wait_mpi(req, spin: float = 0.0, check: Callable[[], None] | None = None) -> None:
     """Wait for the MPI request ``req`` (a control-plane exchange) while advancing this
     thread's gpurt requests on every communicator (``progress_elsewhere``): a rank that
     enters ``split`` with an ``isend`` in flight still delivers it to a peer that
     receives it before its own ``split`` (MPI's progress rule; the blocking exchange
     left the receiver waiting until its deadline and the sender in MPI for ever).
     Reads no setting (``spin`` given, not GPURT_SPIN_US): a rank whose settings are not
-    valid must reach the creation's exchange that tells every rank so."""
+    valid must reach the creation's exchange that tells every rank so.  ``check`` (a
+    split's or dup's: the communicator's liveness check, every 20 ms) raises where a
+    peer has failed, so a rank known dead or frozen is an error, not a wait for ever."""
     backoff = None
+    check_at = 0.0
     while not req.Test():
+        if check is not None:
+            now = time.monotonic()
+            if now >= check_at:
+                check()
+                check_at = now + 0.02
         if _LIVE_ENGINES and progress_elsewhere():
             if backoff is not None:
                 backoff.reset()

@@ -13,7 +13,11 @@ record) into the folder given.
                  bound runs from when this process first saw it stopped, not once per
                  communicator.  Rank 0 SIGKILLs rank 2 at the end.
 
-Records: {"rank", "c": outcome, "c_s": seconds, "d": outcome, "d_s": seconds}."""
+In exit and stop, ranks 0 and 1 then split one more dup and dup another: PeerFailure at
+once, not a wait in MPI for ever (or until the stopped rank wakes).
+
+Records: {"rank", "c": outcome, "c_s": seconds, "d": outcome, "d_s": seconds, and in
+exit and stop "split", "split_s", "dup", "dup_s"}."""
 
 import json
 import os
@@ -28,6 +32,7 @@ import gpurt
 mode, outdir = sys.argv[1], sys.argv[2]
 c = gpurt.init()
 d = c.dup()
+e, f = c.dup(), c.dup()     # exit, stop: their split and dup come after the failure
 x = np.ones(16, np.float32)
 c.allreduce(x)
 d.allreduce(x)
@@ -80,8 +85,14 @@ if mode == "stop":
     rec["d"], rec["d_s"] = attempt(lambda: d.allreduce(x, timeout=30))
 elif c.rank == 0:
     rec["d"], rec["d_s"] = attempt(lambda: d.send(np.ones(16, np.float32), 2, timeout=5))
-with open(os.path.join(outdir, f"rank{c.rank}"), "w") as f:
-    json.dump(rec, f)
+if mode in ("exit", "stop"):
+    # a split and a dup wait in MPI for every rank to come: one known to be gone or
+    # stopped is PeerFailure at once (before: the call waited for ever, or until the
+    # stopped rank woke up)
+    rec["split"], rec["split_s"] = attempt(lambda: e.split(0))
+    rec["dup"], rec["dup_s"] = attempt(lambda: f.dup())
+with open(os.path.join(outdir, f"rank{c.rank}"), "w") as out:
+    json.dump(rec, out)
 if mode == "stop" and c.rank == 0:
     deadline = time.monotonic() + 20
     while not os.path.exists(os.path.join(outdir, "rank1")) and time.monotonic() < deadline:

@@ -763,7 +763,9 @@ def test_what_one_communicator_found_holds_on_the_others(mode, transport, tmp_pa
     after a call on the parent had failed naming it; and a stopped peer that held up one
     communicator for the bound fails the next one's call at once, not after the bound
     again (before: 2.2 s per communicator).  (closed: rank 2 only closes the dup — the
-    send to it is as lost.)"""
+    send to it is as lost.)  In exit and stop, a split and a dup of two more dups then raise
+    PeerFailure at once (before: they waited in MPI for ever, or until the stopped rank
+    woke)."""
     if not is_hydra():
         pytest.skip("uses MPICH hydra's -disable-auto-cleanup; this launcher is not hydra")
     proc = subprocess.run([*mpiexec(), "-disable-auto-cleanup", "-n", "3", sys.executable,
@@ -785,6 +787,13 @@ def test_what_one_communicator_found_holds_on_the_others(mode, transport, tmp_pa
             assert rec["d"].startswith("PeerFailure(rank=2)"), recs
             assert rec["d_s"] < 1.5, recs
     assert "d" in recs[0] and ("d" in recs[1]) == (mode == "stop"), recs
+    if mode in ("exit", "stop"):
+        for r in (0, 1):
+            for what in ("split", "dup"):
+                got = recs[r][what]
+                assert got.startswith("PeerFailure(rank=") and "rank 2 " in got, recs
+                assert f"rank {r}: {what}: " in got, recs
+                assert recs[r][what + "_s"] < 1.5, recs
 
 
 def _can_unshare_pid() -> bool:
