@@ -2823,6 +2823,30 @@ def _gather_progressing(mpi_comm: Any, check: Callable[[], None] | None = None) 
     wait_mpi(mpi_comm.Ibarrier(), check=check)
 
 
+@contextlib.contextmanager
+def _errors_return(mpi_comm: Any):
+    """MPI's errors on the program's ``mpi_comm`` returned (raised by mpi4py) for the
+    block — gpurt's ``Dup`` of it — where the program set another handler (restored
+    after): MPI's fatal default aborted the whole job when it ran out of communicators,
+    where gpurt raises ``ResourceError`` (``_mpi_make``)."""
+    MPI = _mpi()
+    old = mpi_comm.Get_errhandler()
+    try:
+        if old == MPI.ERRORS_RETURN:
+            yield
+            return
+        mpi_comm.Set_errhandler(MPI.ERRORS_RETURN)
+        try:
+            yield
+        finally:
+            mpi_comm.Set_errhandler(old)
+    finally:
+        try:
+            old.Free()
+        except Exception:  # noqa: BLE001 - a predefined handle mpi4py will not free
+            pass
+
+
 def _mpi_comms(mpi_comm: Any, owned: bool) -> tuple[Any, Any]:
     """The control plane's duplicate of ``mpi_comm`` (itself if ``owned``: then freed
     here if this fails) and its node communicator (``_mpi_make``)."""
@@ -2830,7 +2854,16 @@ def _mpi_comms(mpi_comm: Any, owned: bool) -> tuple[Any, Any]:
     rank = mpi_comm.Get_rank()
     dup = None
     try:
-        dup = mpi_comm if owned else _mpi_make(mpi_comm.Dup, rank)
+        if owned:
+            dup = mpi_comm
+        else:
+            with _errors_return(mpi_comm):
+                dup = _mpi_make(mpi_comm.Dup, rank)
+        # gpurt's own handles return MPI's errors (mpi4py raises them) whatever handler
+        # the program chose (mpi4py.rc.errors = "default": MPI's ERRORS_ARE_FATAL), so
+        # that running out of communicators is a ResourceError here, not an abort of
+        # the job; their splits inherit it
+        dup.Set_errhandler(MPI.ERRORS_RETURN)
         node = _mpi_make(lambda: dup.Split_type(MPI.COMM_TYPE_SHARED, key=rank), rank)
         return dup, node
     except BaseException:

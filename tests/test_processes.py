@@ -1177,7 +1177,10 @@ def test_mpi_life_cycle(n):
 
 
 DROPPED = """
-import gc, json, os, sys, threading, time, numpy as np, gpurt
+import gc, json, os, sys, threading, time, numpy as np, mpi4py
+mpi4py.rc.errors = os.environ.get("DROPPED_ERRORS", "exception")
+from mpi4py import MPI
+import gpurt
 c = gpurt.init()
 x = np.ones(16, np.float32)
 def count():
@@ -1209,6 +1212,14 @@ if len(sys.argv) > 1:           # MPI's handles too: more dropped than MPI has c
         rec["kept"] = "no error"
     except gpurt.ResourceError as e:
         rec["kept"] = f"ResourceError after {len(kept)}: {e}"
+        try:                    # the program's own communicator wrapped, MPI still full
+            kept.append(gpurt.Communicator(MPI.COMM_WORLD))
+            rec["wrap"] = "no error"
+        except gpurt.ResourceError as e:
+            rec["wrap"] = f"ResourceError: {e}"
+    eh = MPI.COMM_WORLD.Get_errhandler()     # the program's handler, as it set it
+    rec["world_errors"] = "return" if eh == MPI.ERRORS_RETURN else \
+        "fatal" if eh == MPI.ERRORS_ARE_FATAL else "other"
     for k in kept:
         k.close()
     d = c.dup()                 # and all is usable again
@@ -1219,16 +1230,20 @@ c.close()
 """
 
 
-@pytest.mark.parametrize("nodes", [1, 2])
-def test_communicators_dropped_without_close_leave_nothing_behind(nodes):
+@pytest.mark.parametrize("nodes,errors", [(1, "exception"), (1, "default"), (2, "exception")])
+def test_communicators_dropped_without_close_leave_nothing_behind(nodes, errors):
     """A subcommunicator made per step and forgotten, not closed: once collected it holds
     no descriptor, thread or segment (across nodes each one's heartbeat thread and socket
     stayed for the life of the process: 40 dups, 40 threads and 40 descriptors).  On one
     node also 1100 more dropped (dup and split, the cycle collector off), beyond MPI's
     ~1021 communicators (their MPI handles were never freed: MPI ran out); and
     communicators kept open until MPI runs out: a ResourceError that says how many are
-    open and what to do, not mpi4py's raw error."""
+    open and what to do, not mpi4py's raw error — also where the program set
+    ``mpi4py.rc.errors = "default"`` (MPI's fatal handler: MPICH aborted the job inside
+    gpurt's split), and for the program's own communicator wrapped then, whose handler
+    is left as the program set it."""
     env = {"MPIR_CVAR_NUM_CLIQUES": "2"} if nodes == 2 else {}
+    env["DROPPED_ERRORS"] = errors
     # (running MPI out of communicators is sized for MPICH's 2048 context ids: Open MPI
     # has 65532, and 3000 communicators kept open fill the memory first)
     many = nodes == 1 and is_hydra()
@@ -1241,6 +1256,8 @@ def test_communicators_dropped_without_close_leave_nothing_behind(nodes):
             assert rec["kept"].startswith("ResourceError after "), rec
             assert f"rank {r}: MPI could not make a communicator" in rec["kept"], rec
             assert "gpurt communicators open in this process: close()" in rec["kept"], rec
+            assert rec["wrap"].startswith(f"ResourceError: rank {r}: MPI could not make"), rec
+            assert rec["world_errors"] == ("fatal" if errors == "default" else "return"), rec
 
 
 @pytest.mark.parametrize("mode", ["request", "request_close", "request_waiting",
