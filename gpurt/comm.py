@@ -2360,8 +2360,15 @@ class Communicator:
 
     def _tend(self, e: "_TcpQuick", arr: np.ndarray, m, send: bool, tag: int, s):
         """A quick tcp call's end: ``m`` (the endpoint's ``_Send``/``_Recv``) done — its
-        flight record, True; else a ``P2PRun`` holding it, posted (that Request)."""
+        flight record, True; failed already (a receive matched with a mismatched message
+        that had come: ``_matches``) — its error raised by the call itself, as the
+        general path's post raises it, and the caller poisons the communicator (before,
+        the Request came back and only its wait raised); else a ``P2PRun`` holding it,
+        posted (that Request)."""
         name = e.send_name if send else e.recv_name
+        if not send and m.error is not None and not m.done:
+            self.engine._annotate(m.error, f"in {name} (tag {tag}): ")
+            raise m.error
         if m.done:
             fl = self.flight
             if fl is not None:

@@ -162,9 +162,12 @@ def ended(fn) -> str:
 def p2p_mismatches(world, comm, chk: Checks) -> None:
     """After the quick path is warm, between ranks 0 and 1, every kind of mismatch (dtype,
     tag, size; blocking and posted early) raises CollectiveMismatchError on the receiver,
-    which is poisoned after it; each on a dup of ``comm``."""
+    which is poisoned after it; each on a dup of ``comm``.  ``dtype-arrived``: the message
+    has come before the receive is posted — the ``irecv`` itself raises (over tcp it
+    returned a Request and only the wait raised)."""
+    import time
     r = comm.rank
-    for case in ("dtype", "tag", "size", "dtype-early"):
+    for case in ("dtype", "tag", "size", "dtype-early", "dtype-arrived"):
         c = comm.dup()
         if r in (0, 1):
             for j in range(3):      # warm: the same dtype, quick on both sides
@@ -176,8 +179,17 @@ def p2p_mismatches(world, comm, chk: Checks) -> None:
                     chk.expect(f"warm {case} {j}", g, np.full(4, j, np.float32))
             if r == 0:
                 c.send(np.ones(4, np.float32), 1, 3)
+                if case == "dtype-arrived":
+                    world.send(None, 1)         # (sent: it is in the ring or the socket)
             if r == 1:
-                if case == "dtype":
+                if case == "dtype-arrived":
+                    world.recv(source=0)
+                    time.sleep(0.2)
+                    text = ended(lambda: c.irecv(np.empty(4, np.int32), 0, 3))
+                    want = "float32 x 4 (16 bytes) and the receive int32 x 4"
+                    if "in recv from rank 0 (tag 3): " not in text:
+                        chk.bad.append(f"rank 1: {case}: the irecv's error: {text}")
+                elif case == "dtype":
                     text = ended(lambda: c.recv(np.empty(4, np.int32), 0, 3))
                     want = "float32 x 4 (16 bytes) and the receive int32 x 4"
                 elif case == "tag":
