@@ -107,6 +107,66 @@ def _mpi_ready(who: str = ""):
 
 _TIMED_OUT = re.compile(r"failed: (PeerFailure\[rank=\d+\]: .*)?CollectiveTimeout: ")
 _MPI_OURS = 0       # pid of the process in which gpurt initialised MPI (it finalizes it)
+#: below MPI_THREAD_MULTIPLE: the thread in gpurt's MPI exchanges of a communicator
+#: creation (split, dup, Communicator) and how deeply ([ident, depth]; ident None: none)
+_MPI_TURN = [None, 0]
+_MPI_TURN_LOCK = threading.Lock()
+_MPI_LEVEL: list = []      # MPI's thread level, once asked (it cannot change)
+
+
+def _take_turn(MPI) -> bool | None:
+    """This thread's turn in gpurt's MPI exchanges (``_mpi_turn``): None where MPI runs
+    at MPI_THREAD_MULTIPLE (no turns), True when taken (``_give_turn`` after), False
+    when another thread has it."""
+    if not _MPI_LEVEL:
+        _MPI_LEVEL.append(MPI.Query_thread())
+    if _MPI_LEVEL[0] >= MPI.THREAD_MULTIPLE:
+        return None
+    me = threading.get_ident()
+    with _MPI_TURN_LOCK:
+        if _MPI_TURN[0] not in (None, me):
+            return False
+        _MPI_TURN[0] = me
+        _MPI_TURN[1] += 1
+    return True
+
+
+def _give_turn() -> None:
+    with _MPI_TURN_LOCK:
+        _MPI_TURN[1] -= 1
+        if not _MPI_TURN[1]:
+            _MPI_TURN[0] = None
+
+
+@contextlib.contextmanager
+def _mpi_turn(MPI, who: str, what: str):
+    """The MPI exchanges of a communicator creation (``what``), refused with a clear error
+    where another thread of this process is in one and MPI runs below
+    ``MPI_THREAD_MULTIPLE``: two threads' MPI calls at once there crash MPI or mix up its
+    messages (MPICH at SERIALIZED/FUNNELED/SINGLE: a segmentation fault, "Message
+    truncated", or both threads waiting for ever; a bug hunt).  Waiting for the other
+    thread instead is no way out: the threads of another rank may take the opposite
+    order, and both ranks would wait for ever.  Nested creations of one thread (split's
+    new communicator, dup's) are its own turn; a ``close()`` meanwhile leaves its MPI
+    handles to be freed later (``_free_mpi``)."""
+    took = _take_turn(MPI)
+    if took is False:
+        names = {getattr(MPI, n): n for n in _THREAD_LEVELS.values()}
+        e = GpurtError(
+            f"{who}: {what}: another thread of this process is making a communicator "
+            f"(split, dup or Communicator: MPI exchanges) at the same time, and MPI "
+            f"runs at MPI_{names.get(_MPI_LEVEL[0], _MPI_LEVEL[0])}, where two "
+            f"threads' MPI calls at once crash MPI or mix up its messages: make "
+            f"communicators one thread at a time (or before the threads start), or "
+            f"initialise MPI with MPI_THREAD_MULTIPLE (mpi4py.rc.thread_level = "
+            f"'multiple', mpi4py's default)")
+        e.not_your_turn = True
+        raise e
+    try:
+        yield
+    finally:
+        if took:
+            _give_turn()
 
 
 def _announces_rejection(coll: str):
@@ -170,6 +230,12 @@ class Communicator:
     def __init__(self, mpi_comm: Any = None, *, _owned: bool = False,
                  _check: Callable[[], None] | None = None):
         MPI = _mpi_ready()
+        world = MPI.COMM_WORLD.Get_rank()
+        with _mpi_turn(MPI, f"rank {world} of MPI_COMM_WORLD", "gpurt.Communicator"):
+            self._init(MPI, mpi_comm, _owned, _check)
+
+    def _init(self, MPI, mpi_comm: Any, _owned: bool,
+              _check: Callable[[], None] | None) -> None:
         if mpi_comm is None:
             mpi_comm = MPI.COMM_WORLD
         if not isinstance(mpi_comm, MPI.Comm) or mpi_comm == MPI.COMM_NULL or \
@@ -2612,7 +2678,16 @@ class Communicator:
                 if self._closed:       # (closed since _check_open: nothing to exchange on)
                     raise CommunicatorClosed(f"rank {self.rank}: {what}: communicator "
                                              f"closed")
-                new = make()
+                try:
+                    with _mpi_turn(_mpi(), f"rank {self.rank}", what):
+                        new = make()
+                except GpurtError as e:
+                    if getattr(e, "not_your_turn", False):
+                        # (refused before any MPI call: the peers, in the exchange, learn
+                        # it from this communicator's poisoning — their waits check their
+                        # peers)
+                        self.engine.poison(e)
+                    raise
             finally:
                 with _CTL_LOCK:
                     self._ctl_depth -= 1
@@ -2744,13 +2819,23 @@ class Communicator:
     def _free_mpi(self) -> None:
         MPI = _mpi()
         if not MPI.Is_finalized():
-            for c in ("node_comm", "mpi"):
-                comm = getattr(self, c, None)
-                if comm is not None and comm != MPI.COMM_NULL:
-                    try:
-                        comm.Free()
-                    except Exception:  # noqa: BLE001
-                        pass
+            comms = [getattr(self, c, None) for c in ("node_comm", "mpi")]
+            took = _take_turn(MPI)
+            if took is False:
+                # (another thread is in a creation's MPI exchanges, below
+                # MPI_THREAD_MULTIPLE: freed by the next creation or close instead)
+                _MPI_GARBAGE.extend((self._pid, c) for c in comms if c is not None)
+                return
+            try:
+                for comm in comms:
+                    if comm is not None and comm != MPI.COMM_NULL:
+                        try:
+                            comm.Free()
+                        except Exception:  # noqa: BLE001
+                            pass
+            finally:
+                if took:
+                    _give_turn()
 
 
 #: (pid, mpi4py communicator) of gpurt communicators collected without close(): freed
@@ -2764,6 +2849,17 @@ def _free_mpi_garbage() -> None:
     if not _MPI_GARBAGE:
         return
     MPI = _mpi()
+    took = _take_turn(MPI)
+    if took is False:       # (another thread's creation is in MPI: later)
+        return
+    try:
+        _free_garbage_now(MPI)
+    finally:
+        if took:
+            _give_turn()
+
+
+def _free_garbage_now(MPI) -> None:
     me = os.getpid()
     while _MPI_GARBAGE:
         try:

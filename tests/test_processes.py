@@ -1230,6 +1230,33 @@ c.close()
 """
 
 
+@pytest.mark.parametrize("level", ["single", "funneled", "serialized", "multiple"])
+def test_two_threads_making_communicators_below_thread_multiple(level):
+    """tests/thread_level_cases.py: below MPI_THREAD_MULTIPLE, a thread that makes a
+    communicator while another thread of its process is in one's MPI exchanges gets a
+    GpurtError that says why and what to do, before any MPI call, and its peer in that
+    exchange a PeerFailure at once; the other thread's communicator and MPI itself stay
+    intact (before: MPICH crashed — a segmentation fault, "Message truncated" — or both
+    ranks waited for ever).  At MULTIPLE both complete."""
+    out = run_mpi(2, ["tests/thread_level_cases.py", level], timeout=120).stdout
+    recs = rank_records(out, "RESULT", 2)
+    for r in (0, 1):
+        rec = recs[r]
+        assert rec["A"][0] == "ok" and rec["after"][0] == "ok", rec
+        if level == "multiple":
+            assert rec["B"][0] == "ok", rec
+    if level != "multiple":
+        name = f"MPI_THREAD_{level.upper()}"
+        b0, b1 = recs[0]["B"], recs[1]["B"]
+        assert b0[0].startswith("GpurtError: rank 0: dup: another thread of this process is "
+                                "making a communicator"), recs
+        assert name in b0[0] and "mpi4py.rc.thread_level = 'multiple'" in b0[0], recs
+        assert b0[1] < 0.5, recs
+        assert b1[0].startswith("PeerFailure: rank 1: dup: rank 0 "), recs
+        assert "failed: GpurtError: rank 0: dup: another thread of this process" in b1[0], recs
+        assert b1[1] < 1.5, recs
+
+
 @pytest.mark.parametrize("nodes,errors", [(1, "exception"), (1, "default"), (2, "exception")])
 def test_communicators_dropped_without_close_leave_nothing_behind(nodes, errors):
     """A subcommunicator made per step and forgotten, not closed: once collected it holds
