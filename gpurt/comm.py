@@ -365,6 +365,16 @@ class Communicator:
         except BaseException:
             self._release()
             raise
+        # a communicator collected without close(): its shm peers read the close notice,
+        # as after close() (they waited until their deadline; tcp peers see the sockets
+        # reset at once)
+        self._drop_fins = []
+        for t in self._transports:
+            seg, k = getattr(t, "seg", None), getattr(t, "local_rank", -1)
+            if seg is not None and k >= 0 and callable(getattr(seg, "write_error", None)):
+                f = weakref.finalize(self, _dropped_notice, seg, k)
+                f.atexit = False        # (at exit close() runs, or the process ends)
+                self._drop_fins.append(f)
         _LIVE.add(self)
         _install_excepthook()
 
@@ -2788,6 +2798,8 @@ class Communicator:
         self._release()
 
     def _release(self) -> None:
+        for f in getattr(self, "_drop_fins", ()):
+            f.detach()              # (close() writes its own notice, then unmaps)
         self._stop_calls()
         self._direct_drain()
         ipc = getattr(self, "dev_ipc", None)
@@ -2843,6 +2855,16 @@ class Communicator:
 #: not at a garbage collector's arbitrary moment and thread (a dropped communicator per
 #: step otherwise used up MPI's context ids: ~1021 in MPICH)
 _MPI_GARBAGE: list = []
+
+
+def _dropped_notice(seg, k: int) -> None:
+    """A communicator collected without ``close()``: local rank ``k``'s close notice in
+    its shm segment, which its peers' waits read (``ShmEndpoint.check``)."""
+    try:
+        seg.write_error(k, "dropped the communicator without close() (the garbage "
+                        "collector took it) while this rank still waits on it", closed=True)
+    except Exception:  # noqa: BLE001 - a finalizer must not fail
+        pass
 
 
 def _free_mpi_garbage() -> None:

@@ -1230,6 +1230,46 @@ c.close()
 """
 
 
+DROPPED_PEER = """
+import gc, json, time, numpy as np, gpurt
+c = gpurt.init()
+d = c.dup()
+rec = {"rank": c.rank}
+if c.rank == 0:
+    time.sleep(0.5)
+    del d                       # forgotten while rank 1 waits on it, not closed
+    gc.collect()
+else:
+    t = time.monotonic()
+    try:
+        d.allreduce(np.ones(4), timeout=20)
+        rec["got"] = "completed"
+    except gpurt.GpurtError as e:
+        rec["got"] = f"{type(e).__name__}: {e}"
+    rec["s"] = time.monotonic() - t
+c.barrier(timeout=30)
+print("DROPPEDPEER " + json.dumps(rec), flush=True)
+"""
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_communicator_collected_without_close_fails_its_waiting_peers_at_once(transport):
+    """A rank drops a communicator (collected, never closed) while its peer waits in a
+    call on it: the peer raises PeerFailure within a few seconds that says so — on shm
+    the collected communicator's close notice (before: the peer waited until its deadline,
+    CollectiveTimeout), on tcp the reset connection (which named only an exit or a kill)."""
+    out = run_mpi(2, ["-c", DROPPED_PEER], env={"GPURT_TRANSPORTS": transport},
+                  timeout=120).stdout
+    rec = rank_records(out, "DROPPEDPEER", 2)[1]
+    assert rec["got"].startswith("PeerFailure: rank 1: in allreduce (call #1): rank 0 "), rec
+    assert rec["s"] < 5, rec
+    if transport == "shm":
+        assert "dropped the communicator without close() (the garbage collector took it)" \
+            in rec["got"], rec
+    else:
+        assert "dropped the communicator without close()" in rec["got"], rec
+
+
 @pytest.mark.parametrize("level", ["single", "funneled", "serialized", "multiple"])
 def test_two_threads_making_communicators_below_thread_multiple(level):
     """tests/thread_level_cases.py: below MPI_THREAD_MULTIPLE, a thread that makes a

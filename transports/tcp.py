@@ -840,7 +840,8 @@ class TcpEndpoint:
                    f"GPURT_TCP_USER_TIMEOUT={float(config.get('GPURT_TCP_USER_TIMEOUT')):g} s: "
                    f"host down or network cut)")
         elif e.errno in (errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED):
-            why = f"reset the tcp connection (it exited or was killed): {e.strerror}"
+            why = (f"reset the tcp connection (it exited, was killed, or dropped the "
+                   f"communicator without close()): {e.strerror}")
             if self.failure is None:    # (raise_failure: its datagram may say why)
                 self.reset = f"{self._who()} {why}"
         else:
