@@ -2871,6 +2871,8 @@ def _free_mpi_garbage() -> None:
     if not _MPI_GARBAGE:
         return
     MPI = _mpi()
+    if MPI.Is_finalized():
+        return
     took = _take_turn(MPI)
     if took is False:       # (another thread's creation is in MPI: later)
         return
