@@ -32,6 +32,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import json
+import math
 import os
 import re
 import shlex
@@ -407,17 +408,69 @@ def _end_leftovers(rank, child_pid: int, note: Callable[[str], None], settle: fl
     return [f"{pid} ({cmd})" for pid, cmd in sorted(found.items())]
 
 
+_TAIL_CAP = 4096     # bytes of an unfinished line kept for the stderr tail
+
+
 def _pump(src, dst, prefix: bytes, keep: collections.deque | None) -> None:
-    """Copy lines from ``src`` to ``dst``, each prefixed; remember the last ones."""
-    for line in iter(src.readline, b""):
-        if keep is not None:
-            keep.append(line.rstrip(b"\n").decode("utf-8", "replace"))
+    """Copy ``src`` to ``dst`` as it arrives, and remember its last lines in ``keep``.
+
+    Without a ``prefix`` every chunk is written at once (``os.read``): a partial line —
+    dots printed one by one, a progress bar redrawn with ``\\r`` — shows as the program
+    writes it, as under the launcher alone (``readline`` held it back until its newline,
+    which a ``\\r`` progress bar never writes).  With a ``prefix`` (``--tag-output``) the
+    output goes on in whole lines, each prefixed, so that the ranks' lines never mix: a
+    line ends at ``\\n`` or ``\\r`` (a progress bar shows each redraw), and a partial one
+    waits for its end (or the program's)."""
+    fd = src.fileno()
+    line = b""          # the unfinished line, for keep
+    held = b""          # (with a prefix) the unfinished line, not yet written
+    cr = False          # (with a prefix) the last line written ended in "\r"
+
+    def write(data: bytes) -> None:
         try:
-            dst.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
+            dst.write(data)
             dst.flush()
-        except (BrokenPipeError, ValueError):
+        except (BrokenPipeError, ValueError, OSError):
             pass
+
+    while True:
+        try:
+            data = os.read(fd, 65536)
+        except InterruptedError:  # pragma: no cover - (PEP 475 retries)
+            continue
+        except OSError:
+            break
+        if not data:
+            break
+        if keep is not None:
+            parts = (line + data).split(b"\n")
+            line = parts.pop()[-_TAIL_CAP:]
+            for p in parts:     # (what a terminal shows of it: past its last "\r")
+                keep.append(p.rstrip(b"\r").rsplit(b"\r", 1)[-1].decode("utf-8", "replace"))
+        if not prefix:
+            write(data)
+            continue
+        if cr and not held and data.startswith(b"\n"):
+            write(b"\n")            # (the rest of a "\r\n" split between two reads)
+            data = data[1:]
+        held += data
+        end = max(held.rfind(b"\n"), held.rfind(b"\r"))
+        if end < 0:
+            if len(held) > 65536:       # (no line end in sight: don't hold it all)
+                write(prefix + held)
+                held = b""
+            continue
+        done, held = held[:end + 1], held[end + 1:]
+        cr = done.endswith(b"\r")
+        write(b"".join(prefix + p for p in _LINE_ENDS.findall(done)))
+    if keep is not None and line.rstrip(b"\r"):
+        keep.append(line.rstrip(b"\r").rsplit(b"\r", 1)[-1].decode("utf-8", "replace"))
+    if prefix and held:
+        write(prefix + held + (b"" if held.endswith((b"\n", b"\r")) else b"\n"))
     src.close()
+
+
+_LINE_ENDS = re.compile(rb"[^\r\n]*(?:\r\n|\r|\n)")
 
 
 def rank_wrapper(cmd: list[str]) -> int:
@@ -441,14 +494,21 @@ def rank_wrapper(cmd: list[str]) -> int:
                                  stdout=subprocess.PIPE if tag else None,
                                  stderr=subprocess.PIPE)
     except OSError as e:
+        # as a shell says it: 127 for no such program, 126 for one that is there but
+        # cannot be run (not executable, a directory, a binary of another machine)
+        code = 127 if isinstance(e, FileNotFoundError) else 126
         msg = f"gpurt launch: cannot run {quote(cmd)}: {e}"
         sys.stderr.write(prefix.decode() + msg + "\n")
         _write_record({"rank": rank, "host": socket.gethostname(), "pid": None,
-                       "exit_code": 127, "signal": None, "time": time.time(),
+                       "exit_code": code, "signal": None, "time": time.time(),
                        "started": started, "stderr_tail": [msg]})
-        return 127
+        return code
+
+    forwarded: list[str] = []     # the signals that reached the program through us
 
     def forward(signum, _frame) -> None:
+        if _signame(signum) not in forwarded:
+            forwarded.append(_signame(signum))
         try:
             child.send_signal(signum)
         except ProcessLookupError:
@@ -495,7 +555,7 @@ def rank_wrapper(cmd: list[str]) -> int:
     _write_record({"rank": rank, "host": socket.gethostname(), "pid": child.pid,
                    "exit_code": rc if rc >= 0 else None,
                    "signal": _signame(sig) if sig else None, "signal_number": sig,
-                   "time": ended, "started": started,
+                   "time": ended, "started": started, "forwarded": list(forwarded),
                    "stderr_tail": words if words is not None else list(last)})
     if sig:   # end as the child ended: the launcher sees the same signal
         for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
@@ -606,6 +666,7 @@ class Result:
     records: list[dict] = field(default_factory=list)
     reason: str = "done"        # done | failed | timeout | interrupted
     launcher_rc: int | None = None
+    launcher: str | None = None     # the launcher's kind (None: not known)
 
     @property
     def first_failure(self) -> dict | None:
@@ -632,10 +693,13 @@ class Result:
                             "blame": _last_exception(first)[1]}
                 if known.get("exit_code") != 0:
                     return known
-            if first.get("signal") in ("SIGTERM", "SIGINT", "SIGHUP"):
+            if first.get("signal") in ("SIGTERM", "SIGINT", "SIGHUP") and \
+                    self.launcher in (None, "openmpi"):
                 # every failure is the launcher stopping the job: a rank that had ended
                 # (status 0) before was why (Open MPI ends a job when a rank leaves
-                # without MPI_Finalize), not the first rank it stopped
+                # without MPI_Finalize), not the first rank it stopped.  Only Open MPI
+                # does that: under hydra or srun a rank that ended with 0 stopped no one,
+                # and a SIGTERM after it (from outside the launch) is the failure
                 early = [r for r in self.records if r.get("exit_code") == 0 and
                          r["time"] <= first["time"]]
                 if early:
@@ -662,7 +726,9 @@ def _consequence(rec: dict) -> int:
     SIGABRT, ...); 1: unknown (an exit code, SIGKILL); 2: its last words are gpurt's word
     that another rank failed (``PeerFailure``; ``CommunicatorClosed`` for a communicator
     unusable after an earlier failure), or it was stopped by SIGTERM/SIGINT/SIGHUP (the
-    launcher stopping the job)."""
+    launcher stopping the job) through its wrapper: a program that got one of these
+    without its wrapper (``forwarded`` in the record) was signalled by itself or from
+    outside the launch, and failed of its own (0)."""
     exc = _last_exception(rec)
     if exc is not None:
         name, msg = exc
@@ -672,6 +738,8 @@ def _consequence(rec: dict) -> int:
         return 0
     sig = rec.get("signal")
     if sig in ("SIGTERM", "SIGINT", "SIGHUP"):
+        if "forwarded" in rec and sig not in (rec["forwarded"] or ()):
+            return 0        # (not through its wrapper: not the launcher's doing)
         return 2
     if sig in ("SIGSEGV", "SIGABRT", "SIGBUS", "SIGFPE", "SIGILL"):
         return 0
@@ -734,20 +802,79 @@ def _has_failure(d: Path, extra: list[dict]) -> bool:
     return any(r.get("exit_code") != 0 for r in _read_records(d, extra))
 
 
-def _pass_through(src, dst, records: list[dict]) -> None:
-    for line in iter(src.readline, b""):
-        if line.startswith(MARKER):
+def _pass_through(src, dst, records: list[dict], ends: dict | None = None) -> None:
+    """Copy the launcher's output ``src`` to ``dst`` as it arrives (a partial line is not
+    held back for its newline), taking out the status records of other nodes' ranks
+    (``MARKER`` ... newline; anywhere in the stream: the launcher may put one after
+    another rank's partial line) into ``records``.  ``ends["open"]``: whether the last
+    byte written was not a newline (a report then starts on a line of its own)."""
+    fd = src.fileno()
+    buf = b""
+
+    def write(data: bytes) -> None:
+        if data:
+            if ends is not None:
+                ends["open"] = not data.endswith(b"\n")
+            try:
+                dst.write(data)
+                dst.flush()
+            except (BrokenPipeError, ValueError, OSError):
+                pass
+
+    while True:
+        try:
+            data = os.read(fd, 65536)
+        except InterruptedError:  # pragma: no cover - (PEP 475 retries)
+            continue
+        except OSError:
+            data = b""
+        if not data:
+            break
+        buf += data
+        out = []
+        while buf:
+            k = buf.find(MARKER[:1])
+            if k < 0:
+                out.append(buf)
+                buf = b""
+                break
+            out.append(buf[:k])
+            buf = buf[k:]
+            if not buf.startswith(MARKER):
+                if MARKER.startswith(buf):      # (the start of one: wait for the rest)
+                    break
+                out.append(buf[:1])
+                buf = buf[1:]
+                continue
+            nl = buf.find(b"\n")
+            if nl < 0:
+                if len(buf) > 1 << 24:          # (not a record: a record is one line)
+                    out.append(buf)
+                    buf = b""
+                break
+            line, buf = buf[:nl + 1], buf[nl + 1:]
             try:
                 records.append(json.loads(line[len(MARKER):]))
-                continue
             except ValueError:
-                pass
-        try:
-            dst.write(line)
-            dst.flush()
-        except (BrokenPipeError, ValueError):
-            pass
+                out.append(line)
+        write(b"".join(out))
+    write(buf)
     src.close()
+
+
+def stdin_for_launcher():
+    """What the launcher gets as its stdin: this process's (hydra and mpirun pass it to
+    rank 0), but /dev/null where that is a terminal or not open.  (The launcher runs in a
+    session of its own, where a terminal is not its controlling one: it would read the
+    keys typed even while ``gpurt launch`` runs in the background, instead of being
+    stopped as a background process that reads its terminal is.)"""
+    try:
+        os.fstat(0)
+        if os.isatty(0):
+            return subprocess.DEVNULL
+    except OSError:
+        return subprocess.DEVNULL
+    return None       # (inherited)
 
 
 def _group_alive(pgid: int) -> bool:
@@ -765,11 +892,16 @@ def run_job(launcher: Launcher, nranks: int, program: Sequence[str], *,
             env: dict[str, str] | None = None, tag_output: bool = False,
             timeout: float | None = None, report: Callable[[str], None] | None = None,
             stdout=None, stderr=None,
-            command: Callable[[list[str], dict], list[str]] | None = None) -> Result:
+            command: Callable[[list[str], dict], list[str]] | None = None,
+            forward_stdin: bool = False) -> Result:
     """Run ``program`` on ``nranks`` ranks through ``launcher``; see the module docstring.
     ``report`` receives gpurt launch's own messages (default: stderr).  ``command``, when
     given, builds the launcher's command line from (wrapped program, ranks' environment)
-    instead of ``build_command`` (the virtual cluster does)."""
+    instead of ``build_command`` (the virtual cluster does).  ``forward_stdin``: the
+    launcher gets this process's stdin (``stdin_for_launcher``), else /dev/null."""
+    if timeout is not None and not (math.isfinite(timeout) and timeout >= 0):
+        # (NaN never compared past a deadline: the job was never bounded)
+        raise LaunchError(f"timeout {timeout!r}: not a finite number of seconds")
     report = report or (lambda m: print(m, file=sys.stderr, flush=True))
     stdout = stdout or sys.stdout.buffer
     stderr = stderr or sys.stderr.buffer
@@ -810,7 +942,8 @@ def run_job(launcher: Launcher, nranks: int, program: Sequence[str], *,
             for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                 old[s] = signal.signal(s, on_signal)
         try:
-            proc = subprocess.Popen(cmd, env=penv, stdin=subprocess.DEVNULL,
+            stdin = stdin_for_launcher() if forward_stdin else subprocess.DEVNULL
+            proc = subprocess.Popen(cmd, env=penv, stdin=stdin,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     start_new_session=True, preexec_fn=orphan_guard)
         except BaseException as e:
@@ -820,10 +953,11 @@ def run_job(launcher: Launcher, nranks: int, program: Sequence[str], *,
                 raise LaunchError(f"cannot start {quote(cmd)}: {e}") from None
             raise
         pgid = proc.pid
+        err_end: dict = {}
         pumps = [threading.Thread(target=_pass_through, args=(proc.stdout, stdout, marker_records),
                                   daemon=True),
-                 threading.Thread(target=_pass_through, args=(proc.stderr, stderr, marker_records),
-                                  daemon=True)]
+                 threading.Thread(target=_pass_through, daemon=True,
+                                  args=(proc.stderr, stderr, marker_records, err_end))]
         reason = "done"
         deadline = time.monotonic() + timeout if timeout else None
         failed_at: float | None = None
@@ -873,7 +1007,13 @@ def run_job(launcher: Launcher, nranks: int, program: Sequence[str], *,
     finally:
         shutil.rmtree(jobdir, ignore_errors=True)
 
-    res = Result(0, records, reason, launcher_rc)
+    res = Result(0, records, reason, launcher_rc, launcher.kind)
+    if err_end.get("open"):     # (the ranks' stderr ended in a partial line)
+        try:
+            stderr.write(b"\n")
+            stderr.flush()
+        except (BrokenPipeError, ValueError, OSError):
+            pass
     first = res.first_failure
     if reason == "timeout":
         res.returncode = 124
@@ -1087,6 +1227,16 @@ def launch_options(f):
     return f
 
 
+def _finite_seconds(ctx, param, value):
+    """(click callback) A number of seconds: FloatRange lets nan (and inf) through, and a
+    NaN deadline never comes."""
+    import click
+
+    if value is not None and not math.isfinite(value):
+        raise click.BadParameter(f"{value!r}: not a finite number of seconds", ctx, param)
+    return value
+
+
 def launch_command():
     import click
 
@@ -1102,6 +1252,7 @@ def launch_command():
                        "caller is passed too.")
     @click.option("--tag-output", is_flag=True, help="Prefix every output line with [rank N].")
     @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS",
+                  callback=_finite_seconds,
                   help="Bound the whole job: stop every rank and exit 124 after SECONDS.")
     @click.option("--dry-run", is_flag=True, help="Print the launcher's command; run nothing.")
     @click.option("--simulate", metavar="NxK", default=None,
@@ -1159,7 +1310,7 @@ def launch_command():
                                                hostfile=hostfile, env=env)))
                 return
             res = run_job(launcher, nranks, prog, hosts=hosts, hostfile=hostfile, env=env,
-                          tag_output=tag_output, timeout=timeout)
+                          tag_output=tag_output, timeout=timeout, forward_stdin=True)
         except LaunchError as e:
             raise click.UsageError(str(e)) from None
         sys.exit(res.returncode)
@@ -1189,11 +1340,20 @@ def _simulated(launcher: Launcher, spec: str, rate: str | None, how: str, nranks
             return 0
         print(msg, file=sys.stderr, flush=True)
         return run_job(launcher, sum(ranks), prog, env=env, tag_output=tag_output,
-                       timeout=timeout).returncode
+                       timeout=timeout, forward_stdin=True).returncode
     from . import vcluster
 
     if launcher.kind != "mpich":
         raise LaunchError("--simulate on network namespaces drives MPICH hydra (mpiexec)")
+    if dry_run:     # (nothing built: the names a run would choose, and its command)
+        vc = vcluster.VirtualCluster(nodes=len(ranks), rate=rate,
+                                     mpiexec=launcher.argv[0]).plan()
+        nodes = ", ".join(f"{h} {ip}" for h, ip in zip(vc.hostnames, vc.ips))
+        print(f"{msg} [dry run, nothing built: would build {nodes}"
+              f"{', links shaped to ' + rate if rate else ''}; each run picks its own "
+              f"names and addresses]", file=sys.stderr, flush=True)
+        print(quote(vc.command(ranks, prog, env=dict(vcluster.MPICH_TCP_ENV, **env))))
+        return 0
     with vcluster.VirtualCluster(nodes=len(ranks), rate=rate,
                                  mpiexec=launcher.argv[0]) as vc:
         print(msg + f" [{vc.tag}: " + ", ".join(
@@ -1204,12 +1364,9 @@ def _simulated(launcher: Launcher, spec: str, rate: str | None, how: str, nranks
         def command(wrapped: list[str], ranks_env: dict) -> list[str]:
             return vc.command(ranks, wrapped, env=dict(mpi_env, **ranks_env))
 
-        if dry_run:   # (the cluster, and the names in this command, exist only per run)
-            print(quote(command(prog, env)))
-            return 0
         before = vc.link_bytes()
         res = run_job(launcher, sum(ranks), prog, env=env, tag_output=tag_output,
-                      timeout=timeout, command=command)
+                      timeout=timeout, command=command, forward_stdin=True)
         after = vc.link_bytes()
         print("gpurt launch: bytes sent over each node's link: " + ", ".join(
             f"{vc.hostnames[k]} {after[k][0] - before[k][0]:,}" for k in sorted(after)),

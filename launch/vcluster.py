@@ -93,6 +93,7 @@ import dataclasses
 import functools
 import ipaddress
 import json
+import math
 import os
 import random
 import re
@@ -487,6 +488,7 @@ class VirtualCluster:
         self._inits: dict[int, int] = {}             # node -> host PID of its init
         self._holders: dict[int, subprocess.Popen] = {}
         self._is_up = False
+        self._planned = False             # plan(): names chosen, nothing built
 
     # ---- names ------------------------------------------------------------------------
     @property
@@ -563,6 +565,16 @@ class VirtualCluster:
         except BaseException:
             self.down()
             raise
+        return self
+
+    def plan(self) -> "VirtualCluster":
+        """Choose the names and addresses :meth:`up` would (a tag, a subnet) and build
+        nothing: :meth:`command` then gives the command line a run would use (a dry run;
+        each run chooses its own)."""
+        if not self._is_up:
+            self.tag = self._new_tag()
+            self.subnet = _pick_subnet()
+            self._planned = True
         return self
 
     def _new_tag(self) -> str:
@@ -760,7 +772,8 @@ class VirtualCluster:
 
     def hosts_arg(self, ranks_per_node: int | Sequence[int]) -> str:
         """hydra's ``-hosts`` value, ``IP0:k0,IP1:k1,...`` (nodes with 0 ranks left out)."""
-        self._check_up()
+        if not self._planned:
+            self._check_up()
         return ",".join(f"{ip}:{k}" for ip, k in zip(self.ips, self._ranks(ranks_per_node))
                         if k > 0)
 
@@ -772,8 +785,11 @@ class VirtualCluster:
             ip netns exec gpc123xysw env K=V /venv/bin/mpiexec -iface gpc123xybr
                -launcher ssh -launcher-exec /run/gpurt-vcluster/gpc123xy/launcher_exec
                -hosts 10.200.0.1:2,10.200.0.2:2 -n 4 PROGRAM ARGS...
+
+        (After :meth:`plan` instead of :meth:`up`: the command a run would use.)
         """
-        self._check_up()
+        if not self._planned:
+            self._check_up()
         ranks = self._ranks(ranks_per_node)
         mpiexec = self._mpiexec or hydra_mpiexec()
         if not mpiexec:
@@ -960,6 +976,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="print the mpiexec command line before running it")
     ap.add_argument("program", nargs=argparse.REMAINDER, help="-- PROGRAM ARGS...")
     a = ap.parse_args(argv)
+    if not (math.isfinite(a.timeout) and a.timeout > 0):
+        ap.error(f"--timeout {a.timeout!r}: not a finite number of seconds above 0")
     prog = a.program[1:] if a.program[:1] == ["--"] else a.program
     if not prog:
         ap.error("no PROGRAM given (put it after --)")
