@@ -28,6 +28,7 @@ import math
 import os
 import platform
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -863,7 +864,13 @@ def _stats(t: np.ndarray) -> dict:
 
 
 def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    """One line to stderr in one write: print's message and newline were two, and the
+    lines of ranks writing at once (PYTHONUNBUFFERED=1) ran into each other."""
+    try:
+        sys.stderr.write(msg + "\n")
+        sys.stderr.flush()
+    except (BrokenPipeError, ValueError):
+        pass
 
 
 def worker(cfg: dict) -> dict | None:
@@ -1530,8 +1537,33 @@ def plot(rep: dict, path: str) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
+    # (the format named: without it a name with no extension became NAME.png, and the
+    # log said NAME)
+    fig.savefig(path, format=plot_format(path))
     plt.close(fig)
+
+
+def plot_format(path: str) -> str:
+    """The format matplotlib writes ``path`` in: its extension (``.png``, ``.svg``,
+    ``.pdf``, ...), PNG where it has none; a ``click.BadParameter`` for an extension
+    matplotlib cannot write (``plot.txt`` was a traceback after the whole sweep) — or
+    ``.pgf`` without the LaTeX it needs."""
+    ext = os.path.splitext(os.path.basename(path))[1].lower().lstrip(".")
+    if ext in ("", "png"):
+        return "png"
+    import matplotlib
+    from matplotlib.backend_bases import FigureCanvasBase
+    known = FigureCanvasBase.get_supported_filetypes()
+    why = ""
+    if shutil.which(matplotlib.rcParams["pgf.texsystem"]) is None:
+        known = {k: v for k, v in known.items() if k != "pgf"}
+        if ext == "pgf":
+            why = f" ({matplotlib.rcParams['pgf.texsystem']} is not installed)"
+    if ext not in known:
+        raise click.BadParameter(f"{path}: matplotlib cannot write .{ext} files{why}; use "
+                                 f"one of {', '.join('.' + k for k in sorted(known))} (or "
+                                 f"no extension: PNG)", param_hint="'--plot'")
+    return ext
 
 
 def _ceiling_bytes(wanted: int, nranks: int) -> int:
@@ -1556,6 +1588,12 @@ def run_bench(cfg: dict, nranks: int | None, json_path: str | None, plot_path: s
         if importlib.util.find_spec("matplotlib") is None:   # say so before the run
             raise click.UsageError("--plot needs matplotlib: pip install 'gpurt[plot]' (or "
                                    "pip install matplotlib)")
+        try:
+            plot_format(plot_path)    # (an extension it cannot write: before the run)
+        except click.BadParameter:
+            if here > 1 and launcher_rank() != 0:
+                raise SystemExit(2) from None   # rank 0 says why, once
+            raise
     if here > 1:
         why = None
         if nranks not in (None, here):
@@ -1668,7 +1706,7 @@ def run_bench(cfg: dict, nranks: int | None, json_path: str | None, plot_path: s
     if plot_path:
         try:
             plot(report, plot_path)
-            _log(f"gpurt bench: wrote {plot_path}")
+            _log(f"gpurt bench: wrote {plot_path} ({plot_format(plot_path).upper()})")
         except OSError as e:
             unwritten.append(f"--plot {plot_path} ({e.strerror or e})")
     if unwritten:
@@ -1828,7 +1866,8 @@ def algo_names(coll: str) -> list[str]:
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Write every number to this JSON file.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
-              help="Write busbw against size to this PNG (needs matplotlib).")
+              help="Write busbw against size to this file (needs matplotlib), in the "
+                   "format of its extension (.png, .svg, .pdf, ...; none: PNG).")
 def bench_command(collective, nranks, minbytes, maxbytes, factor, warmup, iters, dtype, op,
                   root, algo, check, baselines, repeat, ceiling_bytes, memory, json_path,
                   plot_path):

@@ -1046,3 +1046,47 @@ def test_a_json_that_fails_at_the_end_is_one_line_after_the_table():
                                 "on device); the numbers are in the table printed to "
                                 "stdout\n"), proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_plot_file_matplotlib_cannot_write_is_refused_before_the_launch(monkeypatch,
+                                                                          tmp_path):
+    """--plot plot.txt ran the whole sweep, then ended in matplotlib's traceback; --plot
+    NAME (no extension) logged 'wrote NAME' but wrote NAME.png (bug hunt). An extension
+    matplotlib cannot write is a usage error now, before the launch; no extension is a PNG
+    written to NAME itself."""
+    pytest.importorskip("matplotlib")
+    for name in ("plot.txt", "plot.json", "plot.pgf" if not __import__("shutil").which(
+            __import__("matplotlib").rcParams["pgf.texsystem"]) else "plot.xyz"):
+        res = _invoke(["allreduce", "-n", "2", "--plot", str(tmp_path / name)], monkeypatch)
+        _usage_error(res, "'--plot'", "matplotlib cannot write", ".png")
+        assert not isinstance(res.exception, _Launched)
+    assert B.plot_format("p") == "png" and B.plot_format("d.x/p") == "png"
+    assert B.plot_format("p.SVG") == "svg" and B.plot_format("p.pdf") == "pdf"
+    res = _invoke(["allreduce", "-n", "2", "--plot", str(tmp_path / "p.svg")], monkeypatch)
+    assert isinstance(res.exception, _Launched), (res.output, res.exception)
+    rows = [{"size": s, "p50_s": 1e-4, "busbw_GBps": 0.1} for s in (8, 1024)]
+    rep = {"collective": "allreduce", "nranks": 2, "config": {"dtype": "float32"},
+           "machine": {"hostname": "h"}, "rows": rows, "ceiling": {},
+           "libraries": {"gpurt": {"rows": rows}}}
+    B.plot(rep, str(tmp_path / "noext"))
+    assert (tmp_path / "noext").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (tmp_path / "noext.png").exists()
+    B.plot(rep, str(tmp_path / "p.svg"))
+    assert b"<svg" in (tmp_path / "p.svg").read_bytes()[:500]
+
+
+def test_log_writes_each_line_in_one_write(monkeypatch):
+    """print() wrote the message and its newline separately: with PYTHONUNBUFFERED=1 the
+    lines of ranks writing at once ran into each other (bug hunt)."""
+    writes = []
+
+    class Err:
+        def write(self, s):
+            writes.append(s)
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(sys, "stderr", Err())
+    B._log("gpurt bench: a line")
+    assert writes == ["gpurt bench: a line\n"]
