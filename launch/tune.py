@@ -212,7 +212,7 @@ def tune_command():
     import click
 
     from gpurt.launch.bench import (_SizeType, check_sweep_options, check_writable_path,
-                                    parse_dtype)
+                                    launcher_rank, launcher_size, parse_dtype)
 
     @click.command("tune", context_settings={"help_option_names": ["-h", "--help"]})
     @click.option("-n", "--nranks", type=click.IntRange(1), default=2, show_default=True,
@@ -241,6 +241,17 @@ def tune_command():
           gpurt tune -n 2 -c allreduce -b 1K -e 64M -f 4 -o p2.json
           GPURT_PROFILE=profile.json mpiexec -n 4 python train.py
         """
+        # under an MPI launcher (`mpiexec -n 2 gpurt tune ...`) every rank started a tuning
+        # launch of its own, all at once, each writing -o: gpurt tune launches its ranks
+        # itself.  (Before anything else: the -o check below is a collective there.)
+        here = launcher_size()
+        if here > 1:
+            if launcher_rank() != 0:
+                raise SystemExit(2)      # rank 0 says why, once
+            raise click.UsageError(
+                f"running under an MPI launcher with {here} ranks: gpurt tune launches its "
+                f"own ranks (-n); run it once, not under mpiexec/srun (e.g. gpurt tune -n "
+                f"{here} -o {out})")
         # refused here, before the launch: -b above -e measured nothing and wrote an empty
         # profile; a dtype the ranks cannot make failed on every rank with a traceback
         check_sweep_options(minbytes, maxbytes, factor)

@@ -303,3 +303,42 @@ def test_sigterm_stops_the_whole_tuning_launch(tmp_path):
     assert err.endswith("gpurt tune: SIGTERM: stopped every rank\n") and \
         "Traceback" not in err, err[-3000:]
     assert _processes_with(str(tmp)) == [] and os.listdir(tmp) == [] and not out.exists()
+
+
+def test_tune_under_a_launcher_is_refused(monkeypatch, tmp_path):
+    """`mpiexec -n 2 gpurt tune -n 2 -o F` ran two tuning launches at once, both writing F
+    (bug hunt): gpurt tune launches its own ranks, so under a launcher of more than one
+    rank it is a usage error (exit 2), said once (by rank 0), before anything starts."""
+    from click.testing import CliRunner
+
+    from gpurt.launch import tune as T
+
+    launched = []
+    monkeypatch.setattr(T, "run", lambda *a: launched.append(a) or {"model_vs_best": []})
+    for k in ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK",
+              "PMIX_RANK", "PMIX_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_PROCID"):
+        monkeypatch.delenv(k, raising=False)
+    out = str(tmp_path / "p.json")
+    res = CliRunner().invoke(T.tune_command(), ["-n", "2", "-o", out],
+                             env={"PMI_SIZE": "2", "PMI_RANK": "0"})
+    assert res.exit_code == 2 and "gpurt tune launches its own ranks" in res.output and \
+        "run it once" in res.output, res.output
+    res = CliRunner().invoke(T.tune_command(), ["-n", "2", "-o", out],
+                             env={"PMI_SIZE": "2", "PMI_RANK": "1"})
+    assert res.exit_code == 2 and res.output == "", res.output
+    assert not launched and not os.path.exists(out)
+    res = CliRunner().invoke(T.tune_command(), ["-o", out], env={"PMI_SIZE": "1",
+                                                                "PMI_RANK": "0"})
+    assert res.exit_code == 0 and len(launched) == 1, res.output     # (one rank: tunes)
+
+
+def test_tune_under_mpiexec_says_so_once(tmp_path):
+    from conftest import mpiexec
+
+    out = tmp_path / "p.json"
+    proc = subprocess.run([*mpiexec(), "-n", "2", sys.executable, "-m", "gpurt.launch.cli",
+                           "tune", "-n", "2", "-c", "barrier", "-i", "1", "-w", "0", "-o",
+                           str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.count("gpurt tune launches its own ranks") == 1, proc.stderr
+    assert not out.exists() and "wrote" not in proc.stdout
