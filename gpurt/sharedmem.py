@@ -47,8 +47,9 @@ FD_BITS = 24                        # a location word: serial << FD_BITS | fd
 
 _lock = threading.Lock()
 _serials = itertools.count(1)
-_starts: list[int] = []             # sorted start addresses of the live arenas
-_arenas: list[tuple[int, int, int, int]] = []   # (start, end, serial, fd), same order
+#: the live arenas: (sorted start addresses, (start, end, serial, fd) in the same order),
+#: replaced whole under _lock, so that ``lookup`` reads one consistent pair without it
+_index: tuple[tuple[int, ...], tuple[tuple[int, int, int, int], ...]] = ((), ())
 
 
 def libc() -> ctypes.CDLL:
@@ -124,10 +125,12 @@ def _free(start: int, serial: int, fd: int, size: int, owner: int, forks: int = 
         except OSError:
             pass
         return
+    global _index
     with _lock:
-        i = bisect.bisect_left(_starts, start)
-        if i < len(_starts) and _starts[i] == start and _arenas[i][2] == serial:
-            del _starts[i], _arenas[i]
+        starts, arenas = _index
+        i = bisect.bisect_left(starts, start)
+        if i < len(starts) and starts[i] == start and arenas[i][2] == serial:
+            _index = (starts[:i] + starts[i + 1:], arenas[:i] + arenas[i + 1:])
     try:
         os.pwrite(fd, b"\0" * 8, size + _LIVE_OFF)
     except OSError:
@@ -173,6 +176,13 @@ def empty(shape, dtype=np.float32) -> np.ndarray:
         raise ValueError(f"gpurt.empty: shape {shp} of {dt} is {count * dt.itemsize} "
                          f"bytes, more than any machine holds")
     size = _data_bytes(count * dt.itemsize)
+    room = _memory_bytes()
+    if room and size > room:
+        # (a shared file reserves nothing: the array would come back and the job be
+        # killed when its pages are touched; numpy.empty refuses such a size too)
+        raise ResourceError(f"gpurt.empty: {size / 2**30:.1f} GiB of shared memory is more "
+                            f"than this machine has ({room / 2**30:.1f} GiB of memory and "
+                            f"swap)")
     try:
         fd = os.memfd_create("gpurt-array", os.MFD_CLOEXEC)
     except AttributeError:
@@ -198,12 +208,34 @@ def empty(shape, dtype=np.float32) -> np.ndarray:
         _madvise(mm.addr, size, mmap.MADV_HUGEPAGE)
     arr = mm.u8()[:count * dt.itemsize].view(dt)
     start = mm.addr
+    global _index
     with _lock:
-        i = bisect.bisect_left(_starts, start)
-        _starts.insert(i, start)
-        _arenas.insert(i, (start, start + size, serial, fd))
+        starts, arenas = _index
+        i = bisect.bisect_left(starts, start)
+        _index = (starts[:i] + (start,) + starts[i:],
+                  arenas[:i] + ((start, start + size, serial, fd),) + arenas[i:])
     weakref.finalize(mm, _free, start, serial, fd, size, os.getpid(), _forks)
     return arr.reshape(shp)
+
+
+def _memory_bytes() -> int:
+    """MemTotal + SwapTotal of this machine (0: unknown)."""
+    global _MEMORY
+    if _MEMORY is None:
+        total = 0
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    key, _, rest = line.partition(":")
+                    if key in ("MemTotal", "SwapTotal"):
+                        total += int(rest.split()[0]) * 1024
+        except (OSError, ValueError, IndexError):
+            total = 0
+        _MEMORY = total
+    return _MEMORY
+
+
+_MEMORY: int | None = None
 
 
 def zeros(shape, dtype=np.float32) -> np.ndarray:
@@ -213,16 +245,18 @@ def zeros(shape, dtype=np.float32) -> np.ndarray:
 
 def lookup(addr: int, nbytes: int) -> tuple[int, int] | None:
     """(location word, offset) of ``[addr, addr + nbytes)`` if it lies inside one live
-    shared array of this process, else None."""
-    if not _starts:
+    shared array of this process, else None.  Reads one snapshot of the index without
+    the lock (which a collection freeing an array here would take): another thread's
+    allocation or free meanwhile replaces the index, never changes the one read (it was
+    two lists, and a free between two reads of them shifted one: a bug hunt found the
+    next array up returned, at a negative offset, or None for a live array)."""
+    starts, arenas = _index
+    if not starts:
         return None
-    i = bisect.bisect_right(_starts, addr) - 1
+    i = bisect.bisect_right(starts, addr) - 1
     if i < 0:
         return None
-    try:
-        start, end, serial, fd = _arenas[i]
-    except IndexError:          # freed meanwhile by another thread
-        return None
+    start, end, serial, fd = arenas[i]
     if addr + nbytes > end:
         return None
     return (serial << FD_BITS) | fd, addr - start

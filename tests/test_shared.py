@@ -6,13 +6,16 @@ errors in one process; every collective on shared arrays in real processes
 from __future__ import annotations
 
 import gc
+import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 import gpurt
-from conftest import run_mpi
+from conftest import ROOT, is_hydra, mpiexec, rank_records, run_mpi
 from gpurt import memcopy, sharedmem
 from gpurt.errors import TransportError
 
@@ -51,6 +54,58 @@ def test_lookup_ranges():
     # past the end of the array's pages: not inside it
     assert sharedmem.lookup(base + 4096 * 2 - 8, 4096) is None
     assert sharedmem.lookup(np.zeros(8).ctypes.data, 64) is None
+
+
+def test_more_than_the_machine_holds_is_a_resource_error():
+    """A shared file reserves nothing, so an array larger than the machine's memory and
+    swap came back and the job was killed when it was touched (a bug hunt: 1 TiB on a
+    24 GiB machine); numpy.empty refuses such a size too."""
+    room = sharedmem._memory_bytes()
+    if not room:
+        pytest.skip("no /proc/meminfo here")
+    with pytest.raises(gpurt.ResourceError, match="more than this machine has"):
+        gpurt.zeros(room + (1 << 30), np.uint8)
+    assert gpurt.zeros(1 << 20, np.uint8).sum() == 0
+
+
+def test_lookup_is_right_while_another_thread_allocates_and_frees():
+    """lookup reads the index without the lock: another thread's allocations and frees
+    meanwhile must not make it answer another array (a bug hunt: the next one up, at a
+    negative offset) or None for a live one — which made a send fail, or one rank choose
+    another algorithm than its peers.  ~2 s of thread switches every 10 µs."""
+    import sys
+    import threading
+    import time
+
+    x = gpurt.empty(1 << 16, np.uint8)
+    addr = x.ctypes.data
+    good = sharedmem.lookup(addr, x.nbytes)
+    assert good is not None and good[1] == 0
+    stop = threading.Event()
+
+    def churn():
+        while not stop.is_set():
+            held = [gpurt.empty(16, np.uint8) for _ in range(50)]
+            while held:
+                held.pop()
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    t = threading.Thread(target=churn)
+    t.start()
+    wrong: dict = {}
+    try:
+        end = time.monotonic() + 2
+        while time.monotonic() < end and len(wrong) < 3:
+            for _ in range(500):
+                got = sharedmem.lookup(addr, x.nbytes)
+                if got != good:
+                    wrong[got] = wrong.get(got, 0) + 1
+    finally:
+        stop.set()
+        t.join()
+        sys.setswitchinterval(old)
+    assert not wrong, (wrong, good)
 
 
 def test_freed_array_closes_its_file_and_peers_drop_it():
@@ -283,3 +338,106 @@ def test_shared_arrays_without_cma():
     out = run_mpi(3, ["tests/shared_cases.py"],
                   env={"GPURT_TEST_FORBID_CMA": "1", "GPURT_NT_COPY": "4K"}).stdout
     assert out.startswith("ok"), out
+
+
+NO_FD = """
+import json, os, resource, numpy as np, gpurt
+comm = gpurt.init()
+r = comm.rank
+rec = {"rank": r}
+ep = comm.endpoints[1 - r]
+if ep.owner.cma_why:
+    rec["skip"] = ep.owner.cma_why
+    print("NOFD " + json.dumps(rec), flush=True)
+    raise SystemExit(0)
+N = 1 << 20
+x = comm.empty(N, np.float32)
+x[:] = r + 1
+hog = []
+if r == 1:      # every file descriptor taken (sockets, files, other arrays)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+    try:
+        while True:
+            hog.append(os.open("/dev/null", os.O_RDONLY))
+    except OSError:
+        pass
+try:
+    if r == 0:
+        comm.send(x, 1, timeout=30)
+    else:
+        d = np.empty(N, np.float32)
+        comm.recv(d, 0, timeout=30)
+        rec["recv"] = bool((d == 1).all())
+    g = comm.allgather(x)       # (shm_direct's maps, then its fallback schedule's)
+    rec["allgather"] = bool((g[0] == 1).all() and (g[1] == 2).all())
+except Exception as e:  # noqa: BLE001 - the record says what it was
+    rec["error"] = f"{type(e).__name__}: {e}"
+for f in hog:
+    os.close(f)
+print("NOFD " + json.dumps(rec), flush=True)
+"""
+
+
+def test_a_shared_array_that_cannot_be_mapped_is_read_by_address():
+    """A rank with no file descriptor left cannot map its peer's shared array: the
+    message is read with process_vm_readv from the address the sender also published
+    (a warning says so once), exact — the send and an allgather (shm_direct and its
+    fallback schedule).  Before: TransportError, and the communicator failed."""
+    res = run_mpi(2, ["-c", NO_FD], timeout=120)
+    recs = rank_records(res.stdout, "NOFD", 2)
+    if "skip" in recs[0]:
+        pytest.skip(f"process_vm_readv not allowed here: {recs[0]['skip']}")
+    assert recs[1] == {"rank": 1, "recv": True, "allgather": True}, recs
+    assert recs[0] == {"rank": 0, "allgather": True}, recs
+    assert "reading rank 0's shared arrays with process_vm_readv instead" in res.stderr, \
+        res.stderr
+
+
+DEAD_SENDER = """
+import json, os, signal, time, numpy as np, gpurt
+comm = gpurt.init()
+r = comm.rank
+x = comm.empty(1 << 18, np.float32)     # 1 MiB: single copy through a mapping of it
+x[:] = 7
+if r == 0:
+    req = comm.isend(x, 1)
+    time.sleep(0.05)
+    os.kill(os.getpid(), signal.SIGKILL)
+pid = comm.pids[0]
+deadline = time.monotonic() + 20
+while time.monotonic() < deadline:      # until rank 0 is gone (or a zombie)
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                break
+    except OSError:
+        break
+    time.sleep(0.01)
+rec = {"rank": 1}
+try:
+    comm.recv(np.empty(1 << 18, np.float32), 0, timeout=10)
+    rec["got"] = "completed"
+except Exception as e:  # noqa: BLE001
+    rec["got"] = f"{type(e).__name__} rank={getattr(e, 'rank', None)}: {e}"
+print("DEADSENDER " + json.dumps(rec), flush=True)
+os._exit(0)
+"""
+
+
+def test_a_sender_killed_with_a_shared_array_in_flight_is_a_peer_failure():
+    """A rank SIGKILLed with a send from its shared array in flight: the receiver gets
+    PeerFailure(rank=0) that says it exited (before: TransportError 'cannot open rank
+    0's shared array ... No such file or directory', which programs catching PeerFailure
+    miss)."""
+    if not is_hydra():
+        pytest.skip("uses MPICH hydra's -disable-auto-cleanup")
+    proc = subprocess.run([*mpiexec(), "-disable-auto-cleanup", "-n", "2", sys.executable,
+                           "-c", DEAD_SENDER], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, GPURT_TIMEOUT="60"))
+    recs = [json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines()
+            if line.startswith("DEADSENDER ")]
+    assert len(recs) == 1, (proc.stdout, proc.stderr)
+    rec = recs[0]
+    assert rec["got"].startswith("PeerFailure rank=0: rank 1: in recv from rank 0 (tag 0): "
+                                 "rank 0 (pid "), rec
+    assert "has exited with its 1048576-byte message to this rank unread" in rec["got"], rec

@@ -61,6 +61,24 @@ from .base import LANE_NAMES, LANE_P2P, LANES, UPTO_MAX, Sink, mismatch_detail
 
 log = logging.getLogger("gpurt.shm")
 
+
+def _alive(pid: int) -> bool:
+    """Is process ``pid`` (this pid namespace's) still running — not gone, not a zombie?
+    (Asked without a file descriptor first: the question may come because none is left.)"""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        pass                    # (EPERM: it exists)
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):
+        return True             # (no descriptor to look with: it did not answer gone)
+
 PREFIX = "gpurt-"
 # a segment from this size on is reserved while the other local ranks sleep (below it the
 # reservation takes a few ms, and a nap would overshoot it)
@@ -496,6 +514,8 @@ class _Ring:
         self.acks = 0        # single-copy messages sent (sender) / completed (receiver:
                              # as its ack word, which the compiled end bumps too)
         self.peer_pid = 0
+        self.cma_ok = False     # receiver: process_vm_readv allowed from the peer
+        self.unmapped_told = False   # receiver: warned once that a mapping failed
         self.bounce: np.ndarray | None = None   # receiver: where reduced data lands first
 
     # -- sender side ---------------------------------------------------------
@@ -581,7 +601,10 @@ class _Ring:
                     self._trust(m, "")      # (its shared array may be gone with it)
                     m.remote = remote   # single copy: read from the sender's memory below
                     if q[h + 6] and self.maps is not None:   # ... or its shared array
-                        m.src = self.maps.view(q[h + 6], q[h + 7], total)
+                        try:
+                            m.src = self.maps.view(q[h + 6], q[h + 7], total)
+                        except TransportError as e:
+                            self._unmapped(m, total, e)     # (m.src stays None)
                 elif n:
                     m.sink(off, self.data[k][:n])
                 self.count += 1
@@ -594,6 +617,28 @@ class _Ring:
                     m.sink = None
             self.queue.popleft()
         return moved
+
+    def _unmapped(self, m: _Msg, total: int, e: TransportError) -> None:
+        """The sender's shared array could not be mapped here (``PeerMaps``: no file
+        descriptor or memory map left, or the sender gone): ``PeerFailure`` where the
+        sender has exited (its array went with it); else the message is read with
+        ``process_vm_readv`` from the address it also published, where that is allowed
+        here; else ``e``, naming the peer and the message (before: ``TransportError``
+        for an exited sender, and a communicator failed where a copy by address would
+        have done)."""
+        pid = self.peer_pid
+        if not _alive(pid):
+            raise PeerFailure(f"rank {m.peer} (pid {pid}, same node) has exited with its "
+                              f"{total}-byte message to this rank unread (single copy from "
+                              f"its shared array)", rank=m.peer) from None
+        if self.cma_ok:
+            if not self.unmapped_told:
+                self.unmapped_told = True
+                log.warning("shm: %s; reading rank %d's shared arrays with "
+                            "process_vm_readv instead", e.args[0], m.peer)
+            return
+        raise TransportError(f"{e.args[0]} (its {total}-byte message to this rank; "
+                             f"process_vm_readv is not allowed here either)") from None
 
     def _read_remote(self, m: _Msg) -> bool:
         """Single copy: read the rest of ``m`` from the sender's memory — straight into the
@@ -1098,6 +1143,7 @@ class ShmTransport:
                 ring.can_help = help_on and (ring.writev or bool(use_map))
             for ring in ep.rx:
                 ring.help_min = helpmin if help_on and (use_cma or use_map) else 0
+                ring.cma_ok = bool(use_cma)
         return dict(self.endpoints)
 
     def _probe_map(self, node, rank: int, enabled: bool = True) -> str:
