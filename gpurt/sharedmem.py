@@ -198,8 +198,21 @@ def empty(shape, dtype=np.float32) -> np.ndarray:
         mm = _Mapping(fd, size + _PAGE)
     except OSError as e:
         os.close(fd)
-        raise ResourceError(f"gpurt.empty: cannot allocate {size / 2**20:.1f} MiB of shared "
-                            f"memory: {e.strerror}") from None
+        hint = ""
+        if e.errno == errno.ENOMEM:
+            try:
+                with open("/proc/sys/vm/max_map_count") as f:
+                    limit = int(f.read())
+                with open("/proc/self/maps") as f:
+                    used = sum(1 for _ in f)
+                if used >= limit - 16:
+                    hint = (f" (this process has {used} memory maps of vm.max_map_count="
+                            f"{limit}: free arrays or raise the limit)")
+            except (OSError, ValueError):
+                pass
+        amount = f"{size / 2**20:.1f} MiB" if size >= 1 << 20 else f"{size} bytes"
+        raise ResourceError(f"gpurt.empty: cannot allocate {amount} of shared memory: "
+                            f"{e.strerror}{hint}") from None
     if fd >> FD_BITS:
         os.close(fd)
         raise ResourceError(f"gpurt.empty: file descriptor {fd} is too large")
