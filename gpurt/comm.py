@@ -415,7 +415,10 @@ class Communicator:
             cls = ResourceError if any(t == "ResourceError" for t, _ in every) else TransportError
             msgs = list(dict.fromkeys(m for _, m in every))
             more = f" (and {len(msgs) - 3} more like these)" if len(msgs) > 3 else ""
-            raise cls("; ".join(msgs[:3]) + more)
+            text = "; ".join(msgs[:3]) + more
+            if not text.startswith(f"rank {self.rank}: "):     # (another rank's error)
+                text = f"rank {self.rank}: communicator not made: {text}"
+            raise cls(text)
 
     def _unreachable(self, missing: list[int], names: list[str]) -> str:
         from gpurt.transports import PLANNED

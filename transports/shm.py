@@ -1035,7 +1035,9 @@ class ShmTransport:
             mpi_barrier(node, 1e-2 if oversubscribed(nlocal) else 1e-3)
         where, err = node.bcast((where, err), 0)
         if err:
-            raise ResourceError(f"rank {comm.rank}: shm segment not created by local rank 0: {err}")
+            # (the same text on every rank of the node, local rank 0's, which names it:
+            # the communicator's one error then says it once, not once per rank)
+            raise ResourceError(err)
         who = f"local rank {self.local_rank} (rank {comm.rank})"
 
         def attach(how: tuple) -> str:
