@@ -2656,7 +2656,14 @@ class Communicator:
         failure or a close): ``PeerFailure`` — the exchange would wait for ever — and the
         communicator poisoned, since its MPI exchange stays posted (later calls raise at
         once).  Before, a peer already known to be frozen held a split or dup until it
-        woke up: for ever, where it never did."""
+        woke up: for ever, where it never did.  An ``abort()`` meanwhile (a watchdog
+        thread, a signal handler) ends it too, with ``CommunicatorClosed`` (it waited
+        for the peer, and blamed it when that one left)."""
+        p = self.engine.poisoned
+        if p is not None:
+            raise CommunicatorClosed(f"rank {self.rank}: {what}: the communicator was "
+                                     f"aborted or failed meanwhile: {str(p) or type(p).__name__}"
+                                     ) from p
         try:
             self._check_peers(list(self.endpoints))
         except GpurtError as e:

@@ -1274,6 +1274,39 @@ def test_a_communicator_collected_without_close_fails_its_waiting_peers_at_once(
         assert "dropped the communicator without close()" in rec["got"], rec
 
 
+ABORT_DUP = """
+import json, sys, threading, time, gpurt
+comm = gpurt.init()
+comm.barrier()
+rec = {"rank": comm.rank}
+if comm.rank == 1:
+    time.sleep(4)               # never comes to the dup; leaves after 4 s
+else:
+    threading.Thread(target=lambda: (time.sleep(0.5), comm.abort("watchdog")),
+                     daemon=True).start()
+    t = time.monotonic()
+    try:
+        comm.split(0) if sys.argv[1] == "split" else comm.dup()
+        rec["got"] = "returned"
+    except Exception as e:  # noqa: BLE001 - the record says what it was
+        rec["got"] = f"{type(e).__name__}: {e}"
+    rec["s"] = time.monotonic() - t
+print("ABORTDUP " + json.dumps(rec), flush=True)
+"""
+
+
+@pytest.mark.parametrize("what", ["dup", "split"])
+def test_abort_from_a_watchdog_ends_a_dup_or_split_waiting_for_a_rank(what):
+    """A watchdog thread's abort() while this rank waits in a dup or split for a rank
+    that never comes: CommunicatorClosed at once, as abort ends any blocking call
+    (before: the call waited until the other rank left, 4 s here, and then blamed it)."""
+    out = run_mpi(2, ["-c", ABORT_DUP, what], timeout=120).stdout
+    rec = rank_records(out, "ABORTDUP", 2)[0]
+    assert rec["got"] == (f"CommunicatorClosed: rank 0: {what}: the communicator was "
+                          f"aborted or failed meanwhile: rank 0: watchdog"), rec
+    assert 0.4 < rec["s"] < 2, rec
+
+
 @pytest.mark.parametrize("level", ["single", "funneled", "serialized", "multiple"])
 def test_two_threads_making_communicators_below_thread_multiple(level):
     """tests/thread_level_cases.py: below MPI_THREAD_MULTIPLE, a thread that makes a
