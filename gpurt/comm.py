@@ -1509,8 +1509,10 @@ class Communicator:
         rec = fl.start(seq, coll, fargs, name, site) if fl is not None else None
         xf = x.reshape(-1)
         rf = res.reshape(-1) if res is not None else None
-        # one deadline for the whole call, as a Request's wait has
-        end = time.monotonic() + (eng._timeout() if timeout is None else timeout)
+        # one deadline for the whole call, as a Request's wait has (its timeout is what a
+        # CollectiveTimeout says, not what was left of it for the data run)
+        said = eng._timeout() if timeout is None else timeout
+        end = time.monotonic() + said
         try:
             if fold or self._netcheck:
                 data = xf if fold and _fold_sends(coll, self.rank, root) else None
@@ -1526,7 +1528,7 @@ class Communicator:
                         "out": rf if rf is not None else np.empty(0, dtype),
                         "tmp": self._scratch_view(sched.tmp * dtype.itemsize).view(dtype)}
                 eng.run_inline(_Run(sched, bufs, alias, red, self.endpoints, 0, seq, sig),
-                               coll, seq, max(0.0, end - time.monotonic()))
+                               coll, seq, max(0.0, end - time.monotonic()), said)
         except BaseException as e:
             eng._annotate(e, f"in {coll} (call #{seq}): ")
             eng.poison(e)

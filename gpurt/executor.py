@@ -931,7 +931,8 @@ class Engine:
                         "communicator is poisoned; what they saw: " + text)
             e.args = (prefix + where + text,) + e.args[1:]
 
-    def run_inline(self, run, name: str, seq: int, timeout: float | None) -> None:
+    def run_inline(self, run, name: str, seq: int, timeout: float | None,
+                   said: float | None = None) -> None:
         """Drive one collective to completion right here — the blocking fast path, used
         only while no other collective is queued (so call order is kept) and without a
         ``Request``.  Same deadlines, liveness checks and poisoning as ``wait``."""
@@ -948,8 +949,8 @@ class Engine:
                 missing = _missing(run)
                 return CollectiveTimeout(
                     f"rank {self.rank}: {name} (call #{seq}) did not complete within "
-                    f"{t:g} s; still waiting for rank(s) {missing}",
-                    collective=name, seq=seq, missing=tuple(missing))
+                    f"{said if said is not None else t:g} s; still waiting for rank(s) "
+                    f"{missing}", collective=name, seq=seq, missing=tuple(missing))
 
             self._drive(run.advance, lambda: run.done or self.poisoned is not None,
                         run.waiting_on, timeout, timed_out)
@@ -1025,6 +1026,12 @@ class Engine:
                     step()
                     if finished():
                         return
+                    if not getattr(exc, "missing", True):
+                        # (named nobody: a chain between its agreement and its data
+                        # run, or transfers arrived but not yet cleared — the step just
+                        # run moved past them: who is missing now; a bug hunt found
+                        # "still waiting for rank(s) []")
+                        exc = timed_out(timeout, waiting_on())
                     raise exc
 
     def pending_peers(self, naming: bool = False) -> list[int]:
