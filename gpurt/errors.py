@@ -13,7 +13,8 @@ class CollectiveTimeout(GpurtError, TimeoutError):
 
     ``collective``, ``seq`` (the communicator's call number; -1 for a ``send``/``recv``,
     whose message names its tag) and ``missing`` (the ranks this rank was still waiting
-    for) say where it stopped.  Where one message brings
+    for) say where it stopped — for a request queued behind an earlier collective that
+    has not completed, that earlier call (the text names both).  Where one message brings
     several ranks' parts (the agreement check across nodes on more than 8 ranks: a node's
     headers come together), ``missing`` holds all of them, the absent rank among ranks
     that did call; the absent rank's node mates name it alone.

@@ -1077,14 +1077,18 @@ class Engine:
     def _wait(self, req: Request, timeout: float | None) -> None:
         def timed_out(t: float, _peers: list[int]) -> CollectiveTimeout:
             missing = self.pending_peers(naming=True)
-            earlier = "" if req.p2p or not self.colls or self.colls[0] is req else \
-                f" in the earlier {self.colls[0].name} (call #{self.colls[0].seq})"
-            # (a point-to-point request's number is its tag, not a call number: seq -1)
+            stuck = None if req.p2p or not self.colls or self.colls[0] is req else \
+                self.colls[0]
+            earlier = f" in the earlier {stuck.name} (call #{stuck.seq})" if stuck else ""
+            # (a point-to-point request's number is its tag, not a call number: seq -1;
+            # the attributes say where it stopped: the earlier call it queues behind)
+            where = stuck or req
             return CollectiveTimeout(
                 f"rank {self.rank}: {req.name} "
                 f"({'tag ' if req.p2p else 'call #'}{req.seq}) did not complete within "
                 f"{t:g} s; still waiting for rank(s) {missing}{earlier}",
-                collective=req.name, seq=-1 if req.p2p else req.seq, missing=tuple(missing))
+                collective=where.name, seq=-1 if req.p2p else where.seq,
+                missing=tuple(missing))
 
         try:
             self._drive(self.progress, lambda: req.done or req.error is not None,

@@ -1307,6 +1307,43 @@ def test_abort_from_a_watchdog_ends_a_dup_or_split_waiting_for_a_rank(what):
     assert 0.4 < rec["s"] < 2, rec
 
 
+EARLIER = """
+import json, time, numpy as np, gpurt
+comm = gpurt.init()
+comm.barrier()
+rec = {"rank": comm.rank}
+if comm.rank == 1:
+    time.sleep(2.5)             # posts nothing
+else:
+    a = comm.iallreduce(np.ones(4, np.float32))
+    b = comm.iallgather(np.ones(4, np.float32))
+    try:
+        b.wait(timeout=1)
+    except gpurt.CollectiveTimeout as e:
+        rec.update(text=str(e), collective=e.collective, seq=e.seq, missing=list(e.missing))
+    except gpurt.GpurtError as e:       # (the other waiting rank's timeout told first)
+        rec["other"] = f"{type(e).__name__}: {e}"
+    comm.abort()
+print("EARLIER " + json.dumps(rec), flush=True)
+"""
+
+
+def test_a_timeout_behind_an_earlier_call_says_where_it_stopped():
+    """A wait on a request queued behind an earlier collective that a rank never calls:
+    the timeout's text and its attributes name the earlier call, where it stopped (the
+    attributes named the request waited on; a bug hunt)."""
+    out = run_mpi(3, ["-c", EARLIER], timeout=120, check=False).stdout
+    recs = rank_records(out, "EARLIER", 3)
+    timed = [r for r in (0, 2) if "text" in recs[r]]
+    assert timed, recs
+    for r in timed:
+        rec = recs[r]
+        assert rec["text"].startswith(f"rank {r}: allgather (call #3) did not complete "
+                                      f"within 1 s; still waiting for rank(s) [1] in the "
+                                      f"earlier allreduce (call #2)"), rec
+        assert (rec["collective"], rec["seq"], rec["missing"]) == ("allreduce", 2, [1]), rec
+
+
 @pytest.mark.parametrize("level", ["single", "funneled", "serialized", "multiple"])
 def test_two_threads_making_communicators_below_thread_multiple(level):
     """tests/thread_level_cases.py: below MPI_THREAD_MULTIPLE, a thread that makes a
