@@ -30,16 +30,20 @@ SEQ, KIND, ARGS, ALGO, T0, T1, STATE, SITE = range(8)
 class FlightRecorder:
     """``events``: the last ``n`` calls.  A call still running when the ring pushes it out
     (many requests in flight) moves to ``held`` — the oldest unfinished call is the one a
-    hang is about — up to ``4 n`` of them; beyond that ``lost`` counts them."""
+    hang is about — up to ``4 n`` of them; beyond that they are not shown, only counted
+    (``lost``: those still unfinished when the records are dumped — a call that was
+    pushed out and completed later is not lost; it was counted so, and a dump claimed
+    unfinished calls that were not)."""
 
-    __slots__ = ("rank", "size", "cid", "events", "dumped", "held", "lost")
+    __slots__ = ("rank", "size", "cid", "events", "dumped", "held", "over", "over_cap")
 
     def __init__(self, rank: int, size: int, cid: str, n: int):
         self.rank, self.size, self.cid = rank, size, cid
         self.events: deque = deque(maxlen=max(1, n))
         self.dumped = False
         self.held: list = []
-        self.lost = 0
+        self.over: list = []        # running calls beyond ``held``'s room (not shown)
+        self.over_cap = 4 * self.events.maxlen
 
     def start(self, seq: int, kind: str, args: tuple, algo: str, site: int = 0) -> list:
         rec = [seq, kind, args, algo, time.time(), 0.0, "running", site]
@@ -66,8 +70,17 @@ class FlightRecorder:
             held[:] = [e for e in held if e[STATE] == "running"]
         if len(held) < cap:
             held.append(rec)
-        else:
-            self.lost += 1
+            return
+        over = self.over
+        if len(over) >= self.over_cap:     # (amortised: pruned when it has doubled)
+            over[:] = [e for e in over if e[STATE] == "running"]
+            self.over_cap = max(4 * self.events.maxlen, 2 * len(over))
+        over.append(rec)
+
+    @property
+    def lost(self) -> int:
+        """Unfinished calls pushed out beyond ``held``'s room (not in the records)."""
+        return sum(1 for e in self.over if e[STATE] == "running")
 
     def _all(self) -> list:
         """The held calls still running (oldest first), then the ring."""
@@ -138,7 +151,7 @@ class FlightRecorder:
             with open(tmp, "w") as f:             # while writing left half a file)
                 json.dump({"rank": self.rank, "size": self.size, "communicator": self.cid,
                            "pid": os.getpid(), "host": os.uname().nodename,
-                           "lost": self.lost,
+                           "lost": self.lost, "time": time.time(),
                            "reason": f"{type(reason).__name__}: {reason}", "records": recs},
                           f, indent=1)
             os.replace(tmp, path)
@@ -239,12 +252,33 @@ def line_up(paths: list[str]) -> str:
                 out.append(f"  first call not completed everywhere: #{first_open} "
                            f"{rec['kind']} ({_what(rec)})")
             else:
+                differ = "called different collectives" if \
+                    len({k for k, _ in shapes}) > 1 else "made this call with different arguments"
                 out.append(f"  first call not completed everywhere: #{first_open}, and the "
-                           f"ranks called different collectives there:")
+                           f"ranks {differ} there:")
                 for rk in inside:
                     r = calls[rk]
                     out.append(f"      rank {rk}: {r['kind']} ({_what(r)})")
             out.append(f"    entered by rank(s) {inside}")
+            # each rank's state in it and when it came (a rank that came after others had
+            # given up shows as late: it may even have completed it, from what they had
+            # published; the line-up said only that every rank entered it)
+            dumped = {d["rank"]: d.get("time") for d in dumps}
+            starts = [r["t_start"] for r in calls.values()
+                      if isinstance(r.get("t_start"), (int, float))]
+            t0 = min(starts) if starts else None
+            for rk in inside:
+                r = calls[rk]
+                ts = r.get("t_start")
+                when = f", entered at +{ts - t0:.3f} s" \
+                    if t0 is not None and isinstance(ts, (int, float)) else ""
+                late = sorted(o for o in inside if o != rk and
+                              calls[o]["state"].startswith("failed") and
+                              isinstance(dumped.get(o), (int, float)) and
+                              isinstance(ts, (int, float)) and ts > dumped[o])
+                out.append(f"      rank {rk}: {r['state']}{when}" +
+                           (f" (late: after rank(s) {late} had given up on it)" if late
+                            else ""))
             for rk in inside:
                 site = calls[rk].get("site")
                 if site:
