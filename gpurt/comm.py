@@ -908,7 +908,7 @@ class Communicator:
                     # most likely for the slow rank this one waits for too, which its
                     # own deadline names — the better blame)
                     if e is not None and not _TIMED_OUT.search(e.args[0]):
-                        e.args = (f"{e.args[0]} (this rank waited for rank(s) {peers} "
+                        e.args = (f"{e.args[0]} (rank {self.rank} waited for rank(s) {peers} "
                                   f"until its deadline)",) + e.args[1:]
                         raise e
 
