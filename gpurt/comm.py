@@ -109,26 +109,33 @@ _TIMED_OUT = re.compile(r"failed: (PeerFailure\[rank=\d+\]: .*)?CollectiveTimeou
 _MPI_OURS = 0       # pid of the process in which gpurt initialised MPI (it finalizes it)
 #: below MPI_THREAD_MULTIPLE: the thread in gpurt's MPI exchanges of a communicator
 #: creation (split, dup, Communicator) and how deeply ([ident, depth]; ident None: none)
-_MPI_TURN = [None, 0]
+_MPI_TURN: list = [None, 0, ""]       # (and the holder's kind: "create" or "free")
 _MPI_TURN_LOCK = threading.Lock()
 _MPI_LEVEL: list = []      # MPI's thread level, once asked (it cannot change)
+_REFUSED = "another thread of this process is making a communicator"
 
 
-def _take_turn(MPI) -> bool | None:
-    """This thread's turn in gpurt's MPI exchanges (``_mpi_turn``): None where MPI runs
-    at MPI_THREAD_MULTIPLE (no turns), True when taken (``_give_turn`` after), False
-    when another thread has it."""
+def _take_turn(MPI, kind: str = "create") -> bool | None:
+    """This thread's turn in gpurt's MPI calls (``_mpi_turn``): None where MPI runs at
+    MPI_THREAD_MULTIPLE (no turns), True when taken (``_give_turn`` after), False when
+    another thread has it — except that a creation waits for another thread's frees
+    (local and quick: no peer is waited for), instead of being refused for them."""
     if not _MPI_LEVEL:
         _MPI_LEVEL.append(MPI.Query_thread())
     if _MPI_LEVEL[0] >= MPI.THREAD_MULTIPLE:
         return None
     me = threading.get_ident()
-    with _MPI_TURN_LOCK:
-        if _MPI_TURN[0] not in (None, me):
-            return False
-        _MPI_TURN[0] = me
-        _MPI_TURN[1] += 1
-    return True
+    while True:
+        with _MPI_TURN_LOCK:
+            if _MPI_TURN[0] in (None, me):
+                if _MPI_TURN[0] is None:
+                    _MPI_TURN[2] = kind
+                _MPI_TURN[0] = me
+                _MPI_TURN[1] += 1
+                return True
+            if kind != "create" or _MPI_TURN[2] != "free":
+                return False
+        time.sleep(1e-4)
 
 
 def _give_turn() -> None:
@@ -153,7 +160,7 @@ def _mpi_turn(MPI, who: str, what: str):
     if took is False:
         names = {getattr(MPI, n): n for n in _THREAD_LEVELS.values()}
         e = GpurtError(
-            f"{who}: {what}: another thread of this process is making a communicator "
+            f"{who}: {what}: {_REFUSED} "
             f"(split, dup or Communicator: MPI exchanges) at the same time, and MPI "
             f"runs at MPI_{names.get(_MPI_LEVEL[0], _MPI_LEVEL[0])}, where two "
             f"threads' MPI calls at once crash MPI or mix up its messages: make "
@@ -2634,7 +2641,8 @@ class Communicator:
 
         def make():
             # (one rank's bad argument would leave the others in MPI_Comm_split for ever)
-            _gather_progressing(self.mpi, lambda: self._ctl_check("split"))
+            self._ctl_known_failed("split")
+            _gather_progressing(self.mpi, lambda: self._ctl_refused("split"))
             whys = self.mpi.allgather(why)
             if any(whys):
                 raise ValueError(f"rank {self.rank}: split: " + "; ".join(
@@ -2649,29 +2657,69 @@ class Communicator:
         """A new communicator over the same ranks, with its own transports.  Collective."""
         self._check_open()
         _mpi_ready(f"rank {self.rank}")
-        return self._control_plane("dup", lambda: Communicator(
-            self.mpi, _check=lambda: self._ctl_check("dup")))
+        def make():
+            self._ctl_known_failed("dup")
+            return Communicator(self.mpi, _check=lambda: self._ctl_refused("dup"))
 
-    def _ctl_check(self, what: str) -> None:
-        """A split's or dup's liveness check while it waits for every rank to come (the
-        transports' ``check``: a peer gone, stopped past the bound, or that published a
-        failure or a close): ``PeerFailure`` — the exchange would wait for ever — and the
-        communicator poisoned, since its MPI exchange stays posted (later calls raise at
-        once).  Before, a peer already known to be frozen held a split or dup until it
-        woke up: for ever, where it never did.  An ``abort()`` meanwhile (a watchdog
-        thread, a signal handler) ends it too, with ``CommunicatorClosed`` (it waited
-        for the peer, and blamed it when that one left)."""
-        p = self.engine.poisoned
-        if p is not None:
-            raise CommunicatorClosed(f"rank {self.rank}: {what}: the communicator was "
-                                     f"aborted or failed meanwhile: {str(p) or type(p).__name__}"
-                                     ) from p
+        return self._control_plane("dup", make)
+
+    def _ctl_known_failed(self, what: str) -> None:
+        """Before a split or dup posts anything in MPI: ``PeerFailure`` (the communicator
+        poisoned) where a peer is already known to have failed — gone, stopped past the
+        bound, or published a failure — since the exchange would wait for it for ever
+        (it held a split until a frozen rank woke up: for ever, where it never did; a bug
+        hunt).  A peer's *close* (or its exit's close notice) is not acted on: a rank that
+        closes during its own split runs that exchange to its end, and its peers must
+        come to it.  The transports' checks read their sockets, so they run only where
+        no other thread is in this communicator's engine (a wait meanwhile does its own,
+        and reading one connection from two threads mixes up the data)."""
+        eng = self.engine
+        if eng.poisoned is not None or eng.busy or eng.owner:
+            return
+        eng.busy = threading.get_ident()       # (test and set, as progress_elsewhere)
         try:
-            self._check_peers(list(self.endpoints))
-        except GpurtError as e:
-            e.args = (f"rank {self.rank}: {what}: {e.args[0]}",) + e.args[1:]
-            self.engine.poison(e)
-            raise
+            failed = None
+            for p, ep in list(self.endpoints.items()):
+                try:
+                    ep.check()
+                except GpurtError as e:
+                    # (a close, or an end of stream that may be one: acted on only where
+                    # the peer's process is seen gone — on this node, in this pid space)
+                    if "closed the communicator" not in str(e) or self._gone(p):
+                        failed = e
+                        break
+        finally:
+            eng.leave(0)
+        if failed is not None:
+            failed.args = (f"rank {self.rank}: {what}: {failed.args[0]}",) + failed.args[1:]
+            eng.poison(failed)
+            raise failed
+
+    def _gone(self, peer: int) -> bool:
+        """Is ``peer``'s process seen to have exited (a peer of this node whose pid means
+        the same here; else not known: False)?"""
+        from gpurt.transports.shm import _alive
+        if self.topo.node_of[peer] != self.node or not self.pidns[peer] or \
+                self.pidns[peer] != self.pidns[self.rank]:
+            return False
+        return not _alive(self.pids[peer])
+
+    def _ctl_refused(self, what: str) -> None:
+        """While a split or dup waits for every rank to come: ``PeerFailure`` where a peer
+        published that it refused this very exchange before posting anything in it (two
+        threads making communicators below MPI_THREAD_MULTIPLE, ``_mpi_turn``) — it will
+        never come, and nothing waits on this rank.  Read from the shared segment only (no
+        system call, no socket read: another thread may be in the engine); peers across
+        nodes are not told so.  No other failure ends the wait: a peer that has posted
+        may complete the exchange whatever this rank concludes, and then waits for it in
+        the blocking calls that follow."""
+        for ep in list(self.endpoints.values()):
+            published = getattr(ep, "published", None)
+            e = published() if published is not None else None
+            if e is not None and _REFUSED in str(e):
+                e.args = (f"rank {self.rank}: {what}: {e.args[0]}",) + e.args[1:]
+                self.engine.poison(e)
+                raise e
 
     def _control_plane(self, what: str, make: Callable[[], "Communicator | None"]
                        ) -> "Communicator | None":
@@ -2844,7 +2892,7 @@ class Communicator:
         MPI = _mpi()
         if not MPI.Is_finalized():
             comms = [getattr(self, c, None) for c in ("node_comm", "mpi")]
-            took = _take_turn(MPI)
+            took = _take_turn(MPI, "free")
             if took is False:
                 # (another thread is in a creation's MPI exchanges, below
                 # MPI_THREAD_MULTIPLE: freed by the next creation or close instead)
@@ -2885,7 +2933,7 @@ def _free_mpi_garbage() -> None:
     MPI = _mpi()
     if MPI.Is_finalized():
         return
-    took = _take_turn(MPI)
+    took = _take_turn(MPI, "free")
     if took is False:       # (another thread's creation is in MPI: later)
         return
     try:

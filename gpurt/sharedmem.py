@@ -115,6 +115,35 @@ def _count_fork() -> None:
 os.register_at_fork(after_in_parent=_count_fork)
 
 
+def _replace_index(change) -> None:
+    """Replace the index by ``change(starts, arenas)``: the new tuples are built outside
+    the lock (building them allocates objects the garbage collector tracks, and a
+    collection that frees a shared array runs its finalizer, ``_free``, which comes here
+    too: under the lock, which is not reentrant, that thread waited for itself for
+    ever), then swapped in under it if nobody replaced the index meanwhile, else built
+    again."""
+    global _index
+    while True:
+        snap = _index
+        new = change(*snap)
+        with _lock:
+            if _index is snap:
+                _index = new
+                return
+
+
+def _with(starts: tuple, arenas: tuple, arena: tuple) -> tuple:
+    i = bisect.bisect_left(starts, arena[0])
+    return starts[:i] + (arena[0],) + starts[i:], arenas[:i] + (arena,) + arenas[i:]
+
+
+def _without(starts: tuple, arenas: tuple, start: int, serial: int) -> tuple:
+    i = bisect.bisect_left(starts, start)
+    if i < len(starts) and starts[i] == start and arenas[i][2] == serial:
+        return starts[:i] + starts[i + 1:], arenas[:i] + arenas[i + 1:]
+    return starts, arenas
+
+
 def _free(start: int, serial: int, fd: int, size: int, owner: int, forks: int = 0) -> None:
     """Finalizer of one arena's mapping: tell the peers (live word), forget, close.  In a
     forked child (a data-loader worker, say) only its inherited descriptor is closed: the
@@ -125,12 +154,7 @@ def _free(start: int, serial: int, fd: int, size: int, owner: int, forks: int = 
         except OSError:
             pass
         return
-    global _index
-    with _lock:
-        starts, arenas = _index
-        i = bisect.bisect_left(starts, start)
-        if i < len(starts) and starts[i] == start and arenas[i][2] == serial:
-            _index = (starts[:i] + starts[i + 1:], arenas[:i] + arenas[i + 1:])
+    _replace_index(lambda starts, arenas: _without(starts, arenas, start, serial))
     try:
         os.pwrite(fd, b"\0" * 8, size + _LIVE_OFF)
     except OSError:
@@ -221,12 +245,8 @@ def empty(shape, dtype=np.float32) -> np.ndarray:
         _madvise(mm.addr, size, mmap.MADV_HUGEPAGE)
     arr = mm.u8()[:count * dt.itemsize].view(dt)
     start = mm.addr
-    global _index
-    with _lock:
-        starts, arenas = _index
-        i = bisect.bisect_left(starts, start)
-        _index = (starts[:i] + (start,) + starts[i:],
-                  arenas[:i] + ((start, start + size, serial, fd),) + arenas[i:])
+    _replace_index(lambda starts, arenas: _with(starts, arenas,
+                                                (start, start + size, serial, fd)))
     weakref.finalize(mm, _free, start, serial, fd, size, os.getpid(), _forks)
     return arr.reshape(shp)
 

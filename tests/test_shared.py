@@ -441,3 +441,30 @@ def test_a_sender_that_died_with_a_shared_array_in_flight_is_a_peer_failure(tmp_
     assert rec["got"].startswith("PeerFailure rank=0: rank 1: in recv from rank 0 (tag 0): "
                                  "rank 0 (pid "), rec
     assert "has exited with its 1048576-byte message to this rank unread" in rec["got"], rec
+
+
+GC_UNDER_THE_LOCK = """
+import faulthandler, sys, time
+faulthandler.dump_traceback_later(60, exit=True)
+from gpurt import sharedmem
+class Holder:
+    pass
+keep = [sharedmem.empty(16) for _ in range(200)]     # live arrays: long index tuples
+for trial in range(8000):
+    h = Holder()
+    h.me, h.arr = h, sharedmem.empty(1024)          # an array in a reference cycle
+    del h                                           # freed by a collection, whenever
+    a = sharedmem.empty(1024)
+    del a
+print("done", flush=True)
+"""
+
+
+def test_a_collection_that_frees_an_array_while_the_index_changes_does_not_deadlock():
+    """Allocating or freeing a shared array rebuilds the index (tuples the garbage
+    collector tracks); a collection triggered there that frees an array in a reference
+    cycle runs its finalizer, which changes the index too.  Built under the lock (not
+    reentrant), that thread waited for itself for ever (a review); now built outside."""
+    res = subprocess.run([sys.executable, "-c", GC_UNDER_THE_LOCK], capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0 and "done" in res.stdout, (res.stdout, res.stderr[-3000:])
