@@ -411,6 +411,29 @@ def _end_leftovers(rank, child_pid: int, note: Callable[[str], None], settle: fl
 _TAIL_CAP = 4096     # bytes of an unfinished line kept for the stderr tail
 
 
+def _put(dst, data: bytes) -> None:
+    """Write and flush ``data`` to ``dst``; a reader gone (a closed pipe) is no error."""
+    try:
+        dst.write(data)
+        dst.flush()
+    except (BrokenPipeError, ValueError, OSError):
+        pass
+
+
+def _chunks(fd: int):
+    """What the pipe ``fd`` gives, as it comes, until its end (or an error reading it)."""
+    while True:
+        try:
+            data = os.read(fd, 65536)
+        except InterruptedError:  # pragma: no cover - (PEP 475 retries)
+            continue
+        except OSError:
+            return
+        if not data:
+            return
+        yield data
+
+
 def _pump(src, dst, prefix: bytes, keep: collections.deque | None) -> None:
     """Copy ``src`` to ``dst`` as it arrives, and remember its last lines in ``keep``.
 
@@ -427,21 +450,9 @@ def _pump(src, dst, prefix: bytes, keep: collections.deque | None) -> None:
     cr = False          # (with a prefix) the last line written ended in "\r"
 
     def write(data: bytes) -> None:
-        try:
-            dst.write(data)
-            dst.flush()
-        except (BrokenPipeError, ValueError, OSError):
-            pass
+        _put(dst, data)
 
-    while True:
-        try:
-            data = os.read(fd, 65536)
-        except InterruptedError:  # pragma: no cover - (PEP 475 retries)
-            continue
-        except OSError:
-            break
-        if not data:
-            break
+    for data in _chunks(fd):
         if keep is not None:
             parts = (line + data).split(b"\n")
             line = parts.pop()[-_TAIL_CAP:]
@@ -815,21 +826,9 @@ def _pass_through(src, dst, records: list[dict], ends: dict | None = None) -> No
         if data:
             if ends is not None:
                 ends["open"] = not data.endswith(b"\n")
-            try:
-                dst.write(data)
-                dst.flush()
-            except (BrokenPipeError, ValueError, OSError):
-                pass
+            _put(dst, data)
 
-    while True:
-        try:
-            data = os.read(fd, 65536)
-        except InterruptedError:  # pragma: no cover - (PEP 475 retries)
-            continue
-        except OSError:
-            data = b""
-        if not data:
-            break
+    for data in _chunks(fd):
         buf += data
         out = []
         while buf:
@@ -1009,11 +1008,7 @@ def run_job(launcher: Launcher, nranks: int, program: Sequence[str], *,
 
     res = Result(0, records, reason, launcher_rc, launcher.kind)
     if err_end.get("open"):     # (the ranks' stderr ended in a partial line)
-        try:
-            stderr.write(b"\n")
-            stderr.flush()
-        except (BrokenPipeError, ValueError, OSError):
-            pass
+        _put(stderr, b"\n")
     first = res.first_failure
     if reason == "timeout":
         res.returncode = 124
