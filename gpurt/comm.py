@@ -2674,10 +2674,11 @@ class Communicator:
         no other thread is in this communicator's engine (a wait meanwhile does its own,
         and reading one connection from two threads mixes up the data)."""
         eng = self.engine
-        if eng.poisoned is not None or eng.busy or eng.owner:
-            return
-        eng.busy = threading.get_ident()       # (test and set, as progress_elsewhere)
-        try:
+        me = threading.get_ident()
+        if eng.poisoned is not None or eng.busy or eng.owner or eng.user not in (0, me):
+            return      # (another thread's: its waits check, and it may come in any time)
+        eng.busy, eng.lent = me, True   # (test and set, as progress_elsewhere: a thread
+        try:                            # coming in meanwhile waits a moment, no error)
             failed = None
             for p, ep in list(self.endpoints.items()):
                 try:
@@ -2689,7 +2690,10 @@ class Communicator:
                         failed = e
                         break
         finally:
-            eng.leave(0)
+            try:
+                eng.leave(0)
+            finally:
+                eng.lent = False
         if failed is not None:
             failed.args = (f"rank {self.rank}: {what}: {failed.args[0]}",) + failed.args[1:]
             eng.poison(failed)

@@ -103,7 +103,9 @@ def main() -> int:
         else:
             time.sleep(1.0)
             rec["call"] = outcome(lambda: f"ok size={c.split(0).size}")
-            c.send(np.full(4, 5.0), 0, tag=7)
+            if r == 1:      # (rank 0 receives one message: a third rank's send raced
+                c.send(np.full(4, 5.0), 0, tag=7)   # rank 0's close, PeerFailure)
+        c.barrier()         # (then close: no rank's call meets a peer's close)
         c.close()
         comm.close()
     else:       # close_dup, close_split, signal_split
