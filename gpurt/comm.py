@@ -3010,7 +3010,7 @@ def _gather_progressing(mpi_comm: Any, check: Callable[[], None] | None = None) 
     them before it comes (an isend, then split, against recv, then split: the receiver
     timed out and the sender stayed in MPI_Comm_split for ever).  Once all are here, no
     rank waits on a gpurt request until the creation is over.  ``check``: a split's or
-    dup's liveness check of the communicator it is made from (``wait_mpi``)."""
+    dup's check for a peer's published refusal of the exchange (``wait_mpi``)."""
     wait_mpi(mpi_comm.Ibarrier(), check=check)
 
 
