@@ -2702,11 +2702,11 @@ class Communicator:
     def _gone(self, peer: int) -> bool:
         """Is ``peer``'s process seen to have exited (a peer of this node whose pid means
         the same here; else not known: False)?"""
-        from gpurt.transports.shm import _alive
+        from gpurt.transports.shm import _pid_alive
         if self.topo.node_of[peer] != self.node or not self.pidns[peer] or \
                 self.pidns[peer] != self.pidns[self.rank]:
             return False
-        return not _alive(self.pids[peer])
+        return not _pid_alive(self.pids[peer])
 
     def _ctl_refused(self, what: str) -> None:
         """While a split or dup waits for every rank to come: ``PeerFailure`` where a peer

@@ -62,23 +62,6 @@ from .base import LANE_NAMES, LANE_P2P, LANES, UPTO_MAX, Sink, mismatch_detail
 log = logging.getLogger("gpurt.shm")
 
 
-def _alive(pid: int) -> bool:
-    """Is process ``pid`` (this pid namespace's) still running — not gone, not a zombie?
-    (Asked without a file descriptor first: the question may come because none is left.)"""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        pass                    # (EPERM: it exists)
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
-    except FileNotFoundError:
-        return False
-    except (OSError, IndexError):
-        return True             # (no descriptor to look with: it did not answer gone)
-
 PREFIX = "gpurt-"
 # a segment from this size on is reserved while the other local ranks sleep (below it the
 # reservation takes a few ms, and a nap would overshoot it)
@@ -219,7 +202,16 @@ def _peer_proc(pid: int, visible: bool = True) -> _PeerProc:
 
 
 def _pid_alive(pid: int) -> bool:
-    """Not provably gone (an unknown pid counts as alive)."""
+    """Not provably gone, nor a zombie (an unknown pid counts as alive).  Asked first
+    without a file descriptor: the question may come because none is left."""
+    if pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        pass                    # (EPERM: it exists)
     return _pid_state(pid) not in ("gone", "Z", "X")
 
 
@@ -627,7 +619,7 @@ class _Ring:
         for an exited sender, and a communicator failed where a copy by address would
         have done)."""
         pid = self.peer_pid
-        if not _alive(pid):
+        if not _pid_alive(pid):
             raise PeerFailure(f"rank {m.peer} (pid {pid}, same node) has exited with its "
                               f"{total}-byte message to this rank unread (single copy from "
                               f"its shared array)", rank=m.peer) from None
