@@ -93,6 +93,10 @@ def _host(arr: np.ndarray, owner: Any, what: str) -> Buf:
 
 
 def _cuda(cai: dict, owner: Any, what: str) -> Buf:
+    if cai.get("mask") is not None:
+        raise TypeError(f"{what}: a masked device array (__cuda_array_interface__ 'mask'): "
+                        f"its mask would be ignored; pass the data with its masked "
+                        f"elements filled")
     typestr = cai["typestr"]
     if typestr in _CAI_BF16 and bfloat16() is not None:
         dtype = bfloat16()

@@ -52,7 +52,7 @@ from .schedule import Copy, Recv, Schedule, Send, Slice
 from .algorithms import REGISTRY, Cost
 from .hier import HIER, Shape
 from .topology import Topology, rank_ranges
-from .tuner import FOLD, Native, Tuner, load_profile, oversubscribed, transport_cost
+from .tuner import FOLD, NATIVE_NAMES, Native, Tuner, load_profile, oversubscribed, transport_cost
 from .wait import spin_seconds
 
 from gpurt.transports import shm_board, shm_direct  # noqa: E402  (after the core imports)
@@ -263,7 +263,7 @@ class Communicator:
         self._ctl_lock = threading.RLock()      # split and dup, one at a time (_control_plane)
         self._transports: list = []
         self.dev, self.dev_why, self.dev_endpoints, self.dev_ipc = None, "not set up", {}, None
-        self._devtuner = self._devtmp = self._devlast = None
+        self._devtuner = self._devtmp = self._devlast = self._devorder = None
         self._agree_bufs: tuple | None = None     # see _agreement_run
         self._hf: _HierFold | None = None         # the same, hierarchical (_hier_fold)
         self._agree_hdrs: dict = {}               # (sig, meta, site) -> header words
@@ -1175,6 +1175,8 @@ class Communicator:
         if self._devtuner is None:
             _c, _l, forced, profile, _check, _fold = self._tuner_in
             cost, levels = self._dev_costs
+            # (GPURT_ALGO's host protocols are the host calls'; device calls keep the choice)
+            forced = {c: a for c, a in forced.items() if a not in NATIVE_NAMES}
             self._devtuner = Tuner(self.size, self.rank, tuple(range(self.size)), cost, (),
                                    self.nnodes, forced, profile,
                                    shape=Shape.of(self.topo.local_ranks), levels=levels)
@@ -1202,6 +1204,13 @@ class Communicator:
             self._devtmp = be.alloc(1 << max(12, (max(nbytes, 1) - 1).bit_length()), stream)
         return self._devtmp[:nbytes]
 
+    def _dev_order_event(self):
+        """The event that orders a call's stream after its buffers' own streams."""
+        ev = self._devorder
+        if ev is None:
+            ev = self._devorder = self.dev.event(False)
+        return ev
+
     def _submit_device(self, coll: str, xb: Buf | None, ob: Buf | None, n: int,
                        dtype: np.dtype, op: Op | None, root: int, result: Any,
                        algo: str | None, finish_root_only: bool, stream: Any) -> Request:
@@ -1213,12 +1222,28 @@ class Communicator:
         b = xb if xb is not None else ob
         with _ranked(self.rank):
             st = devpath.stream_of(be, stream, b)
+        # after the work queued on the buffers' own streams, where they name others than
+        # the call's (before: a fill of out queued on its stream could land after the
+        # result); the result is made ready on out's stream too (finish)
+        others = devpath.other_streams(st, xb, ob)
+        if others:
+            devpath.order_after(be, st, others, self._dev_order_event())
+        out_streams = devpath.other_streams(st, ob)
         with _ranked(self.rank, ValueError):
+            if algo in NATIVE_NAMES:
+                raise ValueError(f"{coll}: algorithm {algo!r} is a protocol of host memory "
+                                 f"(the shm transport's): not one for device buffers")
             alg, sched = self._dev_tuner().plan(coll, n, dtype.itemsize, root, algo)
         if self.size == 1 and algo is None and coll not in self._dev_tuner().forced:
             eng = self.engine       # (a forced algorithm runs: that is what it is for)
             if not (eng.colls or eng.p2p or eng.busy or eng.owner):
-                return self._alone_device(coll, xb, ob, n, dtype, op, root, result, st)
+                req = self._alone_device(coll, xb, ob, n, dtype, op, root, result, st)
+                if out_streams:
+                    ev = self._dev_order_event()
+                    be.record(ev, st)
+                    for s2 in out_streams:
+                        be.wait_event(s2, ev)
+                return req
         self._seq += 1
         seq = self._seq
         sig = _signature(coll, dtype.str + "@device", n, op, root, alg.name)
@@ -1270,6 +1295,8 @@ class Communicator:
             if self._devlast is None:
                 self._devlast = be.event(False)
             be.record(self._devlast, st)
+            for s2 in out_streams:
+                be.wait_event(s2, self._devlast)
             if rec is not None:
                 FlightRecorder.done(rec)
             return result
@@ -1361,6 +1388,19 @@ class Communicator:
                 raise ValueError(f"{what} is on device {d} but this rank uses device "
                                  f"{self.dev.current()} (GPURT_DEVICE, else local rank "
                                  f"modulo the visible devices)")
+            if b.nbytes:
+                # (an array interface that claims more than its allocation holds would
+                # have the peers read past it: a crash on their side, not this one's)
+                try:
+                    base, size = self.dev.address_range(b.ptr)
+                except Exception:  # noqa: BLE001 - unknown extent: the transports ask again
+                    base = None
+                if base is not None and b.ptr + b.nbytes > base + size:
+                    raise ValueError(
+                        f"{what}: {b.nbytes} bytes at {b.ptr:#x} run past the end of its "
+                        f"device allocation ({size} bytes at {base:#x}, so at most "
+                        f"{base + size - b.ptr} from there): its __cuda_array_interface__ "
+                        f"shape or pointer is wrong")
             b.device = d
         return b
 
@@ -2221,6 +2261,9 @@ class Communicator:
             be = self.dev
             with _ranked(self.rank):
                 st = devpath.stream_of(be, stream, b)
+            others = devpath.other_streams(st, b)   # (stream= given: after b's own too)
+            if others:
+                devpath.order_after(be, st, others, self._dev_order_event())
             if peer not in self.dev_endpoints:
                 raise TypeError(f"rank {self.rank}: {kind} of a device buffer to rank {peer}, "
                                 f"which has no device backend")
@@ -2869,7 +2912,7 @@ class Communicator:
         ipc = getattr(self, "dev_ipc", None)
         if ipc is not None:
             ipc.close()
-        self.dev_endpoints, self._devtmp, self._devlast = {}, None, None
+        self.dev_endpoints, self._devtmp, self._devlast, self._devorder = {}, None, None, None
         self._devretired = []
         for t in self._transports:
             try:

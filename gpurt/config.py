@@ -298,7 +298,7 @@ VARIABLES: tuple[Var, ...] = (
         "verbs: QP local ACK timeout exponent (4.096 us * 2^N per try, as NCCL_IB_TIMEOUT)."),
     Var("GPURT_IB_RETRY_CNT", "7", int,
         "verbs: QP retry count; after the last try the QP errors (IBV_WC_RETRY_EXC_ERR)."),
-    Var("GPURT_DEVICE", "", str,
+    Var("GPURT_DEVICE", "", lambda s: s.strip() and str(_number(0, integer=True)(s)),
         "GPU path: the device index this rank binds to (default: local rank modulo the visible "
         "devices; several ranks may share one GPU). CUDA_VISIBLE_DEVICES is respected."),
     Var("GPURT_DEVICE_BACKEND", "auto", _choice("auto", "cuda", "standin", "none"),

@@ -79,6 +79,27 @@ def stream_of(be, stream: Any, buf) -> int:
     return s
 
 
+def other_streams(st: int, *bufs) -> tuple:
+    """The ``__cuda_array_interface__`` streams of ``bufs`` (device ``Buf``s or None) that
+    are not ``st``, the call's: a consumer orders itself after each one (CAI v3), and a
+    result written on ``st`` is made ready on its buffer's own stream too."""
+    out: list = []
+    for b in bufs:
+        s = getattr(b, "stream", None) if b is not None and b.nbytes else None
+        if isinstance(s, (int, np.integer)) and int(s) != st and int(s) not in out:
+            out.append(int(s))
+    return tuple(out)
+
+
+def order_after(be, st: int, others: tuple, ev) -> None:
+    """Queue on ``st`` a wait for the work queued so far on each of ``others`` (one event,
+    recorded again for each: a stream's wait takes the event's state when it is queued);
+    never a host wait."""
+    for s in others:
+        be.record(ev, s)
+        be.wait_event(st, ev)
+
+
 def _resolve(be, stream: Any, buf) -> int:
     buf_stream = buf.stream
     if stream is None and buf_stream is None and \
@@ -118,13 +139,19 @@ def setup(comm) -> None:
     ok, why = wanted()
     mine: tuple = (False, why, "", -1, False)
     be = None
+    bad = ""          # GPURT_DEVICE names no device here: an error on every rank
     if ok:
         ok, why = device.probe()
         if ok:
             try:
                 be = device.get()
                 if _BOUND is None:   # once per process, by the first communicator's local rank
-                    be.bind(device.choose_device(comm.local_rank, be.count()))
+                    try:
+                        d = device.choose_device(comm.local_rank, be.count())
+                    except ValueError as e:
+                        bad = str(e)
+                        raise
+                    be.bind(d)
                     _BOUND = be.current()
                 d = be.current()
                 mine = (True, "", be.uuid(d), d, _gdr(comm))
@@ -132,7 +159,14 @@ def setup(comm) -> None:
                 mine = (False, f"{type(e).__name__}: {e}", "", -1, False)
         else:
             mine = (False, why, "", -1, False)
-    every = comm.mpi.allgather(mine)
+    both = comm.mpi.allgather((mine, bad))
+    every = [m for m, _ in both]
+    bads = [(r, b) for r, (_, b) in enumerate(both) if b]
+    if bads:       # (before: that rank went on without a device, and its first device
+        # call was a TypeError about a missing backend)
+        raise ValueError(f"rank {comm.rank}: gpurt settings not valid on rank(s) "
+                         f"{'every rank' if len(bads) == comm.size else ', '.join(str(r) for r, _ in bads)}"
+                         f": {bads[0][1]}")
     if not any(e[0] for e in every):
         comm.dev_why = mine[1]
         return        # no rank has a device (the same verdict everywhere): no second round
@@ -168,13 +202,17 @@ def setup(comm) -> None:
             mine = (False, f"{type(e).__name__}: {e}", "", -1, False)
             row = [False] * comm.size
     every_row = comm.mpi.allgather((mine[0], row,
-                                    transport_cost("cuda_ipc") if comm.rank == 0 else None))
+                                    (transport_cost("cuda_ipc"),
+                                     int(config.get("GPURT_DEVICE_STAGE")))
+                                    if comm.rank == 0 else None))
     comm.dev_why = mine[1]
     if not mine[0]:
         return
     have = [h for h, _, _ in every_row]
     rows = [r for _, r, _ in every_row]
-    ipc_cost = every_row[0][2]        # rank 0's: every rank must cost calls alike
+    # rank 0's: every rank must cost calls alike, and cut a staged message into the same
+    # chunks (a chunk size set on one rank only was a CollectiveMismatchError about lengths)
+    ipc_cost, stage = every_row[0][2]
     from gpurt.transports.cuda_ipc import (CudaIpcTransport, GdrEndpoint, StagedEndpoint,
                                            _Events, _Pinned)
 
@@ -206,9 +244,9 @@ def setup(comm) -> None:
             comm.dev_endpoints[p] = ipc.endpoint(p, shm_ep)
         elif getattr(ep, "transport", "") == "verbs" and mine[4] and every[p][4]:
             comm.dev_endpoints[p] = GdrEndpoint(ep, be, events,
-                                                StagedEndpoint(ep, be, events, pool))
+                                                StagedEndpoint(ep, be, events, pool, stage))
         else:
-            comm.dev_endpoints[p] = StagedEndpoint(ep, be, events, pool)
+            comm.dev_endpoints[p] = StagedEndpoint(ep, be, events, pool, stage)
 
 
 def _gdr(comm) -> bool:

@@ -385,17 +385,37 @@ class Chain:
         return self.second.waiting_on() if self.second is not None else []
 
     def missing(self) -> list[int]:
-        return _missing(self.first if not self.first.done else self.second)
+        return _missing(self.current())
+
+    def current(self):
+        return self.first if not self.first.done else self.second
 
 
 def _missing(run) -> list[int]:
     """The ranks a run that timed out names: those whose part has not arrived
     (``missing``, where a run knows more than the peers it waits on), else the peers of
-    its transfers not complete yet."""
+    its transfers not complete yet — less those held up by this rank's own device stream
+    (``_local``: their peers wait for this rank, not it for them)."""
     if run is None:
         return []
     m = getattr(run, "missing", None)
-    return m() if m is not None else run.waiting_on()
+    if m is not None:
+        return m()
+    local = _local(run)
+    return [q for q in run.waiting_on() if q not in local]
+
+
+def _local(run) -> set[int]:
+    """The peers of a run's transfers that wait on this rank's own device stream (a device
+    completion's ``local()``: work queued there before the call has not finished)."""
+    out: set[int] = set()
+    if type(run) is Chain:
+        run = run.current()
+    for c in getattr(run, "pending", None) or ():
+        f = getattr(c, "local", None)
+        if f is not None and not c.done and f():
+            out.add(c.peer)
+    return out
 
 
 def _own(exc: BaseException) -> BaseException:
@@ -1034,6 +1054,11 @@ class Engine:
                         exc = timed_out(timeout, waiting_on())
                     raise exc
 
+    def local_waits(self) -> bool:
+        """Is a run in flight held up by this rank's own device stream?"""
+        runs = ([self.colls[0]] if self.colls else []) + self.p2p
+        return any(r.run is not None and _local(r.run) for r in runs)
+
     def pending_peers(self, naming: bool = False) -> list[int]:
         """The peers the runs in flight wait on (liveness is asked of them); ``naming``:
         the ranks a timeout names instead (``_missing``)."""
@@ -1083,10 +1108,15 @@ class Engine:
             # (a point-to-point request's number is its tag, not a call number: seq -1;
             # the attributes say where it stopped: the earlier call it queues behind)
             where = stuck or req
+            own = ""
+            if self.local_waits():
+                own = (f"{' and ' if missing else ''}for this rank's own device stream "
+                       f"(work queued on it before the call has not finished)")
+            waits = f"for rank(s) {missing}" if missing or not own else ""
             return CollectiveTimeout(
                 f"rank {self.rank}: {req.name} "
                 f"({'tag ' if req.p2p else 'call #'}{req.seq}) did not complete within "
-                f"{t:g} s; still waiting for rank(s) {missing}{earlier}",
+                f"{t:g} s; still waiting {waits}{own}{earlier}",
                 collective=where.name, seq=-1 if req.p2p else where.seq,
                 missing=tuple(missing))
 

@@ -6,7 +6,7 @@ after a call returns, allocation, p2p with many messages in flight, and the erro
     mpiexec -n 3 python tests/device_cases.py CASE [CASE ...]
 
 Cases: endpoints=KIND[,KIND..] | streams | reuse | alloc | inflight | staging | burst | order |
-errors |
+errors | interfaces | ownstream |
 otherdevice | nobackend | abandoned | sticky (these two: a slow stand-in)
 Prints "CASE ok" on rank 0 when every rank passed; failures are gathered to rank 0.
 """
@@ -474,6 +474,109 @@ def case_errors(comm) -> None:
     elif p >= 2:
         comm.split(None)
     comm.barrier()
+
+
+class _Foreign:
+    """An object with only a ``__cuda_array_interface__``: a stand-in array's, with some
+    fields replaced."""
+
+    def __init__(self, arr, **over):
+        self.arr = arr
+        self.__cuda_array_interface__ = {**arr.__cuda_array_interface__, **over}
+
+
+def case_interfaces(comm) -> None:
+    """What an array interface says, checked: a shape that claims more than the
+    allocation holds is a ValueError on its rank before anything moves (before: the peer
+    read past the allocation — a crash there, on a GPU an illegal address), a mask is a
+    TypeError (it would be ignored), a host protocol forced on device buffers says so;
+    the peers are told at once.  Then the buffers' own streams: out's fill queued on its
+    stream lands before the result (before: after it, on a call ordered on x's stream),
+    and the result is ready on out's stream."""
+    r, p = comm.rank, comm.size
+    n = 1 << 12
+    bad = r == p - 1
+    for what, make, exc, text in (
+            ("an overlong shape", lambda a: _Foreign(a, shape=(64 * n,)), ValueError,
+             "run past the end of its device allocation"),
+            ("a mask", lambda a: _Foreign(a, mask=si.zeros(n, np.bool_)), TypeError,
+             "mask would be ignored"),
+            ("algo=shm_board", None, ValueError, "not one for device buffers")):
+        c = comm.dup()
+        a = si.asarray(np.ones(n, np.float32))
+        if bad:
+            call = (lambda: c.allreduce(a, algo="shm_board", timeout=30)) if make is None \
+                else (lambda: c.allreduce(make(a), timeout=30))
+            e = expect_raises(exc, call, what, text)
+            assert str(e).startswith(f"rank {r}: "), (what, str(e))
+        else:
+            expect_raises(CollectiveMismatchError, lambda: c.allreduce(a, timeout=30),
+                          f"a peer's {what}", f"rank {p - 1}")
+        c.close()
+    s1, s2 = si.Stream(), si.Stream()
+    x = si.asarray(np.full(1000, r + 1.0, np.float32), stream=s1.ptr)
+    for trial in range(2):
+        out = si.zeros(1000, np.float32, stream=s2.ptr)
+        for _ in range(5):
+            si.fill(out, -5.0)       # producer work on out's own stream
+        if trial:
+            comm.allreduce(x, out)
+        else:                        # stream= names a third one
+            s3 = si.Stream()
+            comm.allreduce(x, out, stream=s3.ptr)
+        si.fill(x, r + 1.0)          # (x's stream: after the call read x)
+        s2.synchronize()             # out's stream alone: the result is ready there
+        got = out.get()
+        assert (got == p * (p + 1) / 2).all(), ("out's stream", trial, got[:3])
+    if p > 1:                        # p2p: the receive after its buffer's stream too
+        o = si.zeros(1000, np.float32, stream=s2.ptr)
+        for _ in range(5):
+            si.fill(o, -5.0)
+        if r == 0:
+            comm.send(si.asarray(np.full(1000, 7.0, np.float32)), 1, stream=s1.ptr)
+        elif r == 1:
+            comm.recv(o, 0, stream=s1.ptr)
+            s1.synchronize()
+            assert (o.get() == 7.0).all(), ("recv after its buffer's stream", o.get()[:3])
+    comm.barrier()
+
+
+def case_ownstream(comm) -> None:
+    """Rank 0's stream busy for 2 s with work queued before its calls: a wait that times
+    out there says it waits for its own stream and names no peer (before: it named the
+    peers, which were waiting for rank 0), the peers' waits name a peer; waited again,
+    the calls complete with exact data."""
+    import time
+
+    from gpurt.errors import CollectiveTimeout
+    r, p = comm.rank, comm.size
+    if p < 2:
+        return
+    c = comm.dup()
+    s = si.Stream()
+    a = si.zeros(50_000, np.float32, stream=s.ptr)
+    if r == 0:
+        si._worker().put(s.ptr, ("work", lambda: time.sleep(2)))
+    si.fill(a, r + 1.0)
+    reqs = [c.iallreduce(a)]
+    if r < 2:
+        o = si.zeros(1000, np.float32)
+        reqs.append(c.isend(si.asarray(np.full(1000, 3.0, np.float32)), 1, stream=s.ptr)
+                    if r == 0 else c.irecv(o, 0))
+    for q in reqs:
+        e = expect_raises(CollectiveTimeout, lambda: q.wait(timeout=0.5), "a wait on rank 0")
+        if r == 0:
+            assert "still waiting for this rank's own device stream" in str(e), str(e)
+            assert e.missing == (), (str(e), e.missing)
+        else:
+            # (a peer it receives from, which may itself wait for rank 0)
+            assert e.missing and "own device stream" not in str(e), str(e)
+    for q in reqs:
+        q.wait(timeout=30)
+    assert (a.get() == p * (p + 1) / 2).all(), a.get()[:3]
+    if r == 1:
+        assert (o.get() == 3.0).all(), o.get()[:3]
+    c.close()
 
 
 def case_otherdevice(comm) -> None:

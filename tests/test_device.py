@@ -15,7 +15,7 @@ import pytest
 from conftest import is_hydra, run_mpi
 
 STANDIN = {"GPURT_DEVICE_BACKEND": "standin"}
-CASES = ["streams", "reuse", "alloc", "inflight", "burst", "order", "errors"]
+CASES = ["streams", "reuse", "alloc", "inflight", "burst", "order", "errors", "interfaces", "ownstream"]
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
@@ -169,6 +169,55 @@ def test_ranks_with_and_without_a_device_backend():
         (proc.stdout[-3000:], proc.stderr[-3000:])
 
 
+_SETTINGS = r"""
+import sys
+import numpy as np, gpurt
+from gpurt import device_standin as si
+from mpi4py import MPI
+try:
+    c = gpurt.init()
+except ValueError as e:
+    got = MPI.COMM_WORLD.gather(f"REFUSED {e}", 0)
+else:
+    x = si.asarray(np.ones(1 << 18, np.float32))
+    c.allreduce(x, timeout=30)
+    assert (x.get() == c.size).all()
+    got = c.mpi.gather(f"SUMMED {c.rank} {sorted({ep.chunk for ep in c.dev_endpoints.values()})}", 0)
+if MPI.COMM_WORLD.rank == 0:
+    sys.stdout.write("".join(g + "\n" for g in got))
+"""
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "7"])
+def test_a_gpurt_device_that_names_no_device_is_refused_on_every_rank(value):
+    """GPURT_DEVICE that is not an index, or names a device that is not there: a
+    ValueError on every rank when the communicator is made (README, Configuration).
+    Before: the communicator came up without a device, and the first device call was a
+    TypeError about a missing backend."""
+    out = run_mpi(2, ["-c", _SETTINGS], env={**STANDIN, "GPURT_DEVICE": value}).stdout
+    lines = [ln for ln in out.splitlines() if ln.startswith("REFUSED")]
+    assert len(lines) == 2, out
+    assert all("gpurt settings not valid on rank(s) every rank: GPURT_DEVICE" in ln
+               for ln in lines), out
+
+
+@pytest.mark.skipif(not is_hydra(), reason="an MPMD launch with per-rank -env (hydra)")
+def test_a_staging_chunk_set_on_one_rank_only_holds_for_the_whole_communicator():
+    """GPURT_DEVICE_STAGE set on rank 0 only: both ranks cut staged messages into rank 0's
+    chunks (before: a CollectiveMismatchError about message lengths on identical calls)."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT, mpiexec
+
+    env = dict(os.environ, **STANDIN, GPURT_TRANSPORTS="tcp", GPURT_TIMEOUT="60")
+    cmd = [*mpiexec(), "-n", "1", "-env", "GPURT_DEVICE_STAGE", "4096", sys.executable, "-c",
+           _SETTINGS, ":", "-n", "1", sys.executable, "-c", _SETTINGS]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    got = [ln for ln in proc.stdout.splitlines() if ln.startswith("SUMMED")]
+    assert got == ["SUMMED 0 [4096]", "SUMMED 1 [4096]"], (proc.stdout, proc.stderr[-3000:])
+
+
 def test_no_backend_is_a_clear_error():
     out = run_mpi(2, ["tests/device_cases.py", "nobackend"],
                   env={"GPURT_DEVICE_BACKEND": "none"}).stdout
@@ -291,6 +340,51 @@ except gpurt.PeerFailure as e:
     report(f"rank {c.rank}: PeerFailure rank={e.rank} after {time.monotonic() - t:.2f}s: {e}")
 os._exit(0)
 """
+
+
+EXITED_SENDER = """
+import os, sys, time
+import numpy as np, gpurt
+from gpurt import device_standin as si
+c = gpurt.init()
+c.allreduce(si.asarray(np.ones(10, np.float32)))
+if c.rank == 0:
+    big = si.asarray(np.full(1 << 16, 5.0, np.float32))  # an allocation never sent before
+    q = c.isend(big, 1)
+    time.sleep(0.3)
+    os._exit(3)     # gone with its message in flight: its allocation and events with it
+o = si.zeros(1 << 16, np.float32)
+time.sleep(1.0)
+t = time.monotonic()
+try:
+    c.recv(o, 0, timeout=30)
+    print("RECV got", o.get()[0], flush=True)
+except Exception as e:
+    print(f"RECV {type(e).__name__} rank={getattr(e, 'rank', None)} "
+          f"after {time.monotonic() - t:.2f}s: {e}", flush=True)
+os._exit(0)
+"""
+
+
+def test_a_sender_that_exits_with_a_device_message_in_flight_is_a_peer_failure():
+    """The receiver opens the allocation (or the event) of a sender that has exited: a
+    PeerFailure naming it (before: a TransportError about a file of the stand-in; on a
+    GPU, cudaIpcOpenMemHandle's error), at once."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT, mpiexec
+
+    if not is_hydra():
+        pytest.skip("uses MPICH hydra's -disable-auto-cleanup; this launcher is not hydra")
+    env = dict(os.environ, **STANDIN, GPURT_TIMEOUT="60")
+    proc = subprocess.run([*mpiexec(), "-disable-auto-cleanup", "-n", "2", sys.executable,
+                           "-c", EXITED_SENDER], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RECV")]
+    assert len(lines) == 1, (proc.stdout, proc.stderr[-3000:])
+    assert lines[0].startswith("RECV PeerFailure rank=0 "), lines
+    assert float(lines[0].split(" after ")[1].split("s:")[0]) < 2.0, lines
 
 
 @pytest.mark.parametrize("path", ["cuda_ipc", "staged"])

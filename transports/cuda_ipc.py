@@ -54,7 +54,7 @@ from collections import OrderedDict, deque
 import numpy as np
 
 from gpurt import config
-from gpurt.errors import CollectiveMismatchError
+from gpurt.errors import CollectiveMismatchError, TransportError
 
 from .base import LANE_COLL, LANES, mismatch_detail
 
@@ -215,6 +215,27 @@ class IpcEndpoint:
     def check(self) -> None:
         self.shm_ep.check()
 
+    def opening(self, what: str, fn, *args):
+        """``fn(*args)``, opening something of the peer's (its allocation, its event): an
+        exception there is ``PeerFailure`` where the peer has exited meanwhile (a sender
+        that exits with a message in flight takes its allocation and events with it: that
+        was a ``TransportError`` about a file), else ``TransportError`` naming the peer."""
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - the peer's state says which it is
+            end = time.monotonic() + 0.2      # (an exiting peer closes its files before
+            while True:                       # /proc shows it gone)
+                self.shm_ep.check()
+                if time.monotonic() >= end:
+                    break
+                time.sleep(0.01)
+            if isinstance(e, TransportError):
+                e.args = (f"rank {self.owner.rank}: {what} of rank {self.peer}: "
+                          f"{e.args[0]}",) + e.args[1:]
+                raise
+            raise TransportError(f"rank {self.owner.rank}: {what} of rank {self.peer}: "
+                                 f"{type(e).__name__}: {e}") from e
+
     def acked(self, lane: int) -> int:
         return int(self.q[self.ack_tx[lane]])
 
@@ -283,6 +304,11 @@ class _IpcSend:
                 f"message ({what}{self.tag}, {self.src.nbytes} bytes): the receive it posted "
                 f"differs (cuda_ipc)")
 
+    def local(self) -> bool:
+        """Held up by this rank's own stream: the work queued on it before the call has not
+        reached the send's event (the peer waits for that event before it reads)."""
+        return not self.done and self.ev is not None and not self.ep.be.query(self.ev)
+
     def test(self) -> bool:
         if self.done:
             return True
@@ -332,7 +358,8 @@ class _IpcRecv:
         if not nbytes:
             return None
         self.off = (off, mem, aid)   # (opened when the read is queued: an open allocation
-        return ep.owner.peer_event(evh)    # not read yet is idle, the LRU could close it)
+        # not read yet is idle, the LRU could close it)
+        return ep.opening("opening the event", ep.owner.peer_event, evh)
 
     def _post(self) -> None:
         """The read (copy or reduction) queued on the stream, the sender's event having
@@ -342,13 +369,18 @@ class _IpcRecv:
         ev = ep.owner.events.get()
         if self.off is not None:
             off, mem, aid = self.off
-            self.ent = ent = ep.owner.open(mem, aid)
+            self.ent = ent = ep.opening("opening the allocation", ep.owner.open, mem, aid)
             ep.owner.read(ent, ev)
             if ep.owner.stream_wait:
                 be.wait_event(self.stream, self.pev)
             self.sink(0, be.view(ent[0] + off, self.nbytes, ep.owner))
         be.record(ev, self.stream)
         self.ev = ev
+
+    def local(self) -> bool:
+        """Held up by this rank's own stream: the read is queued, behind work queued there
+        before it."""
+        return not self.done and self.ev is not None and not self.ep.be.query(self.ev)
 
     def test(self) -> bool:
         if self.done:
@@ -450,12 +482,15 @@ class _Pinned:
 class StagedEndpoint:
     """Device messages over a host endpoint (``shm`` without P2P, ``tcp``, ``verbs``)."""
 
-    def __init__(self, host_ep, be, events: _Events, pool: _Pinned):
+    def __init__(self, host_ep, be, events: _Events, pool: _Pinned, stage: int | None = None):
         self.host_ep, self.be, self.events, self.pool = host_ep, be, events, pool
         self.peer = host_ep.peer
         self.transport = f"{host_ep.transport}+staged"
-        # whole 64-byte units: a chunk never splits an element
-        self.chunk = max(4096, int(config.get("GPURT_DEVICE_STAGE"))) // 64 * 64
+        # whole 64-byte units: a chunk never splits an element (``stage``: the
+        # communicator's GPURT_DEVICE_STAGE, rank 0's: both ends must cut alike)
+        if stage is None:
+            stage = int(config.get("GPURT_DEVICE_STAGE"))
+        self.chunk = max(4096, stage) // 64 * 64
         # sends whose chunks are not all handed to the host endpoint yet, per lane: chunks
         # go out in call order (a later send's copy may finish first, on another stream)
         self.outq: list[deque] = [deque() for _ in range(LANES)]
@@ -528,6 +563,12 @@ class _StagedSend:
 
     def all_posted(self) -> bool:
         return len(self.msgs) == len(self.spans)
+
+    def local(self) -> bool:
+        """Held up by this rank's own stream: a chunk's copy to the host has not run (the
+        work queued there before the call comes first)."""
+        return not self.done and self.ready < len(self.evs) and \
+            not self.ep.be.query(self.evs[self.ready])
 
     def post_ready(self) -> None:
         ep = self.ep
@@ -633,6 +674,12 @@ class _StagedRecv:
         self.evs: list = []
         self.freed = 0
         self.done = False
+
+    def local(self) -> bool:
+        """Held up by this rank's own stream: an arrived chunk's copy to the device has not
+        run (the work queued there before it comes first)."""
+        return not self.done and self.freed < len(self.evs) and \
+            not self.ep.be.query(self.evs[self.freed])
 
     def test(self) -> bool:
         if self.done:
