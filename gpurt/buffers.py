@@ -126,6 +126,18 @@ def as_buf(x: Any, what: str = "x") -> Buf:
         return _host(x, x, what)
     if isinstance(x, Buf):
         return x
+    try:
+        return _as_buf(x, what)
+    except (ValueError, TypeError):
+        raise
+    except Exception as e:  # noqa: BLE001 - the object's own protocol failed (a KeyError
+        # from a malformed interface, ...): the caller's bad input, said as such (and
+        # announced to the peers as every rejection is), not a bare error of the object's
+        raise TypeError(f"{what}: {type(x).__name__} cannot be taken as an array: its "
+                        f"{type(e).__name__}: {e}") from e
+
+
+def _as_buf(x: Any, what: str) -> Buf:
     if isinstance(x, np.ndarray):   # a subclass (memmap, recarray, matrix): its memory
         if isinstance(x, np.ma.MaskedArray):   # (the compiled paths take plain arrays)
             raise TypeError(f"{what}: a masked array: its mask would be ignored; pass "
@@ -158,7 +170,7 @@ def as_buf(x: Any, what: str = "x") -> Buf:
         if int(dev_type) in (_DL_CPU, _DL_CUDA_HOST):
             try:
                 arr = np.from_dlpack(x)
-            except (BufferError, TypeError, RuntimeError) as e:
+            except Exception as e:  # noqa: BLE001 - BufferError, TypeError, RuntimeError, ...
                 arr = _torch_bfloat16(x)
                 if arr is None:
                     # (the list of dtypes only where the dtype is the trouble, not for a
@@ -167,7 +179,7 @@ def as_buf(x: Any, what: str = "x") -> Buf:
                     dt = str(getattr(x, "dtype", "")).removeprefix("torch.")
                     more = "" if dt in names.split(", ") else f" (supported dtypes: {names})"
                     raise TypeError(f"{what}: cannot view {_dlpack_what(x)} through DLPack: "
-                                    f"{e}{more}") from e
+                                    f"{type(e).__name__}: {e}{more}") from e
             return _host(arr, x, what)
         if int(dev_type) in (_DL_CUDA, _DL_CUDA_MANAGED):
             try:   # a CUDA DLPack tensor without __cuda_array_interface__: view it in CuPy
@@ -221,9 +233,25 @@ def _torch_bfloat16(x: Any) -> np.ndarray | None:
 
 
 def check_writable(b: Buf, what: str) -> None:
+    """``b`` is to be written: refused when read-only; a PyTorch tensor's version counter
+    is bumped, as its own in-place operations do (written through a DLPack view or its
+    data pointer, autograd did not see it: a backward that had saved the tensor — or the
+    tensor it was detached from — used the overwritten values without a word)."""
     if b.readonly:
         raise ValueError(f"{what} is read-only; the result must be written into it "
                          f"(pass a writable array)")
+    owner = b.owner
+    if type(owner) is not np.ndarray and owner is not None and \
+            (type(owner).__module__ or "").startswith("torch"):
+        _bump_version(owner)
+
+
+def _bump_version(t: Any) -> None:
+    try:
+        from torch.autograd.graph import increment_version
+    except ImportError:         # (a torch without it: nothing to tell)
+        return
+    increment_version(t)
 
 
 def empty_like(b: Buf, count: int, shape: tuple[int, ...] | None = None,

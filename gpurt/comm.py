@@ -2673,13 +2673,17 @@ class Communicator:
         try:
             if isinstance(color, (bool, np.bool_)) or isinstance(key, (bool, np.bool_)):
                 raise TypeError
-            c = None if color is None or color == MPI.UNDEFINED else operator.index(color)
+            # (index first: an array's == is an array, whose truth is a ValueError, a
+            # tensor's a RuntimeError — that rank left, its peers waited in MPI for ever)
+            c = None if color is None else operator.index(color)
+            if c == MPI.UNDEFINED:
+                c = None
             k = operator.index(key)
             if c is not None and not 0 <= c <= _INT_MAX:
                 why = f"color={c} is outside 0..{_INT_MAX} (None opts out)"
             elif not -_INT_MAX - 1 <= k <= _INT_MAX:
                 why = f"key={k} does not fit a C int"
-        except TypeError:
+        except Exception:  # noqa: BLE001 - whatever their __index__ raises
             why = f"color and key must be integers, got color={color!r}, key={key!r}"
 
         def make():

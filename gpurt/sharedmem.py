@@ -193,6 +193,8 @@ def empty(shape, dtype=np.float32) -> np.ndarray:
                         f"takes)") from None
     if any(s < 0 for s in shp):
         raise ValueError(f"gpurt.empty: negative dimension in shape {shp}")
+    if dt.subdtype is not None:     # (float32, (2,)): its dimensions join the shape, as
+        shp, dt = shp + dt.shape, dt.base    # numpy.empty makes them
     count = 1
     for s in shp:       # (Python integers: np.prod wraps around past int64)
         count *= s

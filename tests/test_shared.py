@@ -37,6 +37,13 @@ def test_empty_zeros_shapes_and_dtypes():
             assert gpurt.is_shared(a) and gpurt.is_shared(a.reshape(-1)[1:])
     assert not gpurt.is_shared(np.zeros(10))
     assert not gpurt.is_shared([1, 2])
+    # a subarray dtype's dimensions join the shape, as numpy.empty makes them (it was
+    # NumPy's own "Changing the dtype to a subarray type" ValueError)
+    for shape, dt in [(3, (np.float32, (2,))), ((2, 2), (np.int16, (3, 2)))]:
+        a, z = gpurt.empty(shape, dt), gpurt.zeros(shape, dt)
+        want = np.empty(shape, dt)
+        assert a.shape == z.shape == want.shape and a.dtype == z.dtype == want.dtype
+        assert not z.any() and gpurt.is_shared(a)
 
 
 def test_empty_bad_input():

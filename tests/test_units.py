@@ -50,6 +50,34 @@ def test_cuda_array_interface_is_recognised():
     assert (b.kind, b.ptr, b.count, b.dtype, b.stream) == ("cuda", 4096, 6, np.float16, 1)
 
 
+def test_a_broken_array_protocol_is_the_callers_type_error():
+    """An object whose interface is malformed or whose __dlpack__ fails with its own
+    exception: a TypeError naming the argument (which the collectives announce to the
+    peers, as every rejection), not the object's bare KeyError (the peers then waited
+    until their deadline); a CAI mask would be ignored: refused (bug hunts)."""
+    class NoTypestr:
+        __cuda_array_interface__ = {"shape": (2,), "data": (4096, False), "version": 3}
+
+    class Masked:
+        __cuda_array_interface__ = {"shape": (2,), "typestr": "<f4", "data": (4096, False),
+                                    "version": 3, "mask": object()}
+
+    class BadDLPack:
+        def __dlpack__(self, **kw):
+            raise KeyError("nope")
+
+        def __dlpack_device__(self):
+            return (1, 0)
+
+    with pytest.raises(TypeError, match=r"^y: NoTypestr cannot be taken as an array: its "
+                                        r"KeyError: 'typestr'"):
+        as_buf(NoTypestr(), "y")
+    with pytest.raises(TypeError, match=r"^x: a masked device array"):
+        as_buf(Masked())
+    with pytest.raises(TypeError, match=r"^x: cannot view .* through DLPack: KeyError"):
+        as_buf(BadDLPack())
+
+
 def test_cuda_array_interface_strides_with_a_length_one_axis():
     """A device view with an axis of length 1 is C-contiguous whatever that axis's stride
     (CuPy and PyTorch write different ones), but only then: a.T[None] and a[:, None, ::2]

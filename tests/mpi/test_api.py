@@ -589,6 +589,35 @@ def test_torch_cpu_tensors(comm):
             comm.send(t, (comm.rank + 1) % comm.size, tag=torch.tensor([1]))
 
 
+def test_torch_tensors_written_by_a_call_tell_autograd(comm):
+    """A tensor gpurt writes (in place, out=, a broadcast's or a recv's buffer) has its
+    version counter bumped as torch's own in-place operations do: a backward that saved
+    it (here through p.detach(), as the README advises) raises autograd's "modified by an
+    inplace operation" instead of using the overwritten values without a word (bug hunt);
+    a tensor only read keeps its version."""
+    torch = pytest.importorskip("torch", reason="PyTorch is not installed here")
+    r, p = comm.rank, comm.size
+    w = torch.ones(3, requires_grad=True)
+    a = torch.ones(3) * (r + 1)
+    z = w * a                       # autograd saves a
+    comm.allreduce(a.detach())
+    assert a.tolist() == [p * (p + 1) / 2] * 3 and a._version == 1
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        z.sum().backward()
+    x, out = torch.ones(4), torch.zeros(4)
+    comm.allreduce(x, out)
+    assert (x._version, out._version) == (0, 1) and out.tolist() == [p] * 4
+    comm.broadcast(x)
+    assert x._version == 1
+    if p > 1 and r < 2:
+        b = torch.zeros(5)
+        if r == 0:
+            comm.send(torch.ones(5), 1)
+        else:
+            comm.recv(b, 0)
+            assert b.tolist() == [1.0] * 5 and b._version == 1
+
+
 def test_torch_lazily_negated_views_are_refused_not_read_as_their_storage(comm):
     """z.conj().imag is a view with torch's negative bit: its storage holds -imag, which
     DLPack hands over as it is (allreduce MAX of -1 and -5 gave -5 before; an allgather
@@ -1428,6 +1457,11 @@ def test_split_and_explain_refuse_bad_arguments_on_every_rank(comm):
     with pytest.raises(ValueError, match=r"split: rank 0: color and key must be integers, "
                                          r"got color=True"):     # (was color 1)
         comm.split(True)
+    # an array as color on one rank: its == is an array whose truth raised NumPy's own
+    # ValueError on that rank before the exchange, and the others waited in MPI for ever
+    with pytest.raises(ValueError, match=rf"rank {r}: split: rank {p - 1}: color and key "
+                                         rf"must be integers, got color=array\(\[1, 2\]\)"):
+        comm.split(np.array([1, 2]) if r == p - 1 else 0)
     s = comm.split(np.int64(1), key=np.int32(-r))     # NumPy integers are integers
     assert s.size == p and s.rank == p - 1 - r
     s.close()
