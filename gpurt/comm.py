@@ -3728,6 +3728,13 @@ def _after_fork() -> None:
         if eng is None:
             continue
         eng.on_poison = eng.on_stopped = None       # (tell nobody)
+        for t in getattr(c, "_transports", ()):
+            forget = getattr(t, "forget_in_child", None)
+            if forget is not None:  # (its copies of the parent's sockets: they held the
+                try:                # connections open after the parent died)
+                    forget()
+                except Exception:  # noqa: BLE001 - a child's tidying must not fail it
+                    pass
         eng.busy = eng.owner = 0    # (threads in calls stayed in the parent)
         eng.lent = False
         if eng.poisoned is None:

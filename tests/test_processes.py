@@ -119,6 +119,20 @@ def test_a_bad_setting_is_one_error_on_every_rank_not_a_hang(var, env):
     assert gpurt_shm_files() == before
 
 
+@pytest.mark.parametrize("var,value", [("GPURT_TCP_USER_TIMEOUT", "0"),
+                                       ("GPURT_TCP_USER_TIMEOUT", "nan"),
+                                       ("GPURT_TCP_STRIPES", "0")])
+def test_a_tcp_setting_out_of_its_range_is_a_value_error_on_every_rank(var, value):
+    """A tcp setting that parses but is out of its range (checked where tcp is set up) is
+    the ValueError naming it on every rank, as every other setting's (it was a
+    TransportError; a bug hunt)."""
+    out = run_mpi(3, ["-c", _BAD_ENV], env={var: value, "GPURT_TRANSPORTS": "tcp"},
+                  timeout=120).stdout
+    for r, rec in rank_records(out, "BADENV", 3).items():
+        kind, text = rec["error"]
+        assert kind == "ValueError" and text.startswith("tcp: rank ") and var in text, rec
+
+
 def test_a_bad_setting_on_one_rank_only_is_an_error_on_every_rank():
     """GPURT_TIMEOUT=abc on rank 1 alone (mpiexec's per-rank -env): every rank raises,
     naming rank 1; then GPURT_ALGO naming an algorithm allreduce lacks: every rank
@@ -1148,6 +1162,52 @@ def test_a_forked_child_leaves_its_parents_communicator_alone(mode, nodes, tmp_p
             "belongs to process" in got["child"] and "forked child" in got["child"], got
     else:
         assert got["child"] == "ended", got
+
+
+FORK_THEN_KILLED = r"""
+import os, signal, sys, time
+import numpy as np, gpurt
+comm = gpurt.init()
+x = np.ones(1000, np.float32)
+comm.allreduce(x)
+comm.barrier()
+if comm.rank == 1:
+    if os.fork() == 0:
+        time.sleep(12)          # a worker process that outlives its parent
+        os._exit(0)
+    time.sleep(0.3)
+    os._exit(3)     # (as a kill would end it: hydra takes a job down once a rank dies
+                    # of a signal, -disable-auto-cleanup or not)
+t = time.monotonic()
+try:
+    comm.allreduce(x, timeout=30)
+    out = "returned"
+except Exception as e:
+    out = f"{type(e).__name__} rank={getattr(e, 'rank', None)}: {e}"
+with open(os.path.join(sys.argv[1], f"rank{comm.rank}"), "w") as f:
+    f.write(f"{time.monotonic() - t:.2f} {out}")
+os._exit(0)
+"""
+
+
+def test_a_rank_gone_with_a_forked_child_alive_is_noticed_at_once_across_nodes(tmp_path):
+    """A rank that forked a worker (which inherits its sockets) and then dies:
+    its peers on the other node get PeerFailure naming it in well under a second, from
+    the connections' end (the child closed its copies of the descriptors at the fork, no
+    shutdown).  Before, the child's copies kept the connections open: 5.6 s, by the
+    heartbeat's bound, told "stopped or hung" (a bug hunt)."""
+    if not is_hydra():
+        pytest.skip("uses MPICH hydra's -disable-auto-cleanup and cliques")
+    env = dict(os.environ, MPIR_CVAR_NUM_CLIQUES="2", GPURT_TIMEOUT="60")
+    proc = subprocess.run([*mpiexec(), "-disable-auto-cleanup", "-n", "3", sys.executable,
+                           "-c", FORK_THEN_KILLED, str(tmp_path)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    got = {f.name: f.read_text() for f in tmp_path.iterdir()}
+    for r in (0, 2):
+        text = got.get(f"rank{r}", "")
+        secs, _, what = text.partition(" ")
+        assert what.startswith("PeerFailure rank=1: "), (got, proc.stderr[-3000:])
+        assert "tcp connection" in what and float(secs) < 2.0, got
 
 
 @pytest.mark.parametrize("n", [1, 3])

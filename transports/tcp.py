@@ -941,7 +941,9 @@ class TcpTransport:
                 params = (secrets.token_bytes(32), str(comm.cid)) + _settings()
         except ValueError as e:
             err = f"rank {me} ({host}): {e}"
-        kind = TransportError
+        # (a setting out of its range is the ValueError every setting's is; it was this
+        # one's TransportError)
+        kind = ValueError if err else TransportError
         if peers and not err:
             # a socket per peer and stripe, a listener and the heartbeat's: room for them
             # before the first is opened (the stripes rank 0 decides are the usual guess)
@@ -954,7 +956,7 @@ class TcpTransport:
             except ResourceError as e:
                 err, kind = str(e), ResourceError
             except ValueError as e:       # (a bad GPURT_TCP_STRIPES: rank 0 names it too)
-                err = f"rank {me} ({host}): {e}"
+                err, kind = f"rank {me} ({host}): {e}", ValueError
         if peers and not err:
             try:
                 ip, ifname = pick_address(str(config.get("GPURT_SOCKET_IFNAME")))
@@ -973,9 +975,11 @@ class TcpTransport:
                 err = f"rank {me} ({host}): cannot listen for tcp connections: {e}"
         # one exchange: addresses, ports, hosts, who wants tcp to whom, rank 0's secret
         info = mpi.allgather((err, ip, port, host, sorted(peers), params, hb_port,
-                              kind is ResourceError))
-        if any(i[7] for i in info):   # a rank lacks room for its sockets: that class on all
-            kind = ResourceError
+                              (TransportError, ValueError, ResourceError).index(kind)))
+        if any(i[7] == 2 for i in info):  # a rank lacks room for its sockets: that class
+            kind = ResourceError          # on all; a setting not valid: ValueError
+        elif any(i[7] == 1 for i in info):
+            kind = ValueError
         errs = list(dict.fromkeys(i[0] for i in info if i[0]))
         peer_sets = [set(i[4]) for i in info]
         errs += unpaired("tcp", peer_sets, "does GPURT_TRANSPORTS differ between ranks?")
@@ -1087,6 +1091,19 @@ class TcpTransport:
             for c in late:
                 c.flush()
 
+    def forget_in_child(self) -> None:
+        """In a forked child (``comm._after_fork``): drop the child's copies of the
+        descriptors without a word on them — no shutdown, which would end the parent's
+        streams too.  A child that held them (a DataLoader worker) kept the parent's
+        connections open after the parent died: no FIN or RST reached its peers, which
+        then noticed only by the heartbeat's bound (5.6 s, told "stopped or hung")."""
+        socks = [c.sock for ep in self.endpoints.values() for c in ep.conns]
+        socks += list(self._loose) + [self.listener]
+        hb = self.heartbeat
+        if hb is not None:
+            socks.append(getattr(hb, "sock", None))
+        forget_sockets(socks)
+
     def close(self) -> None:
         """Close every connection and the listener; safe twice and on an exception path."""
         for ep in self.endpoints.values():
@@ -1111,6 +1128,23 @@ class TcpTransport:
             except OSError:
                 pass
             self.listener = None
+
+
+def forget_sockets(socks) -> None:
+    """Close this process's descriptors of ``socks`` (None skipped) without shutting the
+    connections down: another process's copies (the parent's) carry on."""
+    for sk in socks:
+        if sk is None:
+            continue
+        try:
+            fd = sk.detach()
+        except OSError:
+            continue
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
 
 # -- the set-up loop ----------------------------------------------------------------------

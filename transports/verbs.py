@@ -1337,6 +1337,13 @@ class VerbsTransport:
         attr.qp_state = e.IBV_QPS_ERR
         self.endpoints[peer].qp.modify(attr, e.IBV_QP_STATE)
 
+    def forget_in_child(self) -> None:
+        """In a forked child: drop its copy of the heartbeat socket, without a word (the
+        parent's goes on; the queue pairs stay: one verbs context, the parent's)."""
+        from .tcp import forget_sockets
+        if self.heartbeat is not None:
+            forget_sockets([getattr(self.heartbeat, "sock", None)])
+
     def close(self) -> None:
         """BYE to every peer (best effort, briefly), then release queue pairs,
         registrations, the device; safe twice and on an exception path."""
