@@ -789,6 +789,8 @@ class CudaBackend:
         if not v.nbytes:
             return
         bf16 = is_bfloat16(dtype)
+        if dtype.kind == "c":   # (as the host: each part ÷ the real count, correctly rounded)
+            dtype = np.dtype(dtype.char.lower())
         store = _U16 if bf16 else dtype
         w = v if v.dtype == store else v.view(store)
         prev = self._enter()
