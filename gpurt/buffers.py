@@ -120,6 +120,9 @@ def _cuda(cai: dict, owner: Any, what: str) -> Buf:
                None, -1, cai.get("stream"))
 
 
+_OP_NAMES = frozenset({"sum", "prod", "min", "max", "avg", "band", "bor", "bxor"})
+
+
 def as_buf(x: Any, what: str = "x") -> Buf:
     """Resolve ``x`` (``what`` names the argument in error messages) to a ``Buf``."""
     if type(x) is np.ndarray:  # the common case first
@@ -201,8 +204,12 @@ def _as_buf(x: Any, what: str) -> Buf:
     try:
         mv = memoryview(x)
     except TypeError:
+        hint = ""
+        if type(x).__name__ == "Op" or (isinstance(x, str) and x.lower() in _OP_NAMES):
+            hint = f"; {x!r} is a reduction op: pass it as op=, by keyword"
         raise TypeError(f"{what}: {type(x).__name__} is not an array (it has neither the "
-                        f"buffer protocol, __dlpack__ nor __cuda_array_interface__)") from None
+                        f"buffer protocol, __dlpack__ nor __cuda_array_interface__){hint}") \
+            from None
     try:
         arr = np.asarray(mv)
     except (ValueError, TypeError) as e:

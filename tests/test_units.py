@@ -37,6 +37,11 @@ def test_buffers_reject_clearly():
         as_buf(np.zeros((4, 4))[:, 1], "y")
     with pytest.raises(TypeError, match="not an array"):
         as_buf(object())
+    # an op passed where out goes (allreduce(x, gpurt.MAX)): the message says so
+    import gpurt
+    for op in (gpurt.MAX, "avg"):
+        with pytest.raises(TypeError, match="is a reduction op: pass it as op=, by keyword"):
+            as_buf(op, "out")
     with pytest.raises(TypeError, match="dtype object is not supported"):
         as_buf(np.array([None]))
 
