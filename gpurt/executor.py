@@ -1054,11 +1054,6 @@ class Engine:
                         exc = timed_out(timeout, waiting_on())
                     raise exc
 
-    def local_waits(self) -> bool:
-        """Is a run in flight held up by this rank's own device stream?"""
-        runs = ([self.colls[0]] if self.colls else []) + self.p2p
-        return any(r.run is not None and _local(r.run) for r in runs)
-
     def pending_peers(self, naming: bool = False) -> list[int]:
         """The peers the runs in flight wait on (liveness is asked of them); ``naming``:
         the ranks a timeout names instead (``_missing``)."""
@@ -1095,21 +1090,32 @@ class Engine:
             if self._stopped_by_poison(e):
                 self.wait_told()
                 raise (req.error or self.poisoned) from None
-            self._annotate(e, "" if req.p2p else f"in {req.name} (call #{req.seq}): ")
+            self._annotate(e, self._where(req))
             self.poison(e)
             raise
 
+    def _where(self, req: Request) -> str:
+        """Where a failure the liveness checks found while ``req`` was waited for (or
+        tested) struck: the collective in flight — the head of the queue, whichever
+        request the program polled (it named the polled one: "in barrier (call #4)" for a
+        failure in call #2) — else nothing more (point-to-point)."""
+        head = self.colls[0] if self.colls else None
+        return f"in {head.name} (call #{head.seq}): " if head is not None else ""
+
     def _wait(self, req: Request, timeout: float | None) -> None:
         def timed_out(t: float, _peers: list[int]) -> CollectiveTimeout:
-            missing = self.pending_peers(naming=True)
             stuck = None if req.p2p or not self.colls or self.colls[0] is req else \
                 self.colls[0]
             earlier = f" in the earlier {stuck.name} (call #{stuck.seq})" if stuck else ""
             # (a point-to-point request's number is its tag, not a call number: seq -1;
             # the attributes say where it stopped: the earlier call it queues behind)
             where = stuck or req
+            # the ranks *that* run waits for (every request's in flight, before: a wait on
+            # a receive from rank 2 named rank 1 too, whose receive was another request)
+            missing = _missing(where.run) if where.run is not None else \
+                self.pending_peers(naming=True)
             own = ""
-            if self.local_waits():
+            if where.run is not None and _local(where.run):
                 own = (f"{' and ' if missing else ''}for this rank's own device stream "
                        f"(work queued on it before the call has not finished)")
             waits = f"for rank(s) {missing}" if missing or not own else ""
@@ -1132,7 +1138,7 @@ class Engine:
             # a peer's failure from the liveness checks: PeerFailure, or what it published
             # as something else (a CollectiveMismatchError, errors.from_peer; a transport's
             # own TransportError)
-            self._annotate(e, "" if req.p2p else f"in {req.name} (call #{req.seq}): ")
+            self._annotate(e, self._where(req))
             self.poison(e)
             raise
         except BaseException as e:

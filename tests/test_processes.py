@@ -1164,6 +1164,54 @@ def test_a_forked_child_leaves_its_parents_communicator_alone(mode, nodes, tmp_p
         assert got["child"] == "ended", got
 
 
+DIES_WITH_REQUESTS = r"""
+import os, sys, time
+import numpy as np, gpurt
+comm = gpurt.init()
+comm.allreduce(np.ones(2))
+x = np.full(1000, comm.rank, np.int64)
+a = comm.iallreduce(x)                 # call #2
+if comm.rank == 2:
+    time.sleep(0.3)
+    os._exit(3)
+b = comm.ibarrier()                    # call #3
+got = []
+for q in ((b, a) if sys.argv[2] == "wait" else (b,)):
+    try:
+        if sys.argv[2] == "wait":
+            q.wait(timeout=30)
+        else:
+            t = time.monotonic()
+            while not q.test() and time.monotonic() - t < 30:
+                time.sleep(0.01)
+        got.append("done")
+    except Exception as e:
+        got.append(f"{type(e).__name__}: {e}")
+with open(os.path.join(sys.argv[1], f"rank{comm.rank}"), "w") as f:
+    f.write("\n".join(got))
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("how", ["wait", "test"])
+def test_a_failure_found_waiting_on_a_later_request_names_the_call_in_flight(how, tmp_path):
+    """Rank 2 exits with the allreduce (call #2) in flight; the survivors wait on (or
+    poll) the barrier they posted after it: PeerFailure "in allreduce (call #2)", where
+    the ranks are stuck — it named the polled request ("in barrier (call #3)"; a bug
+    hunt)."""
+    if not is_hydra():
+        pytest.skip("uses MPICH hydra's -disable-auto-cleanup")
+    env = dict(os.environ, GPURT_TIMEOUT="60")
+    proc = subprocess.run([*mpiexec(), "-disable-auto-cleanup", "-n", "3", sys.executable,
+                           "-c", DIES_WITH_REQUESTS, str(tmp_path), how], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    got = {f.name: f.read_text() for f in tmp_path.iterdir()}
+    for r in (0, 1):
+        lines = got.get(f"rank{r}", "").splitlines()
+        assert lines and lines[0].startswith(f"PeerFailure: rank {r}: in allreduce (call #2): "
+                                             f"rank 2 "), (got, proc.stderr[-3000:])
+
+
 FORK_THEN_KILLED = r"""
 import os, signal, sys, time
 import numpy as np, gpurt

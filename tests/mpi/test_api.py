@@ -474,6 +474,30 @@ def test_timeout_names_the_missing_ranks(comm):
         comm.mpi.Barrier()     # the others keep the communicator open until then
 
 
+def test_a_timeout_names_the_ranks_its_own_request_waits_for(comm):
+    """Rank 0 waits on a receive from rank 2 while one from rank 1 is in flight too: the
+    timeout names rank 2 alone (it named every request's peers, [1, 2]: a bug hunt);
+    both receives then complete."""
+    p, r = comm.size, comm.rank
+    if p < 3:
+        pytest.skip("needs 3 ranks")
+    with scratch(comm) as c:
+        if r == 0:
+            o1, o2 = np.zeros(4), np.zeros(4)
+            q1, q2 = c.irecv(o1, 1), c.irecv(o2, 2)
+            with pytest.raises(gpurt.CollectiveTimeout) as ei:
+                q2.wait(timeout=0.3)
+            assert ei.value.missing == (2,), str(ei.value)
+            assert str(ei.value).endswith("still waiting for rank(s) [2]"), str(ei.value)
+        comm.mpi.Barrier()
+        if r in (1, 2):
+            c.send(np.full(4, float(r)), 0)
+        elif r == 0:
+            q1.wait(timeout=30)
+            q2.wait(timeout=30)
+            assert o1.tolist() == [1.0] * 4 and o2.tolist() == [2.0] * 4
+
+
 def test_a_receive_that_times_out_names_its_tag_and_can_wait_again(comm):
     """A point-to-point wait past its timeout: CollectiveTimeout naming the peer and the
     tag ("(tag 5)", seq -1 — the message has no call number; it said "call #5"), the
