@@ -308,8 +308,8 @@ VARIABLES: tuple[Var, ...] = (
         "GPU path: chunk size of pinned host staging for device buffers sent over host "
         "transports (shm across GPUs without P2P, tcp, verbs without GPUDirect)."),
     Var("GPURT_DEVICE_STAGE_KEEP", "10", _number(),
-        "GPU path: seconds a pooled page-locked staging buffer (or device scratch) may stay "
-        "idle before it is released (checked whenever staging uses the pool; 0: none is "
+        "GPU path: seconds a pooled page-locked staging buffer (or device scratch, or a "
+        "GPUDirect bounce or scratch buffer, then deregistered) may stay idle before it is released (checked whenever staging uses the pool; 0: none is "
         "kept)."),
     Var("GPURT_IPC_STREAM_WAIT", "0", _flag,
         "GPU path, cuda_ipc: 1 makes the receiver's stream wait on the sender's IPC event "

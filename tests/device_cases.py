@@ -6,7 +6,7 @@ after a call returns, allocation, p2p with many messages in flight, and the erro
     mpiexec -n 3 python tests/device_cases.py CASE [CASE ...]
 
 Cases: endpoints=KIND[,KIND..] | streams | reuse | alloc | inflight | staging | burst | order |
-errors | interfaces | ownstream |
+errors | interfaces | ownstream | gdr_pool_release |
 otherdevice | nobackend | abandoned | sticky (these two: a slow stand-in)
 Prints "CASE ok" on rank 0 when every rank passed; failures are gathered to rank 0.
 """
@@ -274,6 +274,50 @@ def case_pool_release(comm) -> None:
     # the small message's own buffers only (a page-locked one each way, and its scratch)
     assert left <= 3 * pool._cls(4096), (left, burst)
     assert pool.released - before >= burst - left, (pool.released, before, burst, left)
+    comm.barrier()
+
+
+def case_gdr_pool_release(comm) -> None:
+    """GPUDirect's registered bounce and scratch buffers are given back once idle (run
+    with GPURT_DEVICE_STAGE_KEEP=0.5 over verbs with GPURT_IB_GDR=1): a burst of large
+    messages in flight leaves them pooled; after the limit, the next large message
+    deregisters and frees them, and the pool holds only what that message used.  Before,
+    every registered buffer stayed for the communicator's life."""
+    r, p = comm.rank, comm.size
+    if p < 2:
+        return
+    import time
+    peer, src = (r + 1) % p, (r - 1) % p
+    ep = comm.dev_endpoints[peer]
+    if ep.transport != "verbs+gdr":
+        return
+    assert ep.keep == 0.5, ep.keep
+    k, m = 6, 1 << 18                   # 6 messages of 1 MiB each way, all in flight
+    xs = [si.asarray(np.full(m, r * 100 + i, np.float32)) for i in range(k)]
+    outs = [si.zeros(m, np.float32) for _ in range(k)]
+    reqs = [comm.irecv(outs[i], src, tag=i) for i in range(k)] + \
+        [comm.isend(xs[i], peer, tag=i) for i in range(k)]
+    for q in reqs:
+        q.wait(timeout=120)
+    for i in range(k):
+        assert (outs[i].get() == src * 100 + i).all(), i
+    mine = comm.dev_endpoints[src] if src != peer else ep
+    burst = ep.idle_bytes() + (mine.idle_bytes() if mine is not ep else 0)
+    # (pooled for reuse: at least a bounce and a scratch buffer — as many as were in
+    # use at once, which depends on how fast the link drained the sends)
+    assert burst >= 2 * (m * 4), burst
+    comm.barrier()
+    time.sleep(0.7)
+    big = si.asarray(np.full(m, r, np.float32))
+    got = si.zeros(m, np.float32)
+    q = comm.irecv(got, src, tag=99)
+    comm.send(big, peer, tag=99, timeout=60)
+    q.wait(timeout=60)
+    assert (got.get() == src).all()
+    left = ep.idle_bytes() + (mine.idle_bytes() if mine is not ep else 0)
+    assert left <= 2 * (m * 4), (left, burst)   # that message's own bounce and scratch
+    released = ep.released + (mine.released if mine is not ep else 0)
+    assert released >= burst - left, (released, burst, left)
     comm.barrier()
 
 

@@ -728,25 +728,60 @@ class GdrEndpoint:
         self.peer = verbs_ep.peer
         self.transport = "verbs+gdr"
         self.eager = verbs_ep.owner.eager
+        # size class -> [(time given back, (view, registration, class))], oldest first
         self.free: dict[int, list] = {}
+        self.keep = staged.pool.keep      # GPURT_DEVICE_STAGE_KEEP, as staging's pool
+        self.trim_at = math.inf
+        self.released = 0                 # bytes deregistered and freed so far (tests)
 
     def check(self) -> None:
         self.vep.check()
 
+    def idle_bytes(self) -> int:
+        return sum(c * len(v) for c, v in self.free.items())
+
     def scratch(self, n: int, stream=None) -> tuple:
-        """(view, registration, size class): registered device memory, pooled."""
+        """(view, registration, size class): registered device memory, pooled (the newest
+        idle one of its class)."""
         c = _Pinned._cls(n)
         lst = self.free.get(c)
         if lst:
-            return lst.pop()
-        v = self.be.alloc(c, stream)
-        self.be.gdr_prepare(v)
-        own = self.vep.owner
-        reg = own.reg.get_dev(self.be.ptr(v), c, v, own.access)
-        return (v, reg, c)
+            item = lst.pop()[1]
+        else:
+            v = self.be.alloc(c, stream)
+            self.be.gdr_prepare(v)
+            own = self.vep.owner
+            item = (v, own.reg.get_dev(self.be.ptr(v), c, v, own.access), c)
+        self._trim(time.monotonic())
+        return item
 
     def release(self, item: tuple) -> None:
-        self.free.setdefault(item[2], []).append(item)
+        now = time.monotonic()
+        self.free.setdefault(item[2], []).append((now, item))
+        self.trim_at = min(self.trim_at, now + self.keep)
+        self._trim(now)
+
+    def _trim(self, now: float) -> None:
+        """Deregister and free what stayed idle longer than ``keep`` (a burst's bounce and
+        scratch buffers were registered, and held, for the communicator's life)."""
+        if now < self.trim_at:
+            return
+        cut, nxt = now - self.keep, math.inf
+        reg = self.vep.owner.reg
+        for c, lst in list(self.free.items()):
+            k = 0
+            while k < len(lst) and lst[k][0] <= cut:
+                k += 1
+            for _t, (_v, r, _c) in lst[:k]:
+                reg._drop(r.key)          # (deregistered before its memory goes)
+            if k:
+                del lst[:k]
+                self.released += c * k
+            if lst:
+                nxt = min(nxt, lst[0][0] + self.keep)
+            else:
+                del self.free[c]
+        self.trim_at = nxt
 
     def send(self, src, lane: int, tag: int, sig: int, stream):
         if src.nbytes <= self.eager:

@@ -100,8 +100,9 @@ one)
     # GPUDirect RDMA (device memory registered with the HCA; the stand-in's is host memory,
     # which rxe can register) and, with GPURT_IB_GDR=0, pinned host staging
     export GPURT_DEVICE_BACKEND=standin
-    section dev_gdr2 env GPURT_IB_GDR=1 GPURT_STANDIN_DELAY_US=50 $GUEST_MPIEXEC -n 2 \
-        python3 tests/device_cases.py endpoints=verbs+gdr streams reuse alloc inflight order errors
+    section dev_gdr2 env GPURT_IB_GDR=1 GPURT_STANDIN_DELAY_US=50 GPURT_DEVICE_STAGE_KEEP=0.5 \
+        $GUEST_MPIEXEC -n 2 python3 tests/device_cases.py endpoints=verbs+gdr streams reuse \
+        alloc inflight order errors gdr_pool_release
     section dev_sweep_gdr2 env GPURT_IB_GDR=1 $GUEST_MPIEXEC -n 2 \
         python3 tests/mpi_sweep.py --device standin transport
     section dev_sweep_staged2 env GPURT_IB_GDR=0 GPURT_DEVICE_STAGE=64K $GUEST_MPIEXEC -n 2 \
