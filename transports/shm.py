@@ -1106,6 +1106,7 @@ class ShmTransport:
         if board:
             self.board = shm_board.Board(self.seg.q, self.seg.u8, board_off, nlocal,
                                          self.local_rank, bslot, board)
+            self.board.error_of = self.seg.read_error
         node_ranks = topo.local_ranks[topo.node_of[comm.rank]]
         self.endpoints = {p: ShmEndpoint(self, p, node_ranks.index(p)) for p in peers}
         threshold = cma_threshold(nlocal)
@@ -1234,6 +1235,8 @@ class ShmTransport:
         stop them writing into our receive buffers (cooperative single copy)."""
         if self.seg is not None and self.local_rank >= 0:
             self.seg.write_error(self.local_rank, text)
+            if self.board is not None:      # (after the record: a peer reads it then)
+                shm_board.revoke(self.board)
         self._seal_helps()
 
     def _seal_helps(self) -> None:

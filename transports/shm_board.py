@@ -39,7 +39,7 @@ from typing import Callable
 import numpy as np
 
 from gpurt.callsite import WORDS, at, site, words
-from gpurt.errors import CollectiveMismatchError
+from gpurt.errors import CollectiveMismatchError, PeerFailure, from_peer, relayed_rank
 
 from .fence import fence as _fence
 from gpurt.ops import DTYPE_CODE, DTYPE_NAMES, Op
@@ -59,6 +59,9 @@ _U8 = np.dtype(np.uint8)
 # the signature a rank publishes for a call it rejected as invalid input (no real call's
 # crc32 signature is this large)
 REJECTED = 0xFFFFFFFFFFFFFFFF
+#: set in a header's call-number word: this rank failed with the call published and gave
+#: it up (``revoke``): a peer that comes to it later raises PeerFailure, not a result
+REVOKED = 1 << 63
 
 COLLS = ("allreduce", "reduce", "broadcast", "allgather", "reduce_scatter", "alltoall",
          "gather", "scatter", "barrier")
@@ -158,6 +161,8 @@ class Board:
                                       for k in range(nlocal) for b in range(2)]) \
             if native_enabled() else None
         self._roles: dict = {}      # (coll, root) -> (writes, need)
+        #: local rank -> its published fatal error ("" if none): set by the shm transport
+        self.error_of: Callable[[int], str] = lambda k: ""
         self._views: dict = {}      # (k, b, off, nbytes, dtype) -> typed view of a buffer
         self._plans: dict = {}      # (coll, sig, dtype, n, op, root) -> the extension's plan
 
@@ -359,12 +364,19 @@ class BoardRun:
                     self._check_rejected()
                     return moved
             _fence()
+            gave_up = -1
             for k in self.need:
                 h = bd.hdr[k][self.b]
                 # the arguments too: calls whose 32-bit signatures collide differ there
                 if q[h] != seq or q[h + 1] != self.sig or \
                         tuple(q[h + 3:h + 8]) != self.meta:
+                    if q[h] == seq | REVOKED and q[h + 1] == self.sig and \
+                            tuple(q[h + 3:h + 8]) == self.meta:
+                        gave_up = k if gave_up < 0 else gave_up
+                        continue        # (a call that differs is named first)
                     self._mismatch(k, h)
+            if gave_up >= 0:
+                self._gave_up(gave_up)
             if not self.check:
                 self._read()
             if self.extra:      # read before ``done``: the peers may then reuse the buffer
@@ -409,12 +421,25 @@ class BoardRun:
             f"input (its ValueError/TypeError says why); rank {self.r} called "
             f"{describe(self.meta)}{mine_at}")
 
+    def _gave_up(self, k: int) -> None:
+        """Rank k published this very call, then failed and took it back (``revoke``)."""
+        _fence()                # (its error record was written before the mark)
+        err = self.board.error_of(k)
+        text = f"rank {k} failed during call #{self.seq} and gave it up" + \
+            (f": {err}" if err else "")
+        raise from_peer(err, text, relayed_rank(err, k)) if err else \
+            PeerFailure(text, rank=k)
+
     def _mismatch(self, k: int, h: int) -> None:
         bd = self.board
         q = bd.q
+        hseq = int(q[h])
+        revoked = hseq == self.seq | REVOKED
+        if revoked:             # (a rank that failed, and whose call differs: its call
+            hseq = self.seq     # number; the rest of its header as published)
         sid = self.site or site()
         mine_at = at(words(sid))
-        if q[h] == self.seq:
+        if hseq == self.seq and not revoked:
             # the inline fast path publishes no call site (finding it costs ~2 µs a call):
             # a rank that finds a mismatch puts its own into its header now, and waits
             # briefly for the peer's — every rank reads every header, so the peer finds
@@ -427,9 +452,9 @@ class BoardRun:
             _fence()           # (the site's text was stored before its id)
         theirs = bd.site_text(k, q[h + _SITE])
         theirs_at = at(theirs) if any(theirs) else ""
-        if q[h] != self.seq:
+        if hseq != self.seq:
             raise CollectiveMismatchError(
-                f"rank {k} published call #{q[h]} on the shm board where call #{self.seq} was "
+                f"rank {k} published call #{hseq} on the shm board where call #{self.seq} was "
                 f"expected: the ranks called different collectives or sizes (rank {self.r}'s "
                 f"call{mine_at or ' site unknown'})")
         if q[h + 1] == REJECTED:
@@ -438,6 +463,23 @@ class BoardRun:
                                      self.meta)
         raise CollectiveMismatchError(f"call #{self.seq}: rank {k} called {theirs}{theirs_at}, "
                                       f"rank {self.r} called {mine}{mine_at}")
+
+
+def revoke(board: Board) -> None:
+    """This rank failed (a timeout, ``abort()``, ``close()`` or an exception mid-call) with
+    a call published on the board that it has not finished: take the call back by
+    marking its header ``REVOKED``, after its error record was written.  A peer that
+    compared the headers already completes the call (it had everything); one that comes
+    to it later raises PeerFailure with this rank's error — before, it found a complete,
+    matching round and returned a result of a call this rank had given up, and learnt of
+    the failure only at its next call."""
+    q, me = board.q, board.me
+    seq = int(q[board.ctrl[me]])
+    if seq and int(q[board.ctrl[me] + 1]) < seq:
+        _fence()                # (the error record before the mark)
+        # (the call number, not the signature, carries the mark: a peer whose call
+        # differs still names both calls from the header, as a mismatch)
+        q[board.hdr[me][seq & 1]] = seq | REVOKED
 
 
 def _site_word(sid: int) -> int:

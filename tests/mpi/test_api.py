@@ -474,6 +474,32 @@ def test_timeout_names_the_missing_ranks(comm):
         comm.mpi.Barrier()     # the others keep the communicator open until then
 
 
+def test_a_call_a_rank_gave_up_is_a_peer_failure_for_the_late_ranks(comm):
+    """Rank 0's blocking allreduce times out before the others come: they raise
+    PeerFailure in that call, carrying rank 0's error, with their buffers untouched.
+    Before, on the board, rank 0's published contribution made the late ranks' call
+    complete and return a result of a call rank 0 had given up (they learnt of it at
+    their next call; a bug hunt)."""
+    p, r = comm.size, comm.rank
+    if p == 1:
+        pytest.skip("needs 2 ranks")
+    with scratch(comm) as c:
+        x = np.full(10, r + 1.0)
+        if r == 0:
+            with pytest.raises(gpurt.CollectiveTimeout):
+                c.allreduce(x, timeout=0.3)
+            comm.mpi.Barrier()      # (the others come once rank 0 has given up)
+        else:
+            comm.mpi.Barrier()
+            with pytest.raises(gpurt.PeerFailure) as ei:
+                c.allreduce(x, timeout=30)
+            assert ei.value.rank == 0 and "in allreduce (call #1)" in str(ei.value), \
+                str(ei.value)
+            assert "rank 0: allreduce (call #1) did not complete within 0.3 s" in \
+                str(ei.value), str(ei.value)
+            assert (x == r + 1.0).all()
+
+
 def test_a_timeout_names_the_ranks_its_own_request_waits_for(comm):
     """Rank 0 waits on a receive from rank 2 while one from rank 1 is in flight too: the
     timeout names rank 2 alone (it named every request's peers, [1, 2]: a bug hunt);
