@@ -89,6 +89,52 @@ def test_cooperative_copy_off():
     assert out.startswith("ok") and "cooperative copy off" in out, out
 
 
+BIG_RECV_SHORT_TIMEOUT = r"""
+import time
+import numpy as np
+import gpurt
+c = gpurt.init()
+nb = 1 << 30
+if c.rank == 0:
+    x = np.full(nb, 7, np.uint8)
+    c.barrier()
+    try:
+        c.send(x, 1, timeout=30)
+        got = "sent"
+    except gpurt.GpurtError as e:
+        got = type(e).__name__
+else:
+    out = np.zeros(nb, np.uint8)
+    c.barrier()
+    time.sleep(0.05)
+    t = time.monotonic()
+    try:
+        c.recv(out, 0, timeout=0.005)
+        got = "received"
+    except gpurt.CollectiveTimeout:
+        got = "timeout"
+    took = time.monotonic() - t
+    snap = int(np.count_nonzero(out))
+    time.sleep(0.5)
+    got += f" after {took:.3f} s; changed after: {int(np.count_nonzero(out)) - snap}"
+print(f"BIGRECV {c.rank} {got}", flush=True)
+"""
+
+
+def test_a_large_receive_with_a_short_timeout_keeps_its_deadline():
+    """A 1 GiB receive with a 5 ms timeout through the cooperative copy: the receiver
+    copies at most 16 MiB between deadline checks, so it times out in milliseconds and
+    nothing lands in its buffer afterwards. Before, it copied every chunk in one step,
+    overshot by 1–9 s, and then timed out anyway, blaming a sender whose bytes had all
+    arrived (a bug hunt)."""
+    _need_native()
+    out = run_mpi(2, ["-c", BIG_RECV_SHORT_TIMEOUT], timeout=180).stdout
+    line = next((ln for ln in out.splitlines() if ln.startswith("BIGRECV 1 ")), "")
+    assert line.startswith("BIGRECV 1 timeout after "), out
+    took = float(line.split(" after ")[1].split(" s;")[0])
+    assert took < 1.0 and line.endswith("changed after: 0"), line
+
+
 SENDER_DIES = """
 import os, sys, time
 import numpy as np

@@ -71,6 +71,8 @@ _HDR = 4096                  # segment header (at least): magic, pid and probe t
 _CTRL = 192                  # ring control: head (+0), tail (+64), help words (+80..)
 _SLOT_HDR = 64
 _HELP_CHUNK = 512 << 10       # cooperative single copy: bytes per chunk
+_HELP_READ_MAX = 32           # chunks the receiver copies per advance (16 MiB)
+_READ_MAX = 16 << 20          # bytes a single-copy read takes per advance
 _BOUNCE = 256 * 1024          # reductions of single-copy data go through this much cache
 
 
@@ -653,16 +655,22 @@ class _Ring:
                     self.seal_help()
                     raise
                 self.open_help = None
-            elif m.src is not None:
-                memcopy.copyto(dst[m.off:m.total], m.src[m.off:m.total], m.total)
-            else:
-                cma.read(self.peer_pid, m.remote + m.off, dst[m.off:m.total], m.peer)
-            m.off = m.total
+                m.off = m.total
+            else:       # (at most _READ_MAX per advance: the wait checks its deadline)
+                end = min(m.off + _READ_MAX, m.total)
+                if m.src is not None:
+                    memcopy.copyto(dst[m.off:end], m.src[m.off:end], m.total)
+                else:
+                    cma.read(self.peer_pid, m.remote + m.off, dst[m.off:end], m.peer)
+                m.off = end
+                if end < m.total:
+                    return False
         else:       # a reduction, in cache-sized pieces: read in place from a shared
             if m.src is None and self.bounce is None:   # array, else through the bounce
                 self.bounce = np.empty(_BOUNCE, np.uint8)
-            while m.off < m.total:
-                n = min(_BOUNCE, m.total - m.off)
+            stop = min(m.off + _READ_MAX, m.total)
+            while m.off < stop:
+                n = min(_BOUNCE, stop - m.off)
                 if m.src is not None:
                     chunk = m.src[m.off:m.off + n]
                 else:
@@ -670,6 +678,8 @@ class _Ring:
                     cma.read(self.peer_pid, m.remote + m.off, chunk, m.peer)
                 m.sink(m.off, chunk)
                 m.off += n
+            if m.off < m.total:
+                return False
         self._trust(m, "before this rank finished reading it: what was read cannot be "
                        "trusted")
         q = self.seg.q
@@ -723,11 +733,15 @@ class _Ring:
         self.open_help = m
 
     def _help_read(self, m: _Msg, dstv: np.ndarray) -> bool:
+        """Receiver: copy the chunks of the open message that nobody took yet — at most
+        ``_HELP_READ_MAX`` per call, so that the caller's wait checks its deadline between
+        them (a 1 GiB receive with a 5 ms timeout copied everything first, overshooting
+        by seconds, then timed out with every byte there); True once every chunk is in."""
         gen, nch, chunk, nbytes = m.help
         q = self.seg.q
         dst, src, srcv = q[self.hdst_i], q[self.hsrc_i], m.src
         claim, add = shm_board.NATIVE.claim, shm_board.NATIVE.fetch_add
-        while True:
+        for _ in range(_HELP_READ_MAX):
             c = claim(self.claim_addr, gen, nch)
             if c < 0:
                 break
