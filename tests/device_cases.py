@@ -233,6 +233,20 @@ def case_staging(comm) -> None:
     comm.barrier()
 
 
+def _burst(comm, peer: int, src: int, k: int, m: int) -> None:
+    """k device messages of m float32 to ``peer`` and from ``src``, all in flight at
+    once, then waited for; exact data."""
+    r = comm.rank
+    xs = [si.asarray(np.full(m, r * 100 + i, np.float32)) for i in range(k)]
+    outs = [si.zeros(m, np.float32) for _ in range(k)]
+    reqs = [comm.irecv(outs[i], src, tag=i) for i in range(k)] + \
+        [comm.isend(xs[i], peer, tag=i) for i in range(k)]
+    for q in reqs:
+        q.wait(timeout=120)
+    for i in range(k):
+        assert (outs[i].get() == src * 100 + i).all(), i
+
+
 def case_pool_release(comm) -> None:
     """Staging's pool gives back what stays idle (run with GPURT_DEVICE_STAGE_KEEP=0.5):
     a burst of concurrent staged messages leaves its page-locked buffers pooled for
@@ -250,17 +264,10 @@ def case_pool_release(comm) -> None:
         return
     pool = ep.pool
     assert pool.keep == 0.5, pool.keep
-    k, m = 12, 1 << 18                  # 12 messages of 1 MiB each way, all in flight
-    xs = [si.asarray(np.full(m, r * 100 + i, np.float32)) for i in range(k)]
-    outs = [si.zeros(m, np.float32) for _ in range(k)]
-    reqs = [comm.irecv(outs[i], src, tag=i) for i in range(k)] + \
-        [comm.isend(xs[i], peer, tag=i) for i in range(k)]
-    for q in reqs:
-        q.wait(timeout=120)
-    for i in range(k):
-        assert (outs[i].get() == src * 100 + i).all(), i
+    m = 1 << 18
+    _burst(comm, peer, src, 12, m)      # 12 messages of 1 MiB each way, all in flight
     burst = pool.idle_bytes()
-    assert burst >= 2 * k * (m * 4), burst      # every message's buffer, pooled for reuse
+    assert burst >= 2 * 12 * (m * 4), burst     # every message's buffer, pooled for reuse
     before = pool.released
     comm.barrier()
     time.sleep(0.7)
@@ -292,15 +299,8 @@ def case_gdr_pool_release(comm) -> None:
     if ep.transport != "verbs+gdr":
         return
     assert ep.keep == 0.5, ep.keep
-    k, m = 6, 1 << 18                   # 6 messages of 1 MiB each way, all in flight
-    xs = [si.asarray(np.full(m, r * 100 + i, np.float32)) for i in range(k)]
-    outs = [si.zeros(m, np.float32) for _ in range(k)]
-    reqs = [comm.irecv(outs[i], src, tag=i) for i in range(k)] + \
-        [comm.isend(xs[i], peer, tag=i) for i in range(k)]
-    for q in reqs:
-        q.wait(timeout=120)
-    for i in range(k):
-        assert (outs[i].get() == src * 100 + i).all(), i
+    m = 1 << 18
+    _burst(comm, peer, src, 6, m)       # 6 messages of 1 MiB each way, all in flight
     mine = comm.dev_endpoints[src] if src != peer else ep
     burst = ep.idle_bytes() + (mine.idle_bytes() if mine is not ep else 0)
     # (pooled for reuse: at least a bounce and a scratch buffer — as many as were in
