@@ -270,8 +270,9 @@ def _reduced(start: int, length: int, dtype: np.dtype, op: str, nranks: int, blk
     for q in range(1, nranks):
         acc = uf(acc, _values(q, start, length, dtype, op, nranks, blk)).astype(dtype,
                                                                                copy=False)
-    if op == "avg":
-        acc = np.divide(acc, dtype.type(nranks)).astype(dtype, copy=False)
+    if op == "avg":     # (complex: each part ÷ the real count, correctly rounded, as gpurt)
+        v = acc.view(acc.real.dtype) if dtype.kind == "c" else acc
+        acc = np.divide(v, v.dtype.type(nranks)).astype(v.dtype, copy=False).view(dtype)
     return acc
 
 

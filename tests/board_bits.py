@@ -104,8 +104,9 @@ def reference(xs: list[np.ndarray], op: Op) -> np.ndarray:
     with np.errstate(all="ignore"):
         for k in range(1, p):
             _UFUNC[op](acc, xs[k], out=acc)
-        if op is Op.AVG:
-            np.divide(acc, acc.dtype.type(p), out=acc)
+        if op is Op.AVG:            # (complex: each part ÷ the real count, as gpurt)
+            v = acc.view(acc.real.dtype) if acc.dtype.kind == "c" else acc
+            np.divide(v, v.dtype.type(p), out=v)
     return acc
 
 

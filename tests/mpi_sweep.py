@@ -56,8 +56,9 @@ def ref_reduce(arrs: list[np.ndarray], op: Op, p: int) -> np.ndarray:
     acc = arrs[0].copy()
     for a in arrs[1:]:
         uf(acc, a, out=acc)
-    if op is Op.AVG and acc.size:
-        np.divide(acc, acc.dtype.type(p), out=acc)
+    if op is Op.AVG and acc.size:   # (complex: each part ÷ the real count, as gpurt)
+        v = acc.view(acc.real.dtype) if acc.dtype.kind == "c" else acc
+        np.divide(v, v.dtype.type(p), out=v)
     return acc
 
 
