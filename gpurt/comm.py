@@ -1239,10 +1239,7 @@ class Communicator:
             if not (eng.colls or eng.p2p or eng.busy or eng.owner):
                 req = self._alone_device(coll, xb, ob, n, dtype, op, root, result, st)
                 if out_streams:
-                    ev = self._dev_order_event()
-                    be.record(ev, st)
-                    for s2 in out_streams:
-                        be.wait_event(s2, ev)
+                    devpath.ready_on(be, st, out_streams, self._dev_order_event())
                 return req
         self._seq += 1
         seq = self._seq
@@ -1294,9 +1291,7 @@ class Communicator:
                 be.scale(self._dev_view(ob, dtype), self.size, st, dtype=dtype)
             if self._devlast is None:
                 self._devlast = be.event(False)
-            be.record(self._devlast, st)
-            for s2 in out_streams:
-                be.wait_event(s2, self._devlast)
+            devpath.ready_on(be, st, out_streams, self._devlast)
             if rec is not None:
                 FlightRecorder.done(rec)
             return result

@@ -100,6 +100,14 @@ def order_after(be, st: int, others: tuple, ev) -> None:
         be.wait_event(st, ev)
 
 
+def ready_on(be, st: int, outs: tuple, ev) -> None:
+    """Record ``ev`` on ``st`` after the work queued so far (a call's result) and make each
+    of ``outs`` — the result's buffer's own streams — wait for it; never a host wait."""
+    be.record(ev, st)
+    for s in outs:
+        be.wait_event(s, ev)
+
+
 def _resolve(be, stream: Any, buf) -> int:
     buf_stream = buf.stream
     if stream is None and buf_stream is None and \

@@ -71,8 +71,8 @@ _HDR = 4096                  # segment header (at least): magic, pid and probe t
 _CTRL = 192                  # ring control: head (+0), tail (+64), help words (+80..)
 _SLOT_HDR = 64
 _HELP_CHUNK = 512 << 10       # cooperative single copy: bytes per chunk
-_HELP_READ_MAX = 32           # chunks the receiver copies per advance (16 MiB)
 _READ_MAX = 16 << 20          # bytes a single-copy read takes per advance
+_HELP_READ_MAX = _READ_MAX // _HELP_CHUNK   # the same in chunks, cooperative (32)
 _BOUNCE = 256 * 1024          # reductions of single-copy data go through this much cache
 
 
