@@ -73,6 +73,23 @@ def run_mpi(n: int, args: list[str], *, env: dict | None = None, timeout: float 
     return proc
 
 
+def run_mpi_leaving(n: int, args: list[str], outdir: Path, *, env: dict | None = None,
+                    timeout: float = 120) -> tuple[subprocess.CompletedProcess, dict[str, str]]:
+    """``mpiexec -disable-auto-cleanup -n n python ARGS OUTDIR``, for cases in which a rank
+    leaves (exits, dies) while the others go on: hydra then takes no one down for it, and
+    each rank that stays writes its record into a file of ``OUTDIR`` (output printed late
+    may be lost with the job).  Returns the process and {file name: text}.  Skips where
+    the launcher is not hydra."""
+    if not is_hydra():
+        pytest.skip("uses MPICH hydra's -disable-auto-cleanup; this launcher is not hydra")
+    e = dict(os.environ, GPURT_TIMEOUT="60")
+    e.update(env or {})
+    proc = subprocess.run([*mpiexec(), "-disable-auto-cleanup", "-n", str(n), sys.executable,
+                           *args, str(outdir)], cwd=ROOT, env=e, capture_output=True,
+                          text=True, timeout=timeout)
+    return proc, {f.name: f.read_text() for f in outdir.iterdir()}
+
+
 def rank_records(out: str, prefix: str, ranks: int) -> dict[int, dict]:
     """The JSON record each rank printed after ``prefix`` (``PREFIX {json}``), by its
     "rank"; asserts every one of ``ranks`` printed one."""

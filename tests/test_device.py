@@ -392,21 +392,13 @@ def test_exited_peer_during_device_calls_is_a_peer_failure(path, tmp_path):
     """A rank that exits between device allreduces (the launcher's clean-up off): both
     survivors raise PeerFailure(rank=1) within a second, over cuda_ipc (acknowledgement
     words) and over staging; no gpurt file is left in /dev/shm."""
-    import subprocess
-    import sys
+    from conftest import gpurt_shm_files, run_mpi_leaving
 
-    from conftest import ROOT, gpurt_shm_files, mpiexec
-
-    if not is_hydra():
-        pytest.skip("uses MPICH hydra's -disable-auto-cleanup; this launcher is not hydra")
-    env = dict(os.environ, **STANDIN, GPURT_TIMEOUT="60")
+    env = dict(STANDIN)
     if path == "staged":
         env.update(GPURT_STANDIN_DEVICES="3", GPURT_STANDIN_P2P="0")
     before = set(gpurt_shm_files())
-    proc = subprocess.run([*mpiexec(), "-disable-auto-cleanup", "-n", "3", sys.executable,
-                           "-c", EXITED_PEER, str(tmp_path)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
-    got = {f.name: f.read_text() for f in tmp_path.iterdir()}
+    proc, got = run_mpi_leaving(3, ["-c", EXITED_PEER], tmp_path, env=env)
     for r in (0, 2):
         text = got.get(f"rank{r}", "")
         assert "PeerFailure rank=1 " in text, (got, proc.stdout[-3000:], proc.stderr[-3000:])

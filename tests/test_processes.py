@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from conftest import (ROOT, gpurt_shm_files, is_hydra, mpiexec, rank_records,
+from conftest import (ROOT, gpurt_shm_files, is_hydra, mpiexec, rank_records, run_mpi_leaving,
                       remove_leaked_mpich_segments, run_mpi)
 
 SIZES = [1, 2, 3, 4, 5]
@@ -1244,13 +1244,8 @@ def test_a_rank_gone_with_a_forked_child_alive_is_noticed_at_once_across_nodes(t
     the connections' end (the child closed its copies of the descriptors at the fork, no
     shutdown).  Before, the child's copies kept the connections open: 5.6 s, by the
     heartbeat's bound, told "stopped or hung" (a bug hunt)."""
-    if not is_hydra():
-        pytest.skip("uses MPICH hydra's -disable-auto-cleanup and cliques")
-    env = dict(os.environ, MPIR_CVAR_NUM_CLIQUES="2", GPURT_TIMEOUT="60")
-    proc = subprocess.run([*mpiexec(), "-disable-auto-cleanup", "-n", "3", sys.executable,
-                           "-c", FORK_THEN_KILLED, str(tmp_path)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
-    got = {f.name: f.read_text() for f in tmp_path.iterdir()}
+    proc, got = run_mpi_leaving(3, ["-c", FORK_THEN_KILLED], tmp_path,
+                                env={"MPIR_CVAR_NUM_CLIQUES": "2"})
     for r in (0, 2):
         text = got.get(f"rank{r}", "")
         secs, _, what = text.partition(" ")
