@@ -56,7 +56,8 @@ from .tuner import FOLD, NATIVE_NAMES, Native, Tuner, load_profile, oversubscrib
 from .wait import spin_seconds
 
 from gpurt.transports import shm_board, shm_direct  # noqa: E402  (after the core imports)
-from gpurt.transports.base import LANE_P2P, p2p_sig  # noqa: E402
+from gpurt.transports.base import (CLOSED_IN_EXCHANGE, CLOSED_OR_EXITED, LANE_P2P,  # noqa: E402
+                                   p2p_sig)
 from gpurt.transports.shm import _SEND_CHECK, _Msg  # noqa: E402
 from gpurt.transports.tcp import _settings as tcp_settings  # noqa: E402
 
@@ -2684,7 +2685,7 @@ class Communicator:
         def make():
             # (one rank's bad argument would leave the others in MPI_Comm_split for ever)
             self._ctl_known_failed("split")
-            _gather_progressing(self.mpi, lambda: self._ctl_refused("split"))
+            _gather_progressing(self.mpi, self._ctl_watch("split"))
             whys = self.mpi.allgather(why)
             if any(whys):
                 raise ValueError(f"rank {self.rank}: split: " + "; ".join(
@@ -2701,7 +2702,7 @@ class Communicator:
         _mpi_ready(f"rank {self.rank}")
         def make():
             self._ctl_known_failed("dup")
-            return Communicator(self.mpi, _check=lambda: self._ctl_refused("dup"))
+            return Communicator(self.mpi, _check=self._ctl_watch("dup"))
 
         return self._control_plane("dup", make)
 
@@ -2726,9 +2727,12 @@ class Communicator:
                 try:
                     ep.check()
                 except GpurtError as e:
-                    # (a close, or an end of stream that may be one: acted on only where
-                    # the peer's process is seen gone — on this node, in this pid space)
-                    if "closed the communicator" not in str(e) or self._gone(p):
+                    # (a close during the peer's own split or dup — it stays in that
+                    # exchange — or one that cannot say (verbs): acted on only where the
+                    # peer's process is seen gone, on this node, in this pid space)
+                    text = str(e)
+                    if (CLOSED_IN_EXCHANGE not in text and CLOSED_OR_EXITED not in text) \
+                            or self._gone(p):
                         failed = e
                         break
         finally:
@@ -2750,15 +2754,36 @@ class Communicator:
             return False
         return not _pid_alive(self.pids[peer])
 
+    def _ctl_watch(self, what: str) -> Callable[[], None]:
+        """The check of a split's or dup's wait for every rank to come (``wait_mpi``, every
+        20 ms, and once more when all have come): a peer that published it refused this
+        exchange (``_ctl_refused``), and every 0.1 s what ``_ctl_known_failed`` asks the
+        transports — a peer gone, stopped past the bound, or that published a failure.
+        Such a peer never comes: a failed one's communicator is poisoned, and a poisoned
+        communicator's split or dup raises before it posts anything; a peer that failed
+        while in this exchange (its own watch saw another's failure) leaves it too, and
+        publishes that.  The wait ended on it, every rank raises ``PeerFailure`` instead
+        of waiting in MPI for ever (a rank that died of an exception, or exited, while
+        the others split: a bug hunt).  A close is not a failure here (a rank that closes
+        during its own split runs it to its end)."""
+        due = 0.0
+
+        def check() -> None:
+            nonlocal due
+            self._ctl_refused(what)
+            now = time.monotonic()
+            if now >= due:
+                due = now + 0.1
+                self._ctl_known_failed(what)
+        return check
+
     def _ctl_refused(self, what: str) -> None:
         """While a split or dup waits for every rank to come: ``PeerFailure`` where a peer
         published that it refused this very exchange before posting anything in it (two
         threads making communicators below MPI_THREAD_MULTIPLE, ``_mpi_turn``) — it will
         never come, and nothing waits on this rank.  Read from the shared segment only (no
-        system call, no socket read: another thread may be in the engine); peers across
-        nodes are not told so.  No other failure ends the wait: a peer that has posted
-        may complete the exchange whatever this rank concludes, and then waits for it in
-        the blocking calls that follow."""
+        system call, no socket read: another thread may be in the engine, where
+        ``_ctl_known_failed`` checks nothing); peers across nodes are not told so."""
         for ep in list(self.endpoints.values()):
             published = getattr(ep, "published", None)
             e = published() if published is not None else None
@@ -2913,8 +2938,13 @@ class Communicator:
             ipc.close()
         self.dev_endpoints, self._devtmp, self._devlast, self._devorder = {}, None, None, None
         self._devretired = []
+        # (a close during this communicator's own split or dup — another thread's, a
+        # signal handler's — says so in its notice: the peers waiting in that exchange
+        # wait on, since this rank stays in it; any other close ends theirs)
+        staying = self._ctl_depth > 0
         for t in self._transports:
             try:
+                t.staying = staying
                 t.close()
             except Exception:  # noqa: BLE001 - best effort on the way out
                 pass
@@ -3052,8 +3082,13 @@ def _gather_progressing(mpi_comm: Any, check: Callable[[], None] | None = None) 
     them before it comes (an isend, then split, against recv, then split: the receiver
     timed out and the sender stayed in MPI_Comm_split for ever).  Once all are here, no
     rank waits on a gpurt request until the creation is over.  ``check``: a split's or
-    dup's check for a peer's published refusal of the exchange (``wait_mpi``)."""
+    dup's check for a peer that failed or refused the exchange (``wait_mpi``;
+    ``Communicator._ctl_watch``), asked once more when all have come: a peer that left
+    the wait on a failure it saw may have posted first, and this rank would then wait
+    for it in the blocking exchanges that follow."""
     wait_mpi(mpi_comm.Ibarrier(), check=check)
+    if check is not None:
+        check()
 
 
 @contextlib.contextmanager

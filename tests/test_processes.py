@@ -1543,17 +1543,24 @@ def test_a_segment_never_has_a_name_a_crash_could_leave(proc_fd):
         assert seen and all(re.fullmatch(r"gpurt-\d+-\d+-[0-9a-f]{8}", f) for f in seen), seen
 
 
-@pytest.mark.parametrize("n", [2, 3])
-@pytest.mark.parametrize("mode", ["init", "dup", "split", "wait_split", "close_dup",
-                                  "close_split", "signal_split"])
-def test_threads_meeting_the_control_plane(mode, n):
+@pytest.mark.parametrize("mode,n,nodes", [
+    (m, n, 1) for m in ("init", "dup", "split", "wait_split", "close_dup", "close_split",
+                        "signal_split") for n in (2, 3)] + [
+    (m, 3, 3) for m in ("close_dup", "close_split", "signal_split")])
+def test_threads_meeting_the_control_plane(mode, n, nodes):
     """Two threads in init(), dup() or split() at once; a thread waiting on a request
     while another splits; a close() from another thread or a signal handler while a split
     or dup waits for its peers (tests/control_plane_cases.py; a bug hunt: MPICH aborted,
     split gave size-1 communicators silently, init gave two world communicators and a
-    hang, the peer of a closed split stayed in MPI for ever)."""
+    hang, the peer of a closed split stayed in MPI for ever).  Its peers wait on for it —
+    it stays in that exchange — told so by its close notice: on one node shm's record,
+    with a rank per node (3 nodes) the tcp frame before its connections end (any other
+    close fails their wait: test_a_rank_that_leaves_while_the_others_split_...)."""
+    env = {"GPURT_TIMEOUT": "20"}
+    if nodes > 1:
+        env["MPIR_CVAR_NUM_CLIQUES"] = str(nodes)
     recs = rank_records(run_mpi(n, ["tests/control_plane_cases.py", mode],
-                                env={"GPURT_TIMEOUT": "20"}, timeout=120).stdout,
+                                env=env, timeout=120).stdout,
                         "CONTROL", n)
     total = n * (n + 1) / 2
     for r, rec in recs.items():
@@ -1629,3 +1636,27 @@ def test_polling_test_meets_a_peer_that_left(mode, call, transport, tmp_path):
         assert recs[r]["seconds"] < 3, recs
         if mode == "raise":
             assert "boom on rank 1" in recs[r]["outcome"], recs
+
+
+@pytest.mark.parametrize("nodes", [1, 3])
+@pytest.mark.parametrize("what", ["split", "dup"])
+@pytest.mark.parametrize("leave", ["raise", "exit", "close"])
+def test_a_rank_that_leaves_while_the_others_split_fails_their_split(leave, what, nodes,
+                                                                     tmp_path):
+    """tests/split_wait_cases.py, 3 ranks: rank 2 raises (unhandled), exits or closes the
+    communicator half a second after ranks 0 and 1 entered split/dup — MPI exchanges that
+    end only when every rank has come.  Both raise PeerFailure(rank=2) naming the call
+    within a second of it (on one node: shm's records and the pid; one rank per node:
+    tcp's error frame, the end of its connection without a close in the exchange).
+    Before, they waited in MPI for ever (a bug hunt)."""
+    env = {"MPIR_CVAR_NUM_CLIQUES": str(nodes)} if nodes > 1 else {}
+    proc, got = run_mpi_leaving(3, ["tests/split_wait_cases.py", leave, what], tmp_path,
+                                env=env, timeout=90)
+    for r in (0, 1):
+        assert f"rank{r}" in got, (got, proc.stdout[-3000:], proc.stderr[-3000:])
+        rec = json.loads(got[f"rank{r}"])
+        assert rec["outcome"].startswith(f"PeerFailure: rank {r}: {what}: rank "), rec
+        assert rec["blamed"] == 2 and "rank 2 (" in rec["outcome"], rec
+        if leave == "raise":
+            assert "RuntimeError: rank 2 gives up" in rec["outcome"], rec
+        assert 0.3 < rec["seconds"] < 2.5, rec

@@ -30,6 +30,14 @@ LANE_P2P = 1
 LANES = 2
 LANE_NAMES = ("collective", "point-to-point")
 
+#: in a peer's close notice: it closed the communicator during its own split or dup of
+#: it, whose exchange it stays in to its end (``Transport.staying``) — a peer waiting in
+#: that exchange waits on; any other close means the peer will never come to one
+CLOSED_IN_EXCHANGE = "during its own split or dup"
+#: a close notice that cannot say which (verbs): a peer waiting in a split or dup acts
+#: on it only where the closer's process is seen gone
+CLOSED_OR_EXITED = "(it closed the communicator or exited)"
+
 # a receive that accepts a shorter message (``upto``: the agreement check's headers, with
 # or without a folded call's data) is for messages below this size, and every transport
 # moves such a message as one piece: one tcp frame (tcp refuses an upto receive as large
@@ -83,6 +91,11 @@ class Transport(Protocol):
 
     def connect(self, peers: list[int], comm) -> dict[int, Endpoint]:
         """Collective over the communicator's control plane: endpoints to ``peers``."""
+
+    #: set by the communicator before ``close()``: this rank closes during its own split
+    #: or dup of the communicator (another thread's close, a signal handler's) and stays
+    #: in that exchange; the close notice says so (``CLOSED_IN_EXCHANGE``)
+    staying: bool
 
     def close(self) -> None:
         """Release everything; safe to call twice and from an exception path."""

@@ -57,7 +57,7 @@ from gpurt.errors import (CollectiveMismatchError, PeerFailure, ResourceError, T
 from . import cma, shm_board
 from .fence import ORDERED, WHY_NOT
 from .fence import fence as _fence
-from .base import LANE_NAMES, LANE_P2P, LANES, UPTO_MAX, Sink, mismatch_detail
+from .base import CLOSED_IN_EXCHANGE, LANE_NAMES, LANE_P2P, LANES, UPTO_MAX, Sink, mismatch_detail
 
 log = logging.getLogger("gpurt.shm")
 
@@ -1299,9 +1299,11 @@ class ShmTransport:
     def close(self) -> None:
         if self.seg is not None and self.local_rank >= 0:
             # (after an error, the error stays what the peers read)
-            self.seg.write_error(self.local_rank, "closed the communicator (close(), or the "
-                                 "process's exit) while this rank still waits on it",
-                                 closed=True)
+            self.seg.write_error(self.local_rank, (
+                f"closed the communicator {CLOSED_IN_EXCHANGE} (another thread's close(), "
+                f"or a signal handler's)" if getattr(self, "staying", False) else
+                "closed the communicator (close(), or the process's exit)") +
+                " while this rank still waits on it", closed=True)
         self._seal_helps()
         try:
             self._drain_single_copy()

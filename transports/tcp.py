@@ -119,8 +119,8 @@ from gpurt.errors import (CollectiveMismatchError, CommunicatorClosed, PeerFailu
                           ResourceError, TransportError, fit_text, from_peer, published_class,
                           relayed_rank)
 
-from .base import (LANE_NAMES, LANES, UPTO_MAX, Sink, Throttle, ensure_fds, mismatch_detail,
-                   unpaired)
+from .base import (CLOSED_IN_EXCHANGE, LANE_NAMES, LANES, UPTO_MAX, Sink, Throttle, ensure_fds,
+                   mismatch_detail, unpaired)
 from .heartbeat import Heartbeat, _pids
 
 log = logging.getLogger("gpurt.tcp")
@@ -130,6 +130,8 @@ _FRAME = struct.Struct("<IBBHQQQQQ")  # magic, kind, flags, stripe, tag, sig, to
 HDR = _FRAME.size                     # 48
 FRAME_MAGIC = 0x50435447              # b"GTCP" little-endian
 KIND_ERROR = 2                        # kinds 0, 1 are the lanes
+KIND_STAYING = 3                      # (no body) the close that follows is made during
+                                      # the peer's own split or dup: it stays in it
 _ERR_MAX = 4096                       # bytes of error text carried
 _M64 = 0xFFFFFFFFFFFFFFFF
 
@@ -574,10 +576,13 @@ class _Conn:
         magic, kind, _flags, _stripe, tag, sig, total, off, n = \
             _FRAME.unpack_from(self.ibuf, self.ilo)
         self.ilo += HDR
-        if magic != FRAME_MAGIC or kind > KIND_ERROR or (kind == KIND_ERROR and n > _ERR_MAX) \
-                or off + n > total:
+        if magic != FRAME_MAGIC or kind > KIND_STAYING or (kind == KIND_ERROR and n > _ERR_MAX) \
+                or off + n > total or (kind == KIND_STAYING and total):
             self.ep.corrupt(self, f"a malformed frame header (magic {magic:#x}, kind {kind}, "
                                   f"bytes {off}+{n} of {total})")
+            return
+        if kind == KIND_STAYING:
+            self.ep.staying = True
             return
         rx = _Rx(kind, n)
         if kind < LANES and self.posted[kind]:
@@ -659,11 +664,16 @@ class _Conn:
         self.rdead = True
         return False
 
-    def close(self) -> None:
+    def close(self, staying: bool = False) -> None:
         sock = self.sock
         if sock is None:
             return
         try:
+            if staying and not self.dead and not self.torn and not self.writing:
+                # (the end of the stream then means a close in an exchange the peer
+                # waits in too, not an exit: ``TcpEndpoint.eof``)
+                self.push([_FRAME.pack(FRAME_MAGIC, KIND_STAYING, 0, self.stripe, 0, 0, 0,
+                                       0, 0)], None)
             if self.out and not self.dead and not self.torn:
                 self.flush()        # a last non-blocking try (an error notice, say)
             sock.shutdown(socket.SHUT_WR)
@@ -689,6 +699,7 @@ class TcpEndpoint:
         self.conns = [_Conn(s, self, i) for i, s in enumerate(socks)]
         self.failure: tuple[type, str] | None = None
         self.closed = ""            # why a connection is closed (a failure once all are)
+        self.staying = False        # the peer said it closes during its own split or dup
         self.reset: str | None = None   # why the peer reset a connection, if it did
         self.told: str | None = None    # the failure the peer published (peer_error)
         self.stripes, self.smin = owner.stripes, owner.smin
@@ -828,7 +839,9 @@ class TcpEndpoint:
         others may still be delivering: only what this one owes fails now (see the
         completions), the endpoint once every connection is closed."""
         conn.dead = True
-        self.closed = (f"{self._who()} closed the tcp connection (it exited, was killed or "
+        self.closed = (f"{self._who()} closed the tcp connection (it closed the communicator "
+                       f"{CLOSED_IN_EXCHANGE})" if self.staying else
+                       f"{self._who()} closed the tcp connection (it exited, was killed or "
                        f"closed the communicator)")
         if all(c.dead for c in self.conns):
             self.fail(PeerFailure, self.closed)     # (raise_failure: its datagram says why)
@@ -1106,10 +1119,11 @@ class TcpTransport:
 
     def close(self) -> None:
         """Close every connection and the listener; safe twice and on an exception path."""
+        staying = getattr(self, "staying", False)
         for ep in self.endpoints.values():
             for c in ep.conns:
                 try:
-                    c.close()
+                    c.close(staying)
                 except Exception:  # noqa: BLE001 - closing must not fail
                     pass
         self.endpoints = {}

@@ -82,7 +82,7 @@ from gpurt import config
 from gpurt.errors import (CollectiveMismatchError, PeerFailure, ResourceError, TransportError,
                           fit_text, from_peer, published_class, relayed_rank)
 
-from .base import LANE_NAMES, LANES, UPTO_MAX, Sink, mismatch_detail, unpaired
+from .base import CLOSED_OR_EXITED, LANE_NAMES, LANES, UPTO_MAX, Sink, mismatch_detail, unpaired
 from .heartbeat import Heartbeat, _pids
 
 log = logging.getLogger("gpurt.verbs")
@@ -720,7 +720,7 @@ class VerbsEndpoint:
         elif kind == K_BYE:
             self.bye = True
             self.fail(PeerFailure, f"rank {self.peer} ({self.host}) closed its verbs "
-                                   f"connection (it closed the communicator or exited)")
+                                   f"connection {CLOSED_OR_EXITED}")
 
     def _match(self, m: _Recv, kind: int, msgid: int, tag: int, sig: int, total: int,
                payload) -> None:
