@@ -236,14 +236,14 @@ class Communicator:
     _free_later = False
 
     def __init__(self, mpi_comm: Any = None, *, _owned: bool = False,
-                 _check: Callable[[], None] | None = None):
+                 _check: Callable[..., None] | None = None):
         MPI = _mpi_ready()
         world = MPI.COMM_WORLD.Get_rank()
         with _mpi_turn(MPI, f"rank {world} of MPI_COMM_WORLD", "gpurt.Communicator"):
             self._init(MPI, mpi_comm, _owned, _check)
 
     def _init(self, MPI, mpi_comm: Any, _owned: bool,
-              _check: Callable[[], None] | None) -> None:
+              _check: Callable[..., None] | None) -> None:
         if mpi_comm is None:
             mpi_comm = MPI.COMM_WORLD
         if not isinstance(mpi_comm, MPI.Comm) or mpi_comm == MPI.COMM_NULL or \
@@ -2754,11 +2754,14 @@ class Communicator:
             return False
         return not _pid_alive(self.pids[peer])
 
-    def _ctl_watch(self, what: str) -> Callable[[], None]:
+    def _ctl_watch(self, what: str) -> Callable[..., None]:
         """The check of a split's or dup's wait for every rank to come (``wait_mpi``, every
-        20 ms, and once more when all have come): a peer that published it refused this
-        exchange (``_ctl_refused``), and every 0.1 s what ``_ctl_known_failed`` asks the
-        transports — a peer gone, stopped past the bound, or that published a failure.
+        20 ms, and once more when all have come): this communicator poisoned meanwhile —
+        an ``abort()`` from another thread (a watchdog), another thread's failure on it,
+        not a close — while not every rank has come (it stayed in MPI for ever); a peer
+        that published it refused this exchange (``_ctl_refused``); and every 0.1 s what
+        ``_ctl_known_failed`` asks the transports — a peer gone, stopped past the bound,
+        closed, or that published a failure.
         Such a peer never comes: a failed one's communicator is poisoned, and a poisoned
         communicator's split or dup raises before it posts anything; a peer that failed
         while in this exchange (its own watch saw another's failure) leaves it too, and
@@ -2768,8 +2771,15 @@ class Communicator:
         during its own split runs it to its end)."""
         due = 0.0
 
-        def check() -> None:
+        def check(done: bool = False) -> None:
             nonlocal due
+            own = self.engine.poisoned
+            if own is not None and not self._closed and not done:
+                # (this rank's abort() from another thread, or a failure another thread
+                # met on this communicator — published, so the peers leave too — while
+                # not every rank has come; once all have, the exchange runs to its end)
+                raise CommunicatorClosed(f"rank {self.rank}: {what}: left the exchange: "
+                                         f"{own}") from own
             self._ctl_refused(what)
             now = time.monotonic()
             if now >= due:
@@ -3075,7 +3085,7 @@ def _mpi_make(make: Callable[[], Any], rank: int) -> Any:
             f"communicators open in this process: close() the ones no longer needed") from None
 
 
-def _gather_progressing(mpi_comm: Any, check: Callable[[], None] | None = None) -> None:
+def _gather_progressing(mpi_comm: Any, check: Callable[..., None] | None = None) -> None:
     """Until every rank of ``mpi_comm`` has come to this communicator creation (or split,
     dup), keep this thread's requests on the other communicators moving: the blocking MPI
     exchanges that follow advance nothing of gpurt's, and a peer may still wait on one of
@@ -3088,7 +3098,7 @@ def _gather_progressing(mpi_comm: Any, check: Callable[[], None] | None = None) 
     for it in the blocking exchanges that follow."""
     wait_mpi(mpi_comm.Ibarrier(), check=check)
     if check is not None:
-        check()
+        check(done=True)
 
 
 @contextlib.contextmanager

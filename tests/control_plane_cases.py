@@ -22,7 +22,12 @@ one of them hung; and a ``close()`` from another thread freed the MPI handle und
   others' new communicator fails their first call in it with ``PeerFailure`` naming
   rank 0;
 - ``signal_split``: the same with the ``close()`` made by a signal handler (SIGALRM) on
-  the splitting thread itself.
+  the splitting thread itself;
+- ``abort_dup`` / ``abort_split``: the same with a watchdog's ``abort()`` (1 s in), the
+  last rank coming 3 s late and any other rank in time: rank 0's call leaves the
+  exchange with ``CommunicatorClosed`` at once (it stayed in MPI for ever), the ranks
+  waiting in it leave with ``PeerFailure`` naming rank 0, and the late one raises that
+  before it posts anything.
 """
 
 from __future__ import annotations
@@ -106,6 +111,24 @@ def main() -> int:
             if r == 1:      # (rank 0 receives one message: a third rank's send raced
                 c.send(np.full(4, 5.0), 0, tag=7)   # rank 0's close, PeerFailure)
         c.barrier()         # (then close: no rank's call meets a peer's close)
+        c.close()
+        comm.close()
+    elif mode in ("abort_dup", "abort_split"):
+        what = mode.split("_", 1)[1]
+        comm = gpurt.init()
+        c = comm.dup()
+        rec["rank"] = r = c.rank
+        if r == 0:
+            th = threading.Thread(target=lambda: (time.sleep(1.0),
+                                                  c.abort("watchdog: the step hung")))
+            th.start()
+        elif r == c.size - 1:
+            time.sleep(3.0)
+        t = time.monotonic()
+        rec["call"] = outcome(lambda: str(c.dup() if what == "dup" else c.split(0)))
+        rec["call_seconds"] = time.monotonic() - t
+        if r == 0:
+            th.join(30)
         c.close()
         comm.close()
     else:       # close_dup, close_split, signal_split

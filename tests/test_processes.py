@@ -1545,8 +1545,8 @@ def test_a_segment_never_has_a_name_a_crash_could_leave(proc_fd):
 
 @pytest.mark.parametrize("mode,n,nodes", [
     (m, n, 1) for m in ("init", "dup", "split", "wait_split", "close_dup", "close_split",
-                        "signal_split") for n in (2, 3)] + [
-    (m, 3, 3) for m in ("close_dup", "close_split", "signal_split")])
+                        "signal_split", "abort_dup", "abort_split") for n in (2, 3)] + [
+    (m, 3, 3) for m in ("close_dup", "close_split", "signal_split", "abort_split")])
 def test_threads_meeting_the_control_plane(mode, n, nodes):
     """Two threads in init(), dup() or split() at once; a thread waiting on a request
     while another splits; a close() from another thread or a signal handler while a split
@@ -1555,7 +1555,9 @@ def test_threads_meeting_the_control_plane(mode, n, nodes):
     hang, the peer of a closed split stayed in MPI for ever).  Its peers wait on for it —
     it stays in that exchange — told so by its close notice: on one node shm's record,
     with a rank per node (3 nodes) the tcp frame before its connections end (any other
-    close fails their wait: test_a_rank_that_leaves_while_the_others_split_...)."""
+    close fails their wait: test_a_rank_that_leaves_while_the_others_split_...).  A
+    watchdog's abort() meanwhile ends the call while a rank has not come (before, it
+    stayed in MPI for ever): the peers in it leave with PeerFailure, the late one refuses."""
     env = {"GPURT_TIMEOUT": "20"}
     if nodes > 1:
         env["MPIR_CVAR_NUM_CLIQUES"] = str(nodes)
@@ -1572,6 +1574,18 @@ def test_threads_meeting_the_control_plane(mode, n, nodes):
         elif mode == "wait_split":
             assert rec["call"] == f"ok size={n}", rec
             assert r != 0 or rec["waiter"] == "ok 5", rec
+        elif mode.startswith("abort"):
+            what = mode.split("_", 1)[1]
+            if r == 0:
+                assert rec["call"] == (f"CommunicatorClosed: rank 0: {what}: left the "
+                                       f"exchange: rank 0: watchdog: the step hung"), rec
+                assert 0.9 < rec["call_seconds"] < 2.0, rec
+            else:
+                assert rec["call"].startswith(f"PeerFailure: rank {r}: {what}: rank 0 ") and \
+                    rec["call"].endswith("failed: CommunicatorClosed: rank 0: watchdog: the "
+                                         "step hung"), rec
+                # (the late rank: at once; one in time: as soon as rank 0 has aborted)
+                assert rec["call_seconds"] < (0.5 if r == n - 1 else 2.0), rec
         elif r == 0:
             what = mode.split("_", 1)[1]
             assert rec["call"] == (f"CommunicatorClosed: rank 0: {what}: the communicator "
