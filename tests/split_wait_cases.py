@@ -6,8 +6,8 @@ wait for it in a ``split`` or ``dup`` (MPI exchanges gpurt cannot time out).
 LEAVE: how rank 2 leaves, half a second after the others entered ``WHAT`` (split | dup):
 ``raise`` (an unhandled exception: the hook publishes it, then the process waits in
 MPI_Finalize for the others), ``exit`` (os._exit, as a kill would end it: hydra takes a
-job down once a rank dies of a signal) or ``close`` (it closes the communicator, then
-lives on without splitting it).  Before, ranks 0 and 1 waited in MPI for ever.  Each of
+job down once a rank dies of a signal), ``close`` (it closes the communicator, then
+lives on without splitting it) or ``stop`` (SIGSTOP; run with GPURT_PEER_STOPPED=2).  Before, ranks 0 and 1 waited in MPI for ever.  Each of
 them writes ``rank<r>``: one JSON record {"rank", "outcome", "blamed", "seconds"}."""
 
 import json
@@ -30,6 +30,8 @@ if c.rank == c.size - 1:
     if leave == "close":
         c.close()
         time.sleep(30)      # (rank 0 ends it once the others have reported)
+    if leave == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
     os._exit(3)
 
 t = time.monotonic()
@@ -43,7 +45,8 @@ rec = {"rank": c.rank, "outcome": outcome, "blamed": blamed,
 with open(os.path.join(outdir, f"rank{c.rank}"), "w") as f:
     json.dump(rec, f)
 if c.rank == 0 and leave != "exit":
-    # (rank 2 waits in MPI_Finalize, or sleeps: ended once every survivor has written)
+    # (rank 2 waits in MPI_Finalize, sleeps or is stopped: ended once every survivor has
+    # written)
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline and not all(
             os.path.exists(os.path.join(outdir, f"rank{r}")) for r in range(c.size - 1)):

@@ -1654,16 +1654,20 @@ def test_polling_test_meets_a_peer_that_left(mode, call, transport, tmp_path):
 
 @pytest.mark.parametrize("nodes", [1, 3])
 @pytest.mark.parametrize("what", ["split", "dup"])
-@pytest.mark.parametrize("leave", ["raise", "exit", "close"])
+@pytest.mark.parametrize("leave", ["raise", "exit", "close", "stop"])
 def test_a_rank_that_leaves_while_the_others_split_fails_their_split(leave, what, nodes,
                                                                      tmp_path):
-    """tests/split_wait_cases.py, 3 ranks: rank 2 raises (unhandled), exits or closes the
-    communicator half a second after ranks 0 and 1 entered split/dup — MPI exchanges that
-    end only when every rank has come.  Both raise PeerFailure(rank=2) naming the call
-    within a second of it (on one node: shm's records and the pid; one rank per node:
-    tcp's error frame, the end of its connection without a close in the exchange).
-    Before, they waited in MPI for ever (a bug hunt)."""
-    env = {"MPIR_CVAR_NUM_CLIQUES": str(nodes)} if nodes > 1 else {}
+    """tests/split_wait_cases.py, 3 ranks: rank 2 raises (unhandled), exits, closes the
+    communicator or stops (SIGSTOP) half a second after ranks 0 and 1 entered split/dup
+    — MPI exchanges that end only when every rank has come.  Both raise
+    PeerFailure(rank=2) naming the call within a second of it, or of the bound
+    (GPURT_PEER_STOPPED=2 s) for the stopped one (on one node: shm's records and the
+    pid; one rank per node: tcp's error frame, the end of its connection without a close
+    in the exchange, the heartbeat's pings).  Before, they waited in MPI for ever (a bug
+    hunt)."""
+    env = {"GPURT_PEER_STOPPED": "2"}
+    if nodes > 1:
+        env["MPIR_CVAR_NUM_CLIQUES"] = str(nodes)
     proc, got = run_mpi_leaving(3, ["tests/split_wait_cases.py", leave, what], tmp_path,
                                 env=env, timeout=90)
     for r in (0, 1):
@@ -1673,4 +1677,7 @@ def test_a_rank_that_leaves_while_the_others_split_fails_their_split(leave, what
         assert rec["blamed"] == 2 and "rank 2 (" in rec["outcome"], rec
         if leave == "raise":
             assert "RuntimeError: rank 2 gives up" in rec["outcome"], rec
-        assert 0.3 < rec["seconds"] < 2.5, rec
+        if leave == "stop":
+            assert "stopped" in rec["outcome"] and 2.3 < rec["seconds"] < 5.0, rec
+        else:
+            assert 0.3 < rec["seconds"] < 2.5, rec
