@@ -13,8 +13,9 @@ record) into the folder given.
                  bound runs from when this process first saw it stopped, not once per
                  communicator.  Rank 0 SIGKILLs rank 2 at the end.
 
-In exit (and stop on shm), ranks 0 and 1 then split one more dup and dup another:
-PeerFailure at once, not a wait in MPI for ever (or until the stopped rank wakes).
+In exit and stop, ranks 0 and 1 then split one more dup and dup another: PeerFailure at
+once (stop over tcp: after the bound), not a wait in MPI for ever (or until the stopped
+rank wakes).
 
 Records: {"rank", "c": outcome, "c_s": seconds, "d": outcome, "d_s": seconds, and in
 exit and stop "split", "split_s", "dup", "dup_s"}."""
@@ -85,11 +86,11 @@ if mode == "stop":
     rec["d"], rec["d_s"] = attempt(lambda: d.allreduce(x, timeout=30))
 elif c.rank == 0:
     rec["d"], rec["d_s"] = attempt(lambda: d.send(np.ones(16, np.float32), 2, timeout=5))
-if mode == "exit" or mode == "stop" and os.environ.get("GPURT_TRANSPORTS") != "tcp":
+if mode in ("exit", "stop"):
     # a split and a dup wait in MPI for every rank to come: one known to be gone or
     # stopped is PeerFailure at once (before: the call waited for ever, or until the
-    # stopped rank woke up).  (Over tcp a stopped peer is known only to a wait's pings:
-    # not to a split's check before it posts, which then waits as before)
+    # stopped rank woke up).  (Over tcp a stopped peer is known only to pings, each
+    # communicator's own: the split's watch pings it and fails it after the bound)
     rec["split"], rec["split_s"] = attempt(lambda: e.split(0))
     rec["dup"], rec["dup_s"] = attempt(lambda: f.dup())
 with open(os.path.join(outdir, f"rank{c.rank}"), "w") as out:
