@@ -3806,8 +3806,34 @@ def _close_all() -> None:  # runs before mpi4py's own finalisation (registered e
         getattr(mpi4py.rc, "finalize", None) is not False
     if _dying_of_a_failure() and (ours or mpi4pys):
         _finalize_bounded(MPI)
+        return
+    gone = _failed_with_a_peer_gone()
+    if gone and (ours or mpi4pys):
+        _finalize_bounded(MPI, why=f"this job failed and {gone} has exited")
     elif ours:
         MPI.Finalize()
+
+
+def _failed_with_a_peer_gone() -> str:
+    """At a normal exit (or the program's own exception): where this process has seen the
+    job fail (``JOB_FAILED``) and a rank of its node whose process has exited since —
+    killed, or ended without MPI_Finalize — "rank's pid N" (else ""): MPI_Finalize waits
+    for that rank for ever (a survivor that caught the PeerFailure and ended normally
+    stayed alive with the job, -disable-auto-cleanup or a launcher that does not end a
+    job when one rank dies).  A rank on another node cannot be told apart from one that
+    only closed its communicators, and is not looked for.  (A rank that has exited after
+    its own MPI_Finalize does not hold this one's: the bound is then never reached.)"""
+    if _executor.JOB_FAILED is None or hasattr(sys, "ps1") or sys.flags.interactive:
+        return ""
+    try:
+        from gpurt.transports.shm import _procs
+        now = time.monotonic()
+        for pid, proc in list(_procs.items()):
+            if proc.state(now) == "gone":
+                return f"a rank of this node (pid {pid})"
+    except Exception:  # noqa: BLE001 - on the way out: finalize as usual
+        pass
+    return ""
 
 
 def _dying_of_a_failure() -> bool:
@@ -3826,14 +3852,18 @@ def _dying_of_a_failure() -> bool:
                                              _executor.JOB_FAILED is not None)
 
 
-def _finalize_bounded(MPI, code: int = 1) -> None:
+def _finalize_bounded(MPI, code: int = 1,
+                      why: str = "this process's unhandled exception") -> None:
     """MPI_Finalize for a process that dies of an unhandled gpurt failure, at most
     max(2 s, GPURT_PEER_STOPPED) long: MPICH's waits for every rank, and a rank that
     never comes to it (asleep, computing, stuck outside gpurt) kept this one — whose
     collective timed out or whose peer failed — alive with it, and the job with them
     (``gpurt launch`` stops a job once a rank has exited).  Past that bound the process
     leaves without it, with the status Python gives an unhandled exception (1), and the
-    process manager ends the job."""
+    process manager ends the job.  Also at a normal exit after the job failed where a
+    rank of the node has exited (``_failed_with_a_peer_gone``; ``why`` says so): the
+    status is then 1 too, whatever the program's would have been (Python's own exit code
+    is out of reach here), since the job has lost a rank."""
     grace = max(2.0, float(config.get("GPURT_PEER_STOPPED")))
     if not math.isfinite(grace):        # (GPURT_PEER_STOPPED=inf: wait as long as it takes)
         MPI.Finalize()
@@ -3849,8 +3879,8 @@ def _finalize_bounded(MPI, code: int = 1) -> None:
             return
         try:
             sys.stderr.write(f"gpurt: {who}: MPI_Finalize still waits {grace:g} s "
-                             f"after this process's unhandled exception (some rank has not "
-                             f"come to it): leaving without it, so that the job ends\n")
+                             f"after {why} (some rank has not come to it): leaving "
+                             f"without it, so that the job ends (exit status {code})\n")
             sys.stderr.flush()
             sys.stdout.flush()
         finally:

@@ -1684,3 +1684,22 @@ def test_a_rank_that_leaves_while_the_others_split_fails_their_split(leave, what
             assert "stopped" in rec["outcome"] and 2.3 < rec["seconds"] < 5.0, rec
         else:
             assert 0.3 < rec["seconds"] < 2.5, rec
+
+
+def test_a_survivor_that_caught_the_failure_and_ends_normally_does_not_hang(tmp_path):
+    """tests/finalize_cases.py, 3 ranks: rank 2 exits without MPI_Finalize; ranks 0 and 1
+    catch the PeerFailure and end normally.  Their MPI_Finalize is bounded (the job has
+    failed and a rank of the node has gone): each says so and leaves with status 1 within
+    max(2 s, GPURT_PEER_STOPPED) — here 2 s.  Before, both waited in MPI_Finalize for ever
+    (-disable-auto-cleanup: the launcher does not end the job when a rank dies)."""
+    t = time.monotonic()
+    proc, got = run_mpi_leaving(3, ["tests/finalize_cases.py"], tmp_path,
+                                env={"GPURT_PEER_STOPPED": "2"}, timeout=60)
+    took = time.monotonic() - t
+    for r in (0, 1):
+        assert got.get(f"caught{r}", "").startswith("2 "), (got, proc.stderr[-3000:])
+        assert f"atexit{r}" in got, got        # (a normal exit: the handlers ran)
+        assert (f"gpurt: rank {r} of MPI_COMM_WORLD (pid " in proc.stderr and
+                "MPI_Finalize still waits 2 s after this job failed and a rank of this "
+                "node (pid " in proc.stderr), proc.stderr[-3000:]
+    assert proc.returncode != 0 and took < 30, (proc.returncode, took)
