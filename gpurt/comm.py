@@ -2768,8 +2768,12 @@ class Communicator:
         publishes that.  The wait ended on it, every rank raises ``PeerFailure`` instead
         of waiting in MPI for ever (a rank that died of an exception, or exited, while
         the others split: a bug hunt).  A close is not a failure here (a rank that closes
-        during its own split runs it to its end)."""
+        during its own split runs it to its end).  Past ``GPURT_TIMEOUT`` with a rank
+        still to come, ``CollectiveTimeout`` (the communicator poisoned: published, so the
+        peers in the wait leave too; MPI's barrier does not say which rank is missing)."""
         due = 0.0
+        start = time.monotonic()
+        limit = self.engine._timeout()
 
         def check(done: bool = False) -> None:
             nonlocal due
@@ -2780,8 +2784,15 @@ class Communicator:
                 # not every rank has come; once all have, the exchange runs to its end)
                 raise CommunicatorClosed(f"rank {self.rank}: {what}: left the exchange: "
                                          f"{own}") from own
-            self._ctl_refused(what)
             now = time.monotonic()
+            if not done and now - start > limit and not self._closed:
+                e = CollectiveTimeout(
+                    f"rank {self.rank}: {what}: not every rank came to it within {limit:g} s "
+                    f"(GPURT_TIMEOUT; MPI's barrier does not say which rank is missing)",
+                    collective=what)
+                self.engine.poison(e)   # (published: the peers in the wait leave too)
+                raise e
+            self._ctl_refused(what)
             if now >= due:
                 due = now + 0.1
                 self._ctl_known_failed(what)

@@ -27,7 +27,10 @@ one of them hung; and a ``close()`` from another thread freed the MPI handle und
   last rank coming 3 s late and any other rank in time: rank 0's call leaves the
   exchange with ``CommunicatorClosed`` at once (it stayed in MPI for ever), the ranks
   waiting in it leave with ``PeerFailure`` naming rank 0, and the late one raises that
-  before it posts anything.
+  before it posts anything;
+- ``late_dup`` / ``late_split`` (run with GPURT_TIMEOUT=2): the last rank comes 5 s
+  late: the others raise ``CollectiveTimeout`` past the deadline (or ``PeerFailure``
+  where another's came first), the late one ``PeerFailure`` before posting anything.
 """
 
 from __future__ import annotations
@@ -113,21 +116,21 @@ def main() -> int:
         c.barrier()         # (then close: no rank's call meets a peer's close)
         c.close()
         comm.close()
-    elif mode in ("abort_dup", "abort_split"):
-        what = mode.split("_", 1)[1]
+    elif mode in ("abort_dup", "abort_split", "late_dup", "late_split"):
+        how, what = mode.split("_", 1)
         comm = gpurt.init()
         c = comm.dup()
         rec["rank"] = r = c.rank
-        if r == 0:
+        if r == 0 and how == "abort":
             th = threading.Thread(target=lambda: (time.sleep(1.0),
                                                   c.abort("watchdog: the step hung")))
             th.start()
         elif r == c.size - 1:
-            time.sleep(3.0)
+            time.sleep(3.0 if how == "abort" else 5.0)
         t = time.monotonic()
         rec["call"] = outcome(lambda: str(c.dup() if what == "dup" else c.split(0)))
         rec["call_seconds"] = time.monotonic() - t
-        if r == 0:
+        if r == 0 and how == "abort":
             th.join(30)
         c.close()
         comm.close()

@@ -1548,8 +1548,10 @@ def test_a_segment_never_has_a_name_a_crash_could_leave(proc_fd):
 
 @pytest.mark.parametrize("mode,n,nodes", [
     (m, n, 1) for m in ("init", "dup", "split", "wait_split", "close_dup", "close_split",
-                        "signal_split", "abort_dup", "abort_split") for n in (2, 3)] + [
-    (m, 3, 3) for m in ("close_dup", "close_split", "signal_split", "abort_split")])
+                        "signal_split", "abort_dup", "abort_split", "late_dup", "late_split")
+    for n in (2, 3)] + [
+    (m, 3, 3) for m in ("close_dup", "close_split", "signal_split", "abort_split",
+                        "late_split")])
 def test_threads_meeting_the_control_plane(mode, n, nodes):
     """Two threads in init(), dup() or split() at once; a thread waiting on a request
     while another splits; a close() from another thread or a signal handler while a split
@@ -1561,7 +1563,7 @@ def test_threads_meeting_the_control_plane(mode, n, nodes):
     close fails their wait: test_a_rank_that_leaves_while_the_others_split_...).  A
     watchdog's abort() meanwhile ends the call while a rank has not come (before, it
     stayed in MPI for ever): the peers in it leave with PeerFailure, the late one refuses."""
-    env = {"GPURT_TIMEOUT": "20"}
+    env = {"GPURT_TIMEOUT": "2" if mode.startswith("late") else "20"}
     if nodes > 1:
         env["MPIR_CVAR_NUM_CLIQUES"] = str(nodes)
     recs = rank_records(run_mpi(n, ["tests/control_plane_cases.py", mode],
@@ -1577,6 +1579,19 @@ def test_threads_meeting_the_control_plane(mode, n, nodes):
         elif mode == "wait_split":
             assert rec["call"] == f"ok size={n}", rec
             assert r != 0 or rec["waiter"] == "ok 5", rec
+        elif mode.startswith("late"):
+            what = mode.split("_", 1)[1]
+            timed_out = (f"CollectiveTimeout: rank {r}: {what}: not every rank came to it "
+                         f"within 2 s (GPURT_TIMEOUT; MPI's barrier does not say which rank "
+                         f"is missing)")
+            told = rec["call"].startswith(f"PeerFailure: rank {r}: {what}: rank ") and \
+                rec["call"].endswith(timed_out.split(": ", 3)[3]) and \
+                ": CollectiveTimeout: rank " in rec["call"]
+            if r == n - 1:      # (the late one: told before it posts anything)
+                assert told and rec["call_seconds"] < 0.5, rec
+            else:               # (its own deadline, or an earlier one's, published)
+                assert rec["call"] == timed_out or told, rec
+                assert 1.9 < rec["call_seconds"] < 4.0, rec
         elif mode.startswith("abort"):
             what = mode.split("_", 1)[1]
             if r == 0:
