@@ -2685,6 +2685,7 @@ class Communicator:
         def make():
             # (one rank's bad argument would leave the others in MPI_Comm_split for ever)
             self._ctl_known_failed("split")
+            self._ctl_refused("split")
             _gather_progressing(self.mpi, self._ctl_watch("split"))
             whys = self.mpi.allgather(why)
             if any(whys):
@@ -2702,6 +2703,7 @@ class Communicator:
         _mpi_ready(f"rank {self.rank}")
         def make():
             self._ctl_known_failed("dup")
+            self._ctl_refused("dup")
             return Communicator(self.mpi, _check=self._ctl_watch("dup"))
 
         return self._control_plane("dup", make)
@@ -2793,22 +2795,27 @@ class Communicator:
                 self.engine.poison(e)   # (published: the peers in the wait leave too)
                 raise e
             self._ctl_refused(what)
-            if now >= due:
-                due = now + 0.1
-                self._ctl_known_failed(what)
+            if now >= due or done:      # (done: at once — a peer that left the wait
+                due = now + 0.1         # may have posted first, and the exchanges that
+                self._ctl_known_failed(what)    # follow are blocking)
         return check
 
     def _ctl_refused(self, what: str) -> None:
-        """While a split or dup waits for every rank to come: ``PeerFailure`` where a peer
-        published that it refused this very exchange before posting anything in it (two
-        threads making communicators below MPI_THREAD_MULTIPLE, ``_mpi_turn``) — it will
-        never come, and nothing waits on this rank.  Read from the shared segment only (no
-        system call, no socket read: another thread may be in the engine, where
-        ``_ctl_known_failed`` checks nothing); peers across nodes are not told so."""
+        """Before a split or dup posts, and while it waits for every rank to come:
+        ``PeerFailure`` where a peer published a failure — it refused this very exchange
+        before posting anything in it (two threads making communicators below
+        MPI_THREAD_MULTIPLE, ``_mpi_turn``), or its communicator is poisoned: it will
+        never come, or it has left the wait — but for a close made during its own split or
+        dup (``CLOSED_IN_EXCHANGE``: it stays).  What is already read only — shm's
+        segment, tcp's error frame read by an earlier pump or the heartbeat's notice — no
+        socket read: it runs where another thread is in the engine too, and
+        ``_ctl_known_failed`` checks nothing (a review found a split posted after its
+        peers had left it on their deadline, since another thread had used the
+        communicator last, and then waiting in MPI for ever)."""
         for ep in list(self.endpoints.values()):
             published = getattr(ep, "published", None)
             e = published() if published is not None else None
-            if e is not None and _REFUSED in str(e):
+            if e is not None and CLOSED_IN_EXCHANGE not in str(e):
                 e.args = (f"rank {self.rank}: {what}: {e.args[0]}",) + e.args[1:]
                 self.engine.poison(e)
                 raise e
@@ -2935,7 +2942,11 @@ class Communicator:
                 coll = next((e for e in reversed(calls) if e[flight.KIND] != "p2p"), None)
                 what = f"{coll[flight.KIND]} (call #{coll[flight.SEQ]})" if coll is not None \
                     else f"a {last[flight.ALGO]}"      # ("isend tag 7")
-                self._close_text = f"rank {self.rank} closed the communicator during {what}"
+                # (during this communicator's own split or dup too: it stays in that
+                # exchange, and the peers waiting in it must wait on — _ctl_known_failed)
+                stay = f" {CLOSED_IN_EXCHANGE}," if self._ctl_depth > 0 else ""
+                self._close_text = (f"rank {self.rank} closed the communicator{stay} "
+                                    f"during {what}")
                 if not hasattr(self, "engine"):
                     self._publish(self._close_text)
             if self.flight.running():   # calls left unfinished: recorded as for a failure

@@ -674,6 +674,13 @@ class _Conn:
                 # waits in too, not an exit: ``TcpEndpoint.eof``)
                 self.push([_FRAME.pack(FRAME_MAGIC, KIND_STAYING, 0, self.stripe, 0, 0, 0,
                                        0, 0)], None)
+                # (behind frames still queued: given up to _PUBLISH_S to go, as an error
+                # notice is — lost, the peers would leave the exchange this rank stays in)
+                deadline = time.monotonic() + _PUBLISH_S
+                while self.out and not self.dead and not self.torn and \
+                        time.monotonic() < deadline:
+                    if not self.flush():
+                        select.select([], [self.sock], [], 0.01)
             if self.out and not self.dead and not self.torn:
                 self.flush()        # a last non-blocking try (an error notice, say)
             sock.shutdown(socket.SHUT_WR)
