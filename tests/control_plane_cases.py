@@ -28,8 +28,8 @@ one of them hung; and a ``close()`` from another thread freed the MPI handle und
   exchange with ``CommunicatorClosed`` at once (it stayed in MPI for ever), the ranks
   waiting in it leave with ``PeerFailure`` naming rank 0, and the late one raises that
   before it posts anything;
-- ``late_dup`` / ``late_split`` (run with GPURT_TIMEOUT=2): the last rank comes 5 s
-  late: the others raise ``CollectiveTimeout`` past the deadline (or ``PeerFailure``
+- ``late_dup`` / ``late_split`` (run with GPURT_TIMEOUT=2): after a ring of messages
+  from a worker thread, the last rank comes 5 s late: the others raise ``CollectiveTimeout`` past the deadline (or ``PeerFailure``
   where another's came first), the late one ``PeerFailure`` before posting anything.
 """
 
@@ -121,6 +121,18 @@ def main() -> int:
         comm = gpurt.init()
         c = comm.dup()
         rec["rank"] = r = c.rank
+        if how == "late":
+            # (the communicator last used by another thread, one at a time as is legal:
+            # the watch read nothing there, and the late rank posted after the others
+            # had left on their deadline — then waited in MPI for ever; a review)
+            def ring() -> None:
+                b = np.empty(1 << 20)          # (not the quick path: the engine)
+                q = c.isend(np.full(1 << 20, 1.0 * r), (r + 1) % c.size, tag=5)
+                c.recv(b, (r - 1) % c.size, tag=5, timeout=20)
+                q.wait(timeout=20)
+            th = threading.Thread(target=ring)
+            th.start()
+            th.join(30)
         if r == 0 and how == "abort":
             th = threading.Thread(target=lambda: (time.sleep(1.0),
                                                   c.abort("watchdog: the step hung")))
