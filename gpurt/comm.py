@@ -2685,7 +2685,7 @@ class Communicator:
         def make():
             # (one rank's bad argument would leave the others in MPI_Comm_split for ever)
             self._ctl_known_failed("split")
-            self._ctl_refused("split")
+            self._ctl_published("split")
             _gather_progressing(self.mpi, self._ctl_watch("split"))
             whys = self.mpi.allgather(why)
             if any(whys):
@@ -2703,7 +2703,7 @@ class Communicator:
         _mpi_ready(f"rank {self.rank}")
         def make():
             self._ctl_known_failed("dup")
-            self._ctl_refused("dup")
+            self._ctl_published("dup")
             return Communicator(self.mpi, _check=self._ctl_watch("dup"))
 
         return self._control_plane("dup", make)
@@ -2761,9 +2761,9 @@ class Communicator:
         20 ms, and once more when all have come): this communicator poisoned meanwhile —
         an ``abort()`` from another thread (a watchdog), another thread's failure on it,
         not a close — while not every rank has come (it stayed in MPI for ever); a peer
-        that published it refused this exchange (``_ctl_refused``); and every 0.1 s what
-        ``_ctl_known_failed`` asks the transports — a peer gone, stopped past the bound,
-        closed, or that published a failure.
+        that published a failure or its refusal of this exchange (``_ctl_published``);
+        and every 0.1 s what ``_ctl_known_failed`` asks the transports — a peer gone,
+        stopped past the bound, closed, or that published a failure.
         Such a peer never comes: a failed one's communicator is poisoned, and a poisoned
         communicator's split or dup raises before it posts anything; a peer that failed
         while in this exchange (its own watch saw another's failure) leaves it too, and
@@ -2794,13 +2794,13 @@ class Communicator:
                     collective=what)
                 self.engine.poison(e)   # (published: the peers in the wait leave too)
                 raise e
-            self._ctl_refused(what)
+            self._ctl_published(what)
             if now >= due or done:      # (done: at once — a peer that left the wait
                 due = now + 0.1         # may have posted first, and the exchanges that
                 self._ctl_known_failed(what)    # follow are blocking)
         return check
 
-    def _ctl_refused(self, what: str) -> None:
+    def _ctl_published(self, what: str) -> None:
         """Before a split or dup posts, and while it waits for every rank to come:
         ``PeerFailure`` where a peer published a failure — it refused this very exchange
         before posting anything in it (two threads making communicators below

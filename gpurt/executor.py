@@ -586,8 +586,8 @@ def wait_mpi(req, spin: float = 0.0, check: Callable[[], None] | None = None) ->
     left the receiver waiting until its deadline and the sender in MPI for ever).
     Reads no setting (``spin`` given, not GPURT_SPIN_US): a rank whose settings are not
     valid must reach the creation's exchange that tells every rank so.  ``check`` (a
-    split's or dup's, every 20 ms: ``Communicator._ctl_refused``) raises where a peer
-    published that it refused this exchange before posting anything in it."""
+    split's or dup's, every 20 ms: ``Communicator._ctl_watch``) raises where a peer
+    failed, refused or left the exchange, or this rank's deadline or abort came."""
     backoff = None
     check_at = 0.0
     while not req.Test():
