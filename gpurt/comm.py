@@ -2769,8 +2769,9 @@ class Communicator:
         while in this exchange (its own watch saw another's failure) leaves it too, and
         publishes that.  The wait ended on it, every rank raises ``PeerFailure`` instead
         of waiting in MPI for ever (a rank that died of an exception, or exited, while
-        the others split: a bug hunt).  A close is not a failure here (a rank that closes
-        during its own split runs it to its end).  Past ``GPURT_TIMEOUT`` with a rank
+        the others split: a bug hunt).  A close is one too, but for a close made during
+        the closer's own split or dup (``CLOSED_IN_EXCHANGE``: it runs the exchange to
+        its end, and its peers wait on).  Past ``GPURT_TIMEOUT`` with a rank
         still to come, ``CollectiveTimeout`` (the communicator poisoned: published, so the
         peers in the wait leave too; MPI's barrier does not say which rank is missing)."""
         due = 0.0

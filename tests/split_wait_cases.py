@@ -7,8 +7,9 @@ LEAVE: how rank 2 leaves, half a second after the others entered ``WHAT`` (split
 ``raise`` (an unhandled exception: the hook publishes it, then the process waits in
 MPI_Finalize for the others), ``exit`` (os._exit, as a kill would end it: hydra takes a
 job down once a rank dies of a signal), ``close`` (it closes the communicator, then
-lives on without splitting it) or ``stop`` (SIGSTOP; run with GPURT_PEER_STOPPED=2).  Before, ranks 0 and 1 waited in MPI for ever.  Each of
-them writes ``rank<r>``: one JSON record {"rank", "outcome", "blamed", "seconds"}."""
+lives on without splitting it) or ``stop`` (SIGSTOP; run with GPURT_PEER_STOPPED=2).
+Before, ranks 0 and 1 waited in MPI for ever.  Each of them writes ``rank<r>``: one
+JSON record {"rank", "outcome", "blamed", "seconds"}."""
 
 import json
 import os
