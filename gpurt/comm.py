@@ -41,7 +41,7 @@ from . import callsite, config, devpath, flight, memcopy, sharedmem, wait
 from . import executor as _executor
 from .buffers import Buf, as_buf, check_writable, empty_like, overlaps, same
 from .errors import (CollectiveMismatchError, CollectiveTimeout, CommunicatorClosed,
-                     GpurtError, ResourceError, relay_text,
+                     GpurtError, PeerFailure, ResourceError, relay_text,
                      TransportError)
 from .executor import (Chain, Completed, Engine, P2PRun, QuickRecv, Request, RowsRun,
                        _ArraySink, _CopySink, _Run, check_timeout, wait_mpi)
@@ -270,8 +270,10 @@ class Communicator:
         self._agree_hdrs: dict = {}               # (sig, meta, site) -> header words
         self._fold_views: dict = {}               # (offset, bytes, dtype) -> rows' blocks
         self._devretired: list = []     # outgrown device scratch, until its event fires
-        if not _owned:      # (split's new communicator: split waited so already)
+        if _check is not None:      # (dup: its watch has the deadline)
             _gather_progressing(mpi_comm, _check)
+        elif not _owned:            # (split's new communicator: split waited so already)
+            _arrival(mpi_comm)
         self.mpi, self.node_comm = _mpi_comms(mpi_comm, _owned)
         # (MPI's handles of a communicator collected without close() are freed at the
         # next creation or close() here: see _MPI_GARBAGE)
@@ -3124,6 +3126,97 @@ def _gather_progressing(mpi_comm: Any, check: Callable[..., None] | None = None)
         check(done=True)
 
 
+#: the requests of creations this process left (``_arrival``): MPI completes them once
+#: the late ranks come, and they must not be freed before
+_LEFT_ARRIVALS: list = []
+
+
+def _arrival(mpi_comm: Any) -> None:
+    """The wait of a new communicator's creation (``gpurt.init()``, ``Communicator(c)``)
+    for every rank of ``mpi_comm`` to come, at most this rank's ``GPURT_INIT_TIMEOUT``
+    (``_init_timeout``) — a rank that had not called it yet (busy, stuck, or ended
+    without it) left the others waiting in MPI for ever.  Two nonblocking collectives, so that every rank
+    takes the same way: the barrier (``_gather_progressing``'s), then one allreduce in
+    which a rank that gave up the barrier (its deadline, or an exception such as a
+    Ctrl-C out of the wait) posts its rank, and a rank whose barrier completed posts
+    nothing; every rank raises where one gave up.  A rank that gives up has posted both
+    and leaves them to MPI; a late rank's barrier then completes at once, and the
+    allreduce tells it who left (it waited in the blocking exchanges that follow for
+    ever).  The allreduce itself has no deadline: every rank posts it right after its
+    barrier (a rank killed in those microseconds is the one window)."""
+    MPI = _mpi()
+    _tidy_arrivals()
+    rank, size = mpi_comm.Get_rank(), mpi_comm.Get_size()
+    limit = _init_timeout()
+    what = (f"creating a gpurt communicator over the {size} ranks of "
+            f"{'MPI_COMM_WORLD' if mpi_comm == MPI.COMM_WORLD else 'an MPI communicator'}")
+    start = time.monotonic()
+
+    def check(done: bool = False) -> None:
+        if time.monotonic() - start > limit:
+            raise CollectiveTimeout(
+                f"rank {rank}: {what} (gpurt.init() or gpurt.Communicator(...)): not "
+                f"every rank came to it within {limit:g} s (GPURT_INIT_TIMEOUT; MPI's barrier "
+                f"does not say which rank is missing — one that has not called it yet: "
+                f"busy, stuck, or ended without it)", collective="init")
+
+    barrier = mpi_comm.Ibarrier()
+    # (one word: the lowest rank that gave up, as size - rank; and why: 1 its deadline,
+    # 2 an exception)
+    word = np.zeros(1, np.int64)
+    try:
+        wait_mpi(barrier, check=check)
+    except BaseException as e:
+        word[0] = (size - rank) * 4 + (1 if isinstance(e, CollectiveTimeout) else 2)
+        # (reduced in place: MPI writes into word after this rank has left; kept alive)
+        _LEFT_ARRIVALS.append((barrier, mpi_comm.Iallreduce(MPI.IN_PLACE, word, MPI.MAX),
+                               word))
+        _executor.JOB_FAILED = _executor.JOB_FAILED or (
+            e if isinstance(e, CollectiveTimeout) else None)
+        raise
+    req = mpi_comm.Iallreduce(MPI.IN_PLACE, word, MPI.MAX)
+    try:
+        wait_mpi(req)
+    except BaseException:
+        _LEFT_ARRIVALS.append((req, word))
+        raise
+    if word[0]:
+        gave, why = size - int(word[0]) // 4, int(word[0]) % 4
+        late = time.monotonic() - start < 0.05 and gave != rank
+        raise PeerFailure(
+            f"rank {rank}: {what}: rank {gave} gave up waiting for every rank to come "
+            + ("(its GPURT_INIT_TIMEOUT passed)" if why == 1
+               else "(an exception left its wait)")
+            + ("; this rank came after it had" if late else "")
+            + ": the communicator is not made on any rank", rank=gave)
+
+
+def _init_timeout() -> float:
+    """``GPURT_INIT_TIMEOUT`` in seconds (auto: max(GPURT_TIMEOUT, 300)); a value of this
+    rank's that is not valid counts as its default here (the creation's exchange, which
+    must be reached, reports it on every rank)."""
+    def read(name: str) -> Any:
+        try:
+            return config.get(name)
+        except ValueError:
+            return config._BY_NAME[name].parse(config._BY_NAME[name].default)
+
+    v = read("GPURT_INIT_TIMEOUT")
+    return max(float(read("GPURT_TIMEOUT")), 300.0) if v == "auto" else float(v)
+
+
+def _tidy_arrivals() -> None:
+    """Frees the requests of the creations this process left that MPI has completed since
+    (the late ranks came): MPI_Finalize named each one left as a "pending reference"."""
+    for reqs in list(_LEFT_ARRIVALS):
+        try:
+            done = _mpi().Request.Testall([q for q in reqs if hasattr(q, "Test")])
+        except Exception:  # noqa: BLE001 - MPI finalized, or its error: leave them
+            return
+        if done:
+            _LEFT_ARRIVALS.remove(reqs)
+
+
 @contextlib.contextmanager
 def _errors_return(mpi_comm: Any):
     """MPI's errors on the program's ``mpi_comm`` returned (raised by mpi4py) for the
@@ -3823,6 +3916,7 @@ def _close_all() -> None:  # runs before mpi4py's own finalisation (registered e
     MPI = sys.modules.get("mpi4py.MPI")
     if MPI is None or _FORKED or not MPI.Is_initialized() or MPI.Is_finalized():
         return
+    _tidy_arrivals()
     import mpi4py
     ours = _MPI_OURS == os.getpid()     # (not in a forked child: the parent's MPI)
     mpi4pys = getattr(mpi4py.rc, "initialize", True) and \

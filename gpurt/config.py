@@ -60,6 +60,10 @@ def _bytes_or_auto(s: str) -> int | str:
     return "auto" if s.strip().lower() == "auto" else _bytes(s)
 
 
+def _seconds_or_auto(s: str) -> float | str:
+    return "auto" if s.strip().lower() == "auto" else _number(finite=False)(s)
+
+
 def _flag(s: str) -> bool:
     """'0', 'false', 'no', 'off' (any case) are off; anything else is on."""
     return s.strip().lower() not in ("0", "false", "no", "off")
@@ -155,6 +159,11 @@ def _choice(*names: str) -> Callable[[str], str]:
 VARIABLES: tuple[Var, ...] = (
     Var("GPURT_TIMEOUT", "300", _number(finite=False),
         "Default deadline in seconds for every blocking call and wait (per call: timeout=)."),
+    Var("GPURT_INIT_TIMEOUT", "auto", _seconds_or_auto,
+        "Deadline in seconds for every rank to come to a communicator's creation "
+        "(gpurt.init(), gpurt.Communicator(c)); auto: the larger of GPURT_TIMEOUT and 300 "
+        "(ranks of a large job start minutes apart where imports come from a shared file "
+        "system; a short GPURT_TIMEOUT for calls must not fail the start)."),
     Var("GPURT_CHECK", "1", _flag,
         "Before a collective moves data by a schedule, every rank checks that every rank "
         "made the same call (one shm-board round on one-node communicators); 0 skips it."),

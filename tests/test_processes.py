@@ -1701,6 +1701,74 @@ def test_a_rank_that_leaves_while_the_others_split_fails_their_split(leave, what
             assert 0.3 < rec["seconds"] < 2.5, rec
 
 
+@pytest.mark.parametrize("mode,n", [("late", 2), ("late", 3), ("raise", 3), ("ontime", 3),
+                                    ("wrap", 5), ("never", 3)])
+def test_a_creation_that_not_every_rank_comes_to_ends_on_every_rank(mode, n, tmp_path):
+    """tests/init_wait_cases.py: gpurt.init() / gpurt.Communicator(mpi_comm) whose last
+    rank comes late (after the others' GPURT_INIT_TIMEOUT of 1 s), never, or while rank 0's
+    wait was left by an exception.  The ranks that waited raise CollectiveTimeout at
+    their deadline (MPI's barrier cannot name the missing rank) or PeerFailure(rank=0)
+    once the late rank comes; the late rank PeerFailure(rank=0) at once, where before it
+    waited in the exchanges after the barrier for ever (and the others in the barrier).
+    Then all make a communicator again and reduce exactly; MPI_Finalize names no
+    request left pending."""
+    timeout = {"raise": "20", "ontime": "5"}.get(mode, "1")
+    proc, got = run_mpi_leaving(n, ["tests/init_wait_cases.py", mode], tmp_path,
+                                env={"GPURT_INIT_TIMEOUT": timeout}, timeout=90)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    recs = {r: json.loads(got.get(f"rank{r}", "null")) for r in range(n)}
+    assert all(recs.values()), (recs, proc.stderr[-3000:])
+    waited = ("CollectiveTimeout: rank {k}: creating a gpurt communicator over the {m} "
+              "ranks of {of} (gpurt.init() or gpurt.Communicator(...)): not every rank "
+              "came to it within 1 s (GPURT_INIT_TIMEOUT; MPI's barrier does not say which "
+              "rank is missing")
+    told = ("PeerFailure: rank {k}: creating a gpurt communicator over the {m} ranks of "
+            "{of}: rank 0 gave up waiting for every rank to come ({why})")
+    world = "MPI_COMM_WORLD"
+    for r, rec in recs.items():
+        last = r == n - 1
+        if mode == "never":
+            assert rec["outcome"] == "never came" if last else \
+                rec["outcome"].startswith(waited.format(k=r, m=n, of=world)), rec
+            if not last:
+                assert 0.95 < rec["seconds"] < 2.5, rec
+            continue
+        assert rec["again"] == [n * (n - 1) // 2] * 2, rec
+        if mode == "ontime":
+            assert rec["outcome"] == f"made: {n} ranks, allreduce [6, 6, 6]", rec
+        elif mode == "wrap" and r % 2:
+            assert rec["outcome"] == "made: 2 ranks, allreduce [3, 3, 3]", rec
+        elif mode == "wrap":
+            k, of = r // 2, "an MPI communicator"
+            if last:
+                assert rec["outcome"].startswith(told.format(
+                    k=k, m=3, of=of, why="its GPURT_INIT_TIMEOUT passed") + "; this rank came "
+                    "after it had"), rec
+                assert rec["blamed"] == 0 and rec["seconds"] < 0.5, rec
+            else:
+                assert rec["outcome"].startswith(waited.format(k=k, m=3, of=of)), rec
+                assert 0.95 < rec["seconds"] < 2.0, rec
+        elif mode == "late":
+            if last:
+                assert rec["outcome"].startswith(told.format(
+                    k=r, m=n, of=world, why="its GPURT_INIT_TIMEOUT passed") + "; this rank "
+                    "came after it had"), rec
+                assert rec["blamed"] == 0 and rec["seconds"] < 0.5, rec
+            else:
+                assert rec["outcome"].startswith(waited.format(k=r, m=n, of=world)), rec
+                assert 0.95 < rec["seconds"] < 2.0, rec
+        elif r == 0:        # (raise)
+            assert rec["outcome"] == "Interrupted: rank 0's alarm went off in the wait", rec
+            assert rec["seconds"] < 1.0, rec
+        else:
+            assert rec["outcome"].startswith(told.format(
+                k=r, m=n, of=world, why="an exception left its wait")), rec
+            assert rec["blamed"] == 0, rec
+            assert rec["seconds"] < 0.5 if last else 1.3 < rec["seconds"] < 3.5, rec
+    if mode != "never":     # (there the last rank never posted: MPI says so at its end)
+        assert "pending" not in proc.stderr, proc.stderr[-3000:]
+
+
 def test_a_survivor_that_caught_the_failure_and_ends_normally_does_not_hang(tmp_path):
     """tests/finalize_cases.py, 3 ranks: rank 2 exits without MPI_Finalize; ranks 0 and 1
     catch the PeerFailure and end normally.  Their MPI_Finalize is bounded (the job has

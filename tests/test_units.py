@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import array
 import json
+import math
 import os
 import re
 import time
@@ -137,6 +138,28 @@ def test_config_parsing(monkeypatch):
             config.get("GPURT_ALGO")
     finally:
         monkeypatch.delenv("GPURT_ALGO")
+        config.reload()
+
+
+@pytest.mark.parametrize("timeout,init,want", [
+    (None, None, 300.0), ("10", None, 300.0), ("900", None, 900.0), ("inf", "auto", math.inf),
+    ("10", "2.5", 2.5), ("10", "oops", 300.0), ("oops", None, 300.0), ("1", "0", 0.0)])
+def test_a_creations_deadline_is_its_own_and_at_least_300_s_by_default(monkeypatch, timeout,
+                                                                       init, want):
+    """GPURT_INIT_TIMEOUT: auto (the default) is max(GPURT_TIMEOUT, 300) — ranks of a large
+    job start minutes apart, and a short deadline for calls must not fail the start; a
+    value that is not valid counts as its default there (the creation reports it)."""
+    from gpurt.comm import _init_timeout
+    for name, v in (("GPURT_TIMEOUT", timeout), ("GPURT_INIT_TIMEOUT", init)):
+        if v is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, v)
+    config.reload()
+    try:
+        assert _init_timeout() == want
+    finally:
+        monkeypatch.undo()
         config.reload()
 
 
