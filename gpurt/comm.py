@@ -59,6 +59,8 @@ from gpurt.transports import shm_board, shm_direct  # noqa: E402  (after the cor
 from gpurt.transports.base import (CLOSED_IN_EXCHANGE, CLOSED_OR_EXITED, LANE_P2P,  # noqa: E402
                                    p2p_sig)
 from gpurt.transports.shm import _SEND_CHECK, _Msg  # noqa: E402
+from gpurt.transports import cma as _cma  # noqa: E402
+from gpurt.transports.cma import address as _address  # noqa: E402
 from gpurt.transports.tcp import _settings as tcp_settings  # noqa: E402
 
 _PLAIN = shm_board.PLAIN   # the compiled check of x and out for allreduce's quick path
@@ -206,6 +208,29 @@ def _announces_rejection(coll: str):
     return deco
 
 
+_P2P_RUNS = frozenset((P2PRun, QuickRecv))
+
+
+def _spans(q: Request) -> tuple:
+    """The host buffers request ``q`` holds while in flight, as (first byte, end, writes,
+    array) — first byte -1 where not contiguous — from ``Request.held`` or its
+    ``P2PRun`` (``Communicator._clash``)."""
+    held = q.held
+    if held is None:
+        run = q.run
+        held = ((run.arr, not run.send),) if isinstance(run, P2PRun) else ()
+    out = []
+    for arr, writes in held:
+        if arr is None or not arr.nbytes:
+            continue
+        if arr.flags.c_contiguous:
+            a = _address(arr)
+            out.append((a, a + arr.nbytes, writes, arr))
+        else:
+            out.append((-1, -1, writes, arr))
+    return tuple(out)
+
+
 class Communicator:
     """A group of ranks that run collectives together; wraps an mpi4py intracommunicator.
 
@@ -318,6 +343,7 @@ class Communicator:
         # per collective, shm_direct from S bytes (0: never) for shared arrays, others
         self._direct_min: dict[str, tuple[int, int, int]] = {}
         self._check = False
+        self._clash_on = False
         self._netcheck = False
         self.flight: FlightRecorder | None = None
         self._fastplans: dict = {}
@@ -351,6 +377,9 @@ class Communicator:
             natives = self._natives()             # sets self.board on one-node communicators
             self._direct = self._direct_setup() if self.board is not None else None
             self._check = bool(check) and self.board is not None
+            #: compare a call's buffers with those of the requests in flight (_clash):
+            #: GPURT_CHECK=1, as the agreement (rank 0's, as every rank's)
+            self._clash_on = bool(check)
             # several nodes (or no board): agree through the endpoints instead
             self._netcheck = bool(check) and self.board is None and self.size > 1
             # the agreement's room for data (bytes, a multiple of 8): the same on every rank
@@ -1030,6 +1059,14 @@ class Communicator:
         if stream is not None:
             raise ValueError(f"rank {self.rank}: {coll}: stream= is for device buffers; "
                              f"these are host memory")
+        if self._clash_on and self.engine.p2p:  # (sends and receives run beside collectives)
+            for b, writes in ((ob, True), (xb, False)):
+                if b is not None and b.nbytes and (writes or ob is None or
+                                                   not same(xb, ob)):
+                    a = b.array
+                    lo = _address(a) if a.flags.c_contiguous else -1
+                    for q in self.engine.p2p:
+                        self._clash(a, lo, writes, coll, q)
         direct, alg, sched, algo = self._host_plan(coll, n, dtype.itemsize, root, algo)
         if self.size == 1 and algo is None and coll not in self.tuner.forced:
             eng = self.engine       # (a forced algorithm runs: that is what it is for)
@@ -1115,7 +1152,7 @@ class Communicator:
                 FlightRecorder.done(rec)
             return result
 
-        return self._enqueue(coll, seq, start, finish, name)
+        return self._enqueue(coll, seq, start, finish, name, ((xa, False), (oa, True)))
 
     def _alone(self, coll: str, xb: Buf | None, ob: Buf | None, n: int, dtype: np.dtype,
                op: Op | None, root: int, result: Any) -> Request:
@@ -1163,9 +1200,11 @@ class Communicator:
                     st)
         return self._alone_end(coll, seq, rec, result)
 
-    def _enqueue(self, coll: str, seq: int, start, finish, name: str) -> Request:
+    def _enqueue(self, coll: str, seq: int, start, finish, name: str,
+                 held: tuple | None = None) -> Request:
         req = Request(self.engine, coll, seq, start, finish)
         req.algorithm = self.last_algorithm = name
+        req.held = held         # (its host buffers: a send or receive meanwhile, _clash)
         box = getattr(start, "box", None)
         if box is not None:
             box["req"] = req
@@ -2271,6 +2310,7 @@ class Communicator:
             if stream is not None:
                 raise ValueError(f"rank {self.rank}: stream= is for device buffers")
             arr, empty = b.array.view(b.dtype), np.empty(0, b.dtype)
+            held = ((arr, kind != "send"),)
             ctx, eps = None, self.endpoints
             dev_ep = self.dev_endpoints.get(peer)
             if kind == "send" and dev_ep is not None and dev_ep.transport != "cuda_ipc":
@@ -2295,7 +2335,90 @@ class Communicator:
 
         req = Request(self.engine, what, int(tag), start, finish, p2p=True)
         req.algorithm = "p2p"
+        if not dev:
+            req.held = held
         return self.engine.submit(req)
+
+    def _p2p_clash(self, x: Any, send: bool, peer: Any, tag: Any) -> None:
+        """A send or receive posted while this communicator has requests in flight
+        (point-to-point ones, or non-blocking collectives, which run beside them): its
+        host buffer compared with theirs (``_clash``).  Nothing has moved when it raises,
+        and the peer is not told (as for any refused send/recv)."""
+        eng = self.engine
+        if self._closed or eng.poisoned is not None or eng.busy or eng.owner:
+            return      # (the call raises that; another thread in a call is an error)
+        if type(x) is not np.ndarray:
+            try:
+                b = as_buf(x, "x" if send else "out")
+            except Exception:  # noqa: BLE001 - the call's own checks say what is wrong
+                return
+            if b.kind != "host":
+                return
+            x = b.array
+        n = x.nbytes
+        if not n:
+            return
+        fa = _cma._fast_address or _address     # (the compiled one: 0.1 µs a call)
+        lo = fa(x) if x.flags.c_contiguous else -1
+        for q in eng.p2p:
+            run = q.run
+            if q.held is None and type(run) in _P2P_RUNS:
+                # (the common case inline: a host send's or receive's one flat array —
+                # the whole check cost 1 µs a round of a ring exchange through _spans)
+                if send and run.send:
+                    continue
+                arr = run.arr
+                if lo >= 0:
+                    a = fa(arr)
+                    if lo >= a + arr.nbytes or a >= lo + n:
+                        continue
+                elif not np.may_share_memory(x, arr):
+                    continue
+                if not (q.done or run.done):
+                    self._clash_error(f"{'send to' if send else 'recv from'} rank {peer} "
+                                      f"(tag {tag})", not send, q, not run.send)
+            else:
+                self._clash(x, lo, not send, f"{'send to' if send else 'recv from'} rank "
+                            f"{peer} (tag {tag})", q)
+        for q in eng.colls:
+            self._clash(x, lo, not send, f"{'send to' if send else 'recv from'} rank {peer} "
+                        f"(tag {tag})", q)
+
+    def _clash(self, x: np.ndarray, lo: int, writes: bool, what: str, q: Request) -> None:
+        """``ValueError`` where the host array ``x`` (first byte ``lo``; -1: not
+        contiguous), which the call ``what`` reads (or ``writes``), shares bytes with a
+        buffer of request ``q``, still in flight, and one of the two writes there: a
+        receive into a buffer that an unfinished send still reads or a receive still
+        writes, a send from one that a receive writes (``irecv(x, p)`` then
+        ``isend(x, p)`` for an exchange in place: each rank's message was read while the
+        other's was written into it, a silent wrong answer), a collective into a
+        receive's buffer, a send from an ``iallreduce``'s output.  MPI forbids the same
+        and does not look.  Two reads of one buffer (sends to several peers) pass.
+        Requests of other communicators are not compared."""
+        spans = q.spans
+        if spans is None:
+            spans = q.spans = _spans(q)
+        n = x.nbytes
+        for qlo, qhi, qwrites, arr in spans:
+            if not (writes or qwrites):
+                continue
+            if lo >= 0 and qlo >= 0:
+                if lo >= qhi or qlo >= lo + n:
+                    continue
+            elif not np.may_share_memory(x, arr):
+                continue
+            run = q.run
+            if not (q.done or (run is not None and run.done)):
+                self._clash_error(what, writes, q, qwrites)
+
+    def _clash_error(self, what: str, writes: bool, q: Request, qwrites: bool) -> None:
+        raise ValueError(
+            f"rank {self.rank}: {what}: its buffer shares memory with that of {q.name} "
+            f"({'tag' if q.p2p else 'call'} {q.seq}), still in flight, which "
+            f"{'writes' if qwrites else 'reads'} it: the call would "
+            f"{'write' if writes else 'read'} bytes the other is still "
+            f"{'writing' if qwrites else 'reading'}, and the data would be wrong. Wait for "
+            f"that request first (or use another buffer)")
 
     def _p2p_quick_table(self) -> dict:
         """Per local peer on shm (host endpoints; none with a device endpoint, whose
@@ -2602,6 +2725,8 @@ class Communicator:
     def isend(self, x: Any, peer: int, tag: int = 0, *, stream: Any = None) -> Request:
         """Send ``x`` to ``peer``.  Messages between two ranks are matched in order; the
         tag, dtype and size are checked against the receive, not used to reorder."""
+        if self._clash_on and (self.engine.p2p or self.engine.colls):
+            self._p2p_clash(x, True, peer, tag)
         qt = self._qt
         if qt and type(x) is np.ndarray and type(peer) is int and type(tag) is int and \
                 stream is None:
@@ -2615,6 +2740,8 @@ class Communicator:
 
     def send(self, x: Any, peer: int, tag: int = 0, *, timeout: float | None = None,
              stream: Any = None) -> None:
+        if self._clash_on and (self.engine.p2p or self.engine.colls):
+            self._p2p_clash(x, True, peer, tag)
         qt = self._qt
         if qt and type(x) is np.ndarray and type(peer) is int and type(tag) is int and \
                 timeout is None and stream is None:
@@ -2631,6 +2758,8 @@ class Communicator:
 
     def irecv(self, out: Any, peer: int, tag: int = 0, *, stream: Any = None) -> Request:
         """Receive the next message from ``peer`` into ``out`` (same size and dtype)."""
+        if self._clash_on and (self.engine.p2p or self.engine.colls):
+            self._p2p_clash(out, False, peer, tag)
         qt = self._qt
         if qt and type(out) is np.ndarray and type(peer) is int and type(tag) is int and \
                 stream is None:
@@ -2647,6 +2776,8 @@ class Communicator:
 
     def recv(self, out: Any, peer: int, tag: int = 0, *, timeout: float | None = None,
              stream: Any = None) -> Any:
+        if self._clash_on and (self.engine.p2p or self.engine.colls):
+            self._p2p_clash(out, False, peer, tag)
         qt = self._qt
         if qt and type(out) is np.ndarray and type(peer) is int and type(tag) is int and \
                 timeout is None and stream is None:

@@ -166,7 +166,8 @@ VARIABLES: tuple[Var, ...] = (
         "system; a short GPURT_TIMEOUT for calls must not fail the start)."),
     Var("GPURT_CHECK", "1", _flag,
         "Before a collective moves data by a schedule, every rank checks that every rank "
-        "made the same call (one shm-board round on one-node communicators); 0 skips it."),
+        "made the same call (one shm-board round on one-node communicators), and a call's "
+        "buffers are compared with those of the requests in flight; 0 skips both."),
     Var("GPURT_NET_FOLD", "64K", _bytes_upto(NET_FOLD_MAX),
         "Several nodes, with GPURT_CHECK=1, up to 8 ranks: a collective whose data a rank "
         "would send to all the others in at most this many bytes ((ranks - 1) x its "

@@ -445,6 +445,13 @@ class Request:
     poisons its communicator, since its messages are half sent.
     """
 
+    #: the host arrays it reads or writes while in flight, as (array, writes) pairs, where
+    #: no ``P2PRun`` says (a collective, a general-path send or receive); ``spans``: the
+    #: same as (first byte, end, writes, array), once a call compared its buffers with
+    #: them (``comm._spans``, ``Communicator._clash``)
+    held: "tuple | None" = None
+    spans: "tuple | None" = None
+
     def __init__(self, engine: "Engine", name: str, seq: int, start: Callable[[], _Run | None],
                  finish: Callable[[], object] | None = None, p2p: bool = False):
         self.engine, self.name, self.seq = engine, name, seq

@@ -608,6 +608,26 @@ def test_what_a_rank_sent_before_it_closed_is_still_delivered(transport):
     assert recs[1]["outcome"] == "exact", recs
 
 
+@pytest.mark.parametrize("n,transport", [(2, "shm"), (3, "shm"), (5, "shm"), (3, "tcp"),
+                                         (4, "cliques")])
+def test_a_call_into_a_buffer_in_flight_is_refused(n, transport):
+    """tests/p2p_clash_cases.py around a ring: a send, receive or collective whose buffer
+    shares memory with a request in flight (point-to-point, or an iallreduce) where either
+    writes it (irecv(x) then isend(x); receives into overlapping slices; a receive into a
+    large send's buffer; an allreduce into a receive's buffer; a send or receive into an
+    iallreduce's output or input) raises ValueError naming both calls, and nothing moves
+    — before, the exchange in place completed with wrong data in silence.  Sends of one
+    buffer to two peers pass; the exchanges then complete exactly from other buffers
+    (NumPy and a PyTorch tensor where installed); the refused allreduce is skipped by
+    every rank together."""
+    env = {"GPURT_TRANSPORTS": "tcp"} if transport == "tcp" else \
+        {"MPIR_CVAR_NUM_CLIQUES": "2", "MPIR_CVAR_CLIQUES_BY_BLOCK": "1"} \
+        if transport == "cliques" else {}
+    out = run_mpi(n, ["tests/p2p_clash_cases.py"], env=env, timeout=180).stdout
+    assert f"ok 19 checks on {n} ranks (p2p clash) torch" in out or \
+        f"ok 17 checks on {n} ranks (p2p clash)\n" in out, out
+
+
 @pytest.mark.parametrize("transport", ["shm", "shm-1MiB", "tcp", "tcp-striped"])
 def test_a_failed_send_is_never_read_after_the_sender_reuses_its_buffer(transport):
     """Rank 0's 8 MiB send fails (send(timeout=0.5), a watchdog's abort() — also while the
