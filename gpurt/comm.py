@@ -4058,6 +4058,13 @@ def _close_all() -> None:  # runs before mpi4py's own finalisation (registered e
     gone = _failed_with_a_peer_gone()
     if gone and (ours or mpi4pys):
         _finalize_bounded(MPI, why=f"this job failed and {gone} has exited")
+    elif _LEFT_ARRIVALS and _executor.JOB_FAILED is not None and (ours or mpi4pys) and \
+            not (hasattr(sys, "ps1") or sys.flags.interactive):
+        # (a creation this process gave up on a rank that has not come to it yet: that
+        # rank may never come to MPI_Finalize either — stuck, asleep — and the program,
+        # which caught the CollectiveTimeout, would wait there for it for ever)
+        _finalize_bounded(MPI, why="a communicator's creation timed out waiting for a "
+                                   "rank")
     elif ours:
         MPI.Finalize()
 

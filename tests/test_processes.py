@@ -1722,7 +1722,7 @@ def test_a_rank_that_leaves_while_the_others_split_fails_their_split(leave, what
 
 
 @pytest.mark.parametrize("mode,n", [("late", 2), ("late", 3), ("raise", 3), ("ontime", 3),
-                                    ("wrap", 5), ("never", 3)])
+                                    ("wrap", 5), ("never", 3), ("stuck", 3)])
 def test_a_creation_that_not_every_rank_comes_to_ends_on_every_rank(mode, n, tmp_path):
     """tests/init_wait_cases.py: gpurt.init() / gpurt.Communicator(mpi_comm) whose last
     rank comes late (after the others' GPURT_INIT_TIMEOUT of 1 s), never, or while rank 0's
@@ -1731,11 +1731,17 @@ def test_a_creation_that_not_every_rank_comes_to_ends_on_every_rank(mode, n, tmp
     once the late rank comes; the late rank PeerFailure(rank=0) at once, where before it
     waited in the exchanges after the barrier for ever (and the others in the barrier).
     Then all make a communicator again and reduce exactly; MPI_Finalize names no
-    request left pending."""
+    request left pending.  ``stuck``: the last rank stays away from MPI_Finalize too; the
+    others, which caught the timeout and ended normally, leave theirs after the bound
+    (GPURT_PEER_STOPPED=2 s) with status 1, where before they waited for it for ever."""
     timeout = {"raise": "20", "ontime": "5"}.get(mode, "1")
     proc, got = run_mpi_leaving(n, ["tests/init_wait_cases.py", mode], tmp_path,
-                                env={"GPURT_INIT_TIMEOUT": timeout}, timeout=90)
-    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+                                env={"GPURT_INIT_TIMEOUT": timeout,
+                                     # (never: the bound outlasts the last rank's 3 s)
+                                     "GPURT_PEER_STOPPED": "10" if mode == "never" else "2"},
+                                timeout=90)
+    assert proc.returncode == (1 if mode == "stuck" else 0), (proc.stdout[-3000:],
+                                                              proc.stderr[-3000:])
     recs = {r: json.loads(got.get(f"rank{r}", "null")) for r in range(n)}
     assert all(recs.values()), (recs, proc.stderr[-3000:])
     waited = ("CollectiveTimeout: rank {k}: creating a gpurt communicator over the {m} "
@@ -1747,11 +1753,19 @@ def test_a_creation_that_not_every_rank_comes_to_ends_on_every_rank(mode, n, tmp
     world = "MPI_COMM_WORLD"
     for r, rec in recs.items():
         last = r == n - 1
-        if mode == "never":
-            assert rec["outcome"] == "never came" if last else \
-                rec["outcome"].startswith(waited.format(k=r, m=n, of=world)), rec
+        if mode in ("never", "stuck"):
             if not last:
+                assert rec["outcome"].startswith(waited.format(k=r, m=n, of=world)), rec
                 assert 0.95 < rec["seconds"] < 2.5, rec
+                if mode == "stuck":
+                    assert (f"gpurt: rank {r} of MPI_COMM_WORLD (pid {rec['pid']}): "
+                            f"MPI_Finalize still waits 2 s after a communicator's creation "
+                            f"timed out waiting for a rank") in proc.stderr, proc.stderr
+            elif mode == "never":
+                assert rec["outcome"] == "never came", rec
+            else:
+                assert rec["outcome"] == f"saw {n - 1} ranks gone" and \
+                    rec["seconds"] < 10, rec
             continue
         assert rec["again"] == [n * (n - 1) // 2] * 2, rec
         if mode == "ontime":
@@ -1785,7 +1799,7 @@ def test_a_creation_that_not_every_rank_comes_to_ends_on_every_rank(mode, n, tmp
                 k=r, m=n, of=world, why="an exception left its wait")), rec
             assert rec["blamed"] == 0, rec
             assert rec["seconds"] < 0.5 if last else 1.3 < rec["seconds"] < 3.5, rec
-    if mode != "never":     # (there the last rank never posted: MPI says so at its end)
+    if mode not in ("never", "stuck"):  # (there the last rank never posted: MPI says so)
         assert "pending" not in proc.stderr, proc.stderr[-3000:]
 
 
