@@ -61,7 +61,7 @@ def _bytes_or_auto(s: str) -> int | str:
 
 
 def _seconds_or_auto(s: str) -> float | str:
-    return "auto" if s.strip().lower() == "auto" else _number(finite=False)(s)
+    return "auto" if s.strip().lower() == "auto" else _number(above=True, finite=False)(s)
 
 
 def _flag(s: str) -> bool:

@@ -17,6 +17,11 @@ so every receive posted before it is in flight:
   everywhere: skipped together); the receive then completes exactly.
 * sends and receives into an ``iallreduce``'s output, or into its input, while it is in
   flight (rank 0's, whose peers post theirs after a barrier): refused; it is then exact.
+* 13 receives in flight (compared through ``_ClashIndex``): a receive and a send into
+  one's slice refused, a receive elsewhere passes; after a wait took one out of the list,
+  still refused; all exact.
+* a reduce off the root (reads ``x`` only) and a broadcast on its root (reads only) of a
+  buffer whose send is in flight pass, exactly.
 * after all of it the communicator is whole: an allreduce is exact.
 """
 
@@ -147,6 +152,62 @@ if r != 0:
 qa.wait()
 chk.expect("iallreduce after the refusals", b, np.full(1 << 17, p * (p + 1) / 2))
 
-# 7. still whole
+# 7. many in flight (compared through an index beyond four): 12 receives into disjoint
+# slices of one buffer; a receive and a send into one of them are refused; after a wait
+# took one request out of the list (in place), still
+m = np.zeros(12 * 16)
+first = np.zeros(4)
+q0 = comm.irecv(first, left, 19)
+qs = [comm.irecv(m[16 * k:16 * (k + 1)], left, 20 + k) for k in range(12)]
+refused(ended(lambda: comm.irecv(m[16 * 7 + 3:16 * 7 + 5], left, 40)),
+        f"recv from rank {left} (tag 40)", f"recv from rank {left} (tag 27)", "writes")
+refused(ended(lambda: comm.isend(m[16 * 3:16 * 3 + 1], right, 40)),
+        f"send to rank {right} (tag 40)", f"recv from rank {left} (tag 23)", "writes")
+other = np.zeros(2)
+chk.count += 1
+if ended(lambda: qs.append(comm.irecv(other, left, 41))) != "ok":
+    chk.bad.append(f"rank {r}: a receive into another buffer was refused")
+world.Barrier()
+comm.send(np.full(4, r + 0.25), right, 19)
+world.Barrier()
+q0.wait()
+chk.expect("first of many", first, np.full(4, left + 0.25))
+refused(ended(lambda: comm.irecv(m[16 * 9:16 * 9 + 2], left, 42)),
+        f"recv from rank {left} (tag 42)", f"recv from rank {left} (tag 29)", "writes")
+refused(ended(lambda: comm.isend(other, right, 42)),      # (posted last before the wait)
+        f"send to rank {right} (tag 42)", f"recv from rank {left} (tag 41)", "writes")
+extra = np.zeros(8)
+qx = comm.irecv(extra, left, 43)        # (appended where the list shrank: indexed too)
+refused(ended(lambda: comm.isend(extra[4:6], right, 44)),
+        f"send to rank {right} (tag 44)", f"recv from rank {left} (tag 43)", "writes")
+world.Barrier()
+for k in range(12):
+    comm.send(np.full(16, 100.0 * r + k), right, 20 + k)
+comm.send(np.zeros(2), right, 41)
+comm.send(np.full(8, r + 0.75), right, 43)
+for q in qs + [qx]:
+    q.wait()
+chk.expect("appended after a wait", extra, np.full(8, left + 0.75))
+chk.expect("many in flight", m, np.concatenate([np.full(16, 100.0 * left + k)
+                                                for k in range(12)]))
+
+# 8. reads pass: a reduce only reads x off the root (its out is x there, never written),
+# a broadcast's root only reads its buffer — with a send of that buffer in flight
+g = np.full(1 << 20, r + 1.0)
+s8 = comm.isend(g, right, 50)
+gout = np.zeros(1 << 20)
+for name, fn in (("reduce", lambda: comm.reduce(g, out=gout if r == 0 else None, root=0)),
+                 ("broadcast", lambda: comm.broadcast(g if r == 0 else gout, root=0))):
+    chk.count += 1
+    text = ended(fn)
+    if text != "ok":
+        chk.bad.append(f"rank {r}: {name} that only reads a buffer in flight: {text}")
+got = np.empty(1 << 20)
+comm.recv(got, left, 50)
+s8.wait()
+chk.expect("send beside the reduce", got, np.full(1 << 20, left + 1.0))
+chk.expect("reduce and broadcast", gout, np.full(1 << 20, p * (p + 1) / 2 if r == 0 else 1.0))
+
+# 9. still whole
 chk.expect("allreduce after", comm.allreduce(np.ones(5)), np.full(5, float(p)))
 verdict(world, comm, chk, "(p2p clash)" + (" torch" if torch is not None else ""))

@@ -143,7 +143,8 @@ def test_config_parsing(monkeypatch):
 
 @pytest.mark.parametrize("timeout,init,want", [
     (None, None, 300.0), ("10", None, 300.0), ("900", None, 900.0), ("inf", "auto", math.inf),
-    ("10", "2.5", 2.5), ("10", "oops", 300.0), ("oops", None, 300.0), ("1", "0", 0.0)])
+    ("10", "2.5", 2.5), ("10", "oops", 300.0), ("oops", None, 300.0), ("1", "0", 300.0),
+    ("1", "0.25", 0.25)])
 def test_a_creations_deadline_is_its_own_and_at_least_300_s_by_default(monkeypatch, timeout,
                                                                        init, want):
     """GPURT_INIT_TIMEOUT: auto (the default) is max(GPURT_TIMEOUT, 300) — ranks of a large
