@@ -277,7 +277,9 @@ def _spans(q: Request) -> tuple:
     held = q.held
     if held is None:
         run = q.run
-        held = ((run.arr, not run.send),) if isinstance(run, P2PRun) else ()
+        bufs = q.coll_bufs
+        held = _coll_held(*bufs) if bufs is not None else \
+            ((run.arr, not run.send),) if isinstance(run, P2PRun) else ()
     out = []
     for arr, writes in held:
         if arr is None or not arr.nbytes:
@@ -1119,9 +1121,8 @@ class Communicator:
         if stream is not None:
             raise ValueError(f"rank {self.rank}: {coll}: stream= is for device buffers; "
                              f"these are host memory")
-        held = _coll_held(coll, xb, ob, root, self.rank)
         if self._clash_on and self.engine.p2p:  # (sends and receives run beside collectives)
-            for a, writes in held:
+            for a, writes in _coll_held(coll, xb, ob, root, self.rank):
                 if a is not None and a.nbytes:
                     self._clash_p2p(a, writes, coll)
         direct, alg, sched, algo = self._host_plan(coll, n, dtype.itemsize, root, algo)
@@ -1209,7 +1210,7 @@ class Communicator:
                 FlightRecorder.done(rec)
             return result
 
-        return self._enqueue(coll, seq, start, finish, name, held)
+        return self._enqueue(coll, seq, start, finish, name, (coll, xb, ob, root, self.rank))
 
     def _alone(self, coll: str, xb: Buf | None, ob: Buf | None, n: int, dtype: np.dtype,
                op: Op | None, root: int, result: Any) -> Request:
@@ -1258,10 +1259,12 @@ class Communicator:
         return self._alone_end(coll, seq, rec, result)
 
     def _enqueue(self, coll: str, seq: int, start, finish, name: str,
-                 held: tuple | None = None) -> Request:
+                 bufs: tuple | None = None) -> Request:
         req = Request(self.engine, coll, seq, start, finish)
         req.algorithm = self.last_algorithm = name
-        req.held = held         # (its host buffers: a send or receive meanwhile, _clash)
+        # (a host call's buffers, said as held ones only where a send or receive comes
+        # meanwhile: _spans)
+        req.coll_bufs = bufs
         box = getattr(start, "box", None)
         if box is not None:
             box["req"] = req

@@ -451,6 +451,9 @@ class Request:
     #: them (``comm._spans``, ``Communicator._clash``)
     held: "tuple | None" = None
     spans: "tuple | None" = None
+    #: (a host collective) (coll, x's Buf, out's Buf, root, rank), ``held`` derived from
+    #: it only where a call compares (``comm._coll_held``)
+    coll_bufs: "tuple | None" = None
 
     def __init__(self, engine: "Engine", name: str, seq: int, start: Callable[[], _Run | None],
                  finish: Callable[[], object] | None = None, p2p: bool = False):
