@@ -272,8 +272,8 @@ class _ClashIndex:
 
 def _spans(q: Request) -> tuple:
     """The host buffers request ``q`` holds while in flight, as (first byte, end, writes,
-    array) — first byte -1 where not contiguous — from ``Request.held`` or its
-    ``P2PRun`` (``Communicator._clash``)."""
+    array) — first byte -1 where not contiguous — from ``Request.held``, its
+    ``coll_bufs`` (``_coll_held``) or its ``P2PRun`` (``Communicator._clash``)."""
     held = q.held
     if held is None:
         run = q.run
@@ -3358,11 +3358,11 @@ def _arrival(mpi_comm: Any) -> None:
     """The wait of a new communicator's creation (``gpurt.init()``, ``Communicator(c)``)
     for every rank of ``mpi_comm`` to come, at most this rank's ``GPURT_INIT_TIMEOUT``
     (``_init_timeout``) — a rank that had not called it yet (busy, stuck, or ended
-    without it) left the others waiting in MPI for ever.  Two nonblocking collectives, so that every rank
-    takes the same way: the barrier (``_gather_progressing``'s), then one allreduce in
-    which a rank that gave up the barrier (its deadline, or an exception such as a
-    Ctrl-C out of the wait) posts its rank, and a rank whose barrier completed posts
-    nothing; every rank raises where one gave up.  A rank that gives up has posted both
+    without it) left the others waiting in MPI for ever.  Two nonblocking collectives,
+    so that every rank takes the same way: the barrier (``_gather_progressing``'s), then
+    one allreduce in which a rank that gave up the barrier (its deadline, or an
+    exception such as a Ctrl-C out of the wait) posts its rank, and a rank whose barrier
+    completed posts nothing; every rank raises where one gave up.  A rank that gives up has posted both
     and leaves them to MPI; a late rank's barrier then completes at once, and the
     allreduce tells it who left (it waited in the blocking exchanges that follow for
     ever).  The allreduce itself has no deadline: every rank posts it right after its

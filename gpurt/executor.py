@@ -446,7 +446,7 @@ class Request:
     """
 
     #: the host arrays it reads or writes while in flight, as (array, writes) pairs, where
-    #: no ``P2PRun`` says (a collective, a general-path send or receive); ``spans``: the
+    #: no ``P2PRun`` or ``coll_bufs`` says (a general-path send or receive); ``spans``: the
     #: same as (first byte, end, writes, array), once a call compared its buffers with
     #: them (``comm._spans``, ``Communicator._clash``)
     held: "tuple | None" = None
