@@ -2421,9 +2421,9 @@ class Communicator:
         if eng.p2p:
             self._clash_p2p(x, not send, what)
         if eng.colls:   # (non-blocking collectives: few; a copy, as another thread's
-            for q in tuple(eng.colls):      # call may take one off meanwhile)
-                self._clash(x, _address(x) if x.flags.c_contiguous else -1, not send,
-                            what, q)
+            lo = _address(x) if x.flags.c_contiguous else -1    # call may take one off)
+            for q in tuple(eng.colls):
+                self._clash(x, lo, not send, what, q)
 
     def _clash_p2p(self, x: np.ndarray, writes: bool, what: Any) -> None:
         """``_clash`` of ``x`` against every point-to-point request in flight: one by one
